@@ -1,0 +1,339 @@
+"""Group a step's operators into communication-free ParallelBlocks.
+
+Built from the graph alone, with no knowledge of any model:
+
+1. **Seeds.** Contractions are visited in program order. One that is the backward of an earlier
+   block's seed joins that block; any other seeds a new block. A contraction ``C`` is the
+   backward of seed ``F = F(X, Y)`` when one of its operands is ``X`` (or a reshape, transpose or
+   convert of the same tensor), its other operand ``G`` has the shape of ``F``'s result (the
+   cotangent), its contracting dims are ``F``'s free dims of ``X``, and its result holds ``Y``'s
+   dims: ``dY = X^T . G``. In a jaxpr of a ``jax.grad`` step these reuse the forward's variables.
+   When several seeds fit (``q``, ``k``, ``v`` all read ``x``), the one whose cotangent ``G`` is
+   also read by another backward contraction of that seed (its input gradient) wins.
+2. **Labels.** Every tensor dim inside a block is labelled with the seed loop dim it follows, so
+   each seed strategy fixes the layout of every member (see ``cfp.dims``).
+3. **Forward flow.** In program order, an unclaimed operator that reads a block's result joins
+   that block, its labels derived by ``cfp.dims.forward``. *Rule for operators fed by several
+   blocks: the block of the operand computed last takes it* (the nearest upstream one, which in
+   the backward pass is the gradient just computed); the other operands enter it as boundary
+   values.
+4. **Backward attach.** In reverse program order, an unclaimed operator all of whose results are
+   read by block members joins the block of its readers, labelled by ``cfp.dims.backward``. *Rule
+   for operators read by several blocks: the block of the first reader in program order takes
+   it.*
+5. Whatever is left (nothing reachable from a contraction, e.g. step-counter arithmetic read by
+   nobody, or opaque operators between blocks) is listed as *unclaimed*.
+
+A member whose requirements a strategy breaks (a reduction over a split dim, a merge of a split
+minor dim, an opaque operator reading a split dim) needs a collective under that strategy, so
+membership is decided per (block, strategy): ``Block.members_under``. Seed strategies whose
+splits do not divide every member contraction's dims are dropped.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from cfp import dims as dimrules
+from cfp.graph import Graph, Op
+from cfp.strategies import LoopDim, Strategy, enumerate_strategies, op_loop_dims
+
+Role = Literal["seed", "input-grad", "weight-grad", "flow", "attached"]
+LAYOUT_OPS = ("reshape", "transpose", "convert_element_type", "copy", "copy_p", "squeeze")
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """An operator in a block, with the labels of its results and of the operands it wants."""
+
+    op: int
+    role: Role
+    outs: tuple  # tuple[Labels, ...]
+    ins: tuple  # tuple[Labels, ...]
+    reqs: tuple  # requirements for being collective-free, see cfp.dims
+    reduces: tuple = ()  # labels a contraction member sums over (a split one = all-reduce)
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """A ParallelBlock: a seed contraction, its backward contractions and the operators a
+    partition flows through; ``strategies`` are the seed's (non-dominated, dividing) ones."""
+
+    index: int
+    seed: int
+    loop_dims: tuple[LoopDim, ...]
+    members: tuple[Member, ...]
+    strategies: tuple[Strategy, ...]
+    strategies_before_pruning: int
+
+    @property
+    def contractions(self) -> tuple[Member, ...]:
+        return tuple(m for m in self.members if m.role in ("seed", "input-grad", "weight-grad"))
+
+    def members_under(self, strategy: Strategy, mesh_shape) -> tuple[Member, ...]:
+        """The members that need no collective under ``strategy`` (contractions always stay;
+        their all-reduces are the ones the strategy names)."""
+        return tuple(m for m in self.members
+                     if dimrules.satisfied(m.reqs, strategy.axes, mesh_shape))
+
+    def named_allreduces(self, strategy: Strategy) -> list[tuple[int, tuple[int, ...]]]:
+        """(op, mesh axes) of every all-reduce the strategy names: split contracting dims."""
+        out = []
+        for m in self.contractions:
+            axes = tuple(sorted({a for l in m.reduces for a in strategy.loop_axes(l)}))
+            if axes:
+                out.append((m.op, axes))
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockAnalysis:
+    blocks: tuple[Block, ...]
+    value_labels: tuple[dict, ...]  # per block: value id -> labels of values it produces
+    owner: dict[int, int]  # op index -> block index
+    unclaimed: tuple[int, ...]  # op indices no block claims
+
+
+def build_blocks(graph: Graph, mesh_shape: tuple[int, ...]) -> BlockAnalysis:
+    """Group ``graph``'s operators into ParallelBlocks for a mesh of ``mesh_shape``."""
+    b = _Builder(graph, mesh_shape)
+    b.seed_and_match()
+    b.forward_flow()
+    b.backward_attach()
+    return b.finish()
+
+
+class _Builder:
+    def __init__(self, graph: Graph, mesh_shape):
+        self.g = graph
+        self.mesh_shape = tuple(mesh_shape)
+        self.owner: dict[int, int] = {}  # op -> block
+        self.members: list[dict[int, Member]] = []
+        self.labels: list[dict[int, tuple]] = []  # block -> value -> labels
+        self.seeds: list[int] = []
+        self.loop_dims: list[tuple[LoopDim, ...]] = []
+
+    # -- helpers ------------------------------------------------------------------------------
+    def shape(self, v):
+        return self.g.values[v].shape
+
+    def chain(self, v) -> list[Op]:
+        """Layout ops from the root tensor of ``v`` down to ``v`` (root first)."""
+        ops = []
+        while True:
+            op = self.g.producer_op(v)
+            if op is None or op.primitive not in LAYOUT_OPS:
+                break
+            ops.append(op)
+            v = op.inputs[0]
+        ops.reverse()
+        return ops
+
+    def root(self, v) -> int:
+        ch = self.chain(v)
+        return ch[0].inputs[0] if ch else v
+
+    def add(self, block: int, member: Member):
+        self.members[block][member.op] = member
+        self.owner[member.op] = block
+        for v, lab in zip(self.g.ops[member.op].outputs, member.outs):
+            self.labels[block][v] = lab
+
+    def _carry_down(self, src: int, src_labels, dst: int):
+        """Labels of ``dst`` given those of ``src``, both layout chains of the same root."""
+        lab = src_labels
+        for op in reversed(self.chain(src)):
+            lab = dimrules.backward(op.primitive, dict(op.attrs), [self.shape(op.inputs[0])],
+                                    [self.shape(op.outputs[0])], [lab]).ins[0]
+        return self._forward_chain(self.root(dst), lab, dst)
+
+    def _forward_chain(self, start: int, labels, end: int):
+        """Labels of ``end``, reached from ``start`` down ``end``'s layout chain."""
+        chain = self.chain(end)
+        if start == end:
+            chain = []
+        else:
+            chain = chain[next(i for i, op in enumerate(chain) if op.inputs[0] == start):]
+        steps = []
+        for op in chain:
+            flow = dimrules.forward(op.primitive, dict(op.attrs), [self.shape(op.inputs[0])],
+                                    [self.shape(op.outputs[0])], [labels])
+            steps.append((op, flow))
+            labels = flow.outs[0]
+        return labels, steps
+
+    # -- 1. seeds and backward contractions --------------------------------------------------
+    def seed_and_match(self):
+        contractions = [op for op in self.g.ops if op.is_contraction]
+        candidates = {}
+        for c in contractions:
+            found = []
+            for bi, seed in enumerate(self.seeds):
+                m = self.match_backward(c, self.g.ops[seed], bi)
+                if m is not None:
+                    found.append((bi, m))
+            if not found:
+                self.new_block(c)
+            else:
+                candidates[c.index] = found
+                if len(found) == 1:
+                    self.attach_backward(c, *found[0])
+        # Ambiguous ones: prefer the seed whose cotangent another of its backward ops reads.
+        for ci, found in candidates.items():
+            if len(found) == 1:
+                continue
+            c = self.g.ops[ci]
+
+            def paired(item):
+                bi, m = item
+                g_root = self.root(m["g"])
+                return any(self.root(v) == g_root for mem in self.members[bi].values()
+                           if mem.role != "seed" for v in self.g.ops[mem.op].inputs)
+
+            best = [it for it in found if paired(it)] or found
+            self.attach_backward(c, *best[0])
+
+    def new_block(self, op: Op):
+        dims = op_loop_dims(op, self.g.values)
+        bi = len(self.seeds)
+        self.seeds.append(op.index)
+        self.loop_dims.append(dims)
+        self.members.append({})
+        self.labels.append({})
+        lhs = tuple(next((i for i, d in enumerate(dims) if d.lhs == p), None)
+                    for p in range(len(self.shape(op.inputs[0]))))
+        rhs = tuple(next((i for i, d in enumerate(dims) if d.rhs == p), None)
+                    for p in range(len(self.shape(op.inputs[1]))))
+        out = tuple(next((i for i, d in enumerate(dims) if d.out == p), None)
+                    for p in range(len(self.shape(op.outputs[0]))))
+        reduces = tuple(i for i, d in enumerate(dims) if d.kind == "contract")
+        self.add(bi, Member(op.index, "seed", (out,), (lhs, rhs), (), reduces))
+
+    def match_backward(self, c: Op, f: Op, bi: int):
+        """How contraction ``c`` is a backward of seed ``f`` (block ``bi``), or None."""
+        seed_member = self.members[bi][f.index]
+        f_out = self.shape(f.outputs[0])
+        for a_pos in (0, 1):
+            a, g = c.inputs[a_pos], c.inputs[1 - a_pos]
+            for x_pos in (0, 1):
+                x = f.inputs[x_pos]
+                if self.root(a) != self.root(x) or a == g:
+                    continue
+                g0 = next((v for v in [g] + [op.inputs[0] for op in reversed(self.chain(g))]
+                           if self.shape(v) == f_out), None)
+                if g0 is None or g0 == f.outputs[0]:
+                    continue
+                a_lab, a_steps = self._carry_down(x, seed_member.ins[x_pos], a)
+                g_lab, g_steps = self._forward_chain(g0, seed_member.outs[0], g)
+                lab = [None, None]
+                lab[a_pos], lab[1 - a_pos] = a_lab, g_lab
+                member = self.contraction_member(c, lab)
+                if member is None:
+                    continue
+                y_labels = {l for l in seed_member.ins[1 - x_pos] if l is not None}
+                out_labels = set(member.outs[0])
+                if None in out_labels or out_labels != y_labels:
+                    continue
+                f_free = {i for i, d in enumerate(self.loop_dims[bi])
+                          if (d.lhs if x_pos == 0 else d.rhs) is not None
+                          and d.kind in ("lhs", "rhs")}
+                if set(member.reduces) != f_free:
+                    continue
+                role = "weight-grad" if self.g.producer_op(self.root(
+                    f.inputs[1 - x_pos])) is None else "input-grad"
+                return {"member": member, "steps": a_steps + g_steps, "g": g, "role": role}
+        return None
+
+    def contraction_member(self, c: Op, in_labels) -> Member | None:
+        dims = op_loop_dims(c, self.g.values)
+        reqs = []
+        loop_label = []
+        for d in dims:
+            found = [in_labels[0][d.lhs] if d.lhs is not None else None,
+                     in_labels[1][d.rhs] if d.rhs is not None else None]
+            loop_label.append(dimrules._merge(found, reqs))
+        out = [None] * len(self.shape(c.outputs[0]))
+        for d, l in zip(dims, loop_label):
+            if d.out is not None:
+                out[d.out] = l
+        reduces = tuple(l for d, l in zip(dims, loop_label) if d.kind == "contract"
+                        and l is not None)
+        ins = []
+        for pos, where in ((0, "lhs"), (1, "rhs")):
+            lab = [None] * len(self.shape(c.inputs[pos]))
+            for d, l in zip(dims, loop_label):
+                if getattr(d, where) is not None:
+                    lab[getattr(d, where)] = l
+            ins.append(tuple(lab))
+        return Member(c.index, "flow", (tuple(out),), tuple(ins), tuple(reqs), reduces)
+
+    def attach_backward(self, c: Op, bi: int, m: dict):
+        self.add(bi, dataclasses.replace(m["member"], role=m["role"]))
+        for op, flow in m["steps"]:
+            if op.index not in self.owner:
+                self.add(bi, Member(op.index, "flow", flow.outs, flow.ins, flow.reqs))
+
+    # -- 3. forward flow --------------------------------------------------------------------
+    def forward_flow(self):
+        for op in self.g.ops:
+            if op.index in self.owner or op.is_contraction:
+                continue
+            producers = [p for v in op.inputs
+                         if (p := self.g.values[v].producer) is not None and p in self.owner]
+            if not producers:
+                continue
+            bi = self.owner[max(producers)]
+            in_labels = [self.labels[bi].get(v) for v in op.inputs]
+            flow = dimrules.forward(op.primitive, dict(op.attrs),
+                                    [self.shape(v) for v in op.inputs],
+                                    [self.shape(v) for v in op.outputs], in_labels)
+            self.add(bi, Member(op.index, "flow", flow.outs, flow.ins, flow.reqs))
+
+    # -- 4. backward attach -----------------------------------------------------------------
+    def backward_attach(self):
+        for op in reversed(self.g.ops):
+            if op.index in self.owner or op.is_contraction:
+                continue
+            readers = [u for v in op.outputs for u in self.g.users.get(v, ())]
+            if not readers or any(u not in self.owner for u in readers):
+                continue
+            bi = self.owner[min(readers)]
+            wanted = []
+            for v in op.outputs:
+                lab = None
+                for u in self.g.users.get(v, ()):
+                    if self.owner[u] != bi:
+                        continue
+                    member = self.members[bi][u]
+                    uop = self.g.ops[u]
+                    lab = member.ins[uop.inputs.index(v)]
+                    break
+                wanted.append(lab)
+            flow = dimrules.backward(op.primitive, dict(op.attrs),
+                                     [self.shape(v) for v in op.inputs],
+                                     [self.shape(v) for v in op.outputs], wanted)
+            self.add(bi, Member(op.index, "attached", flow.outs, flow.ins, flow.reqs))
+
+    # -- 5. strategies and records ------------------------------------------------------------
+    def finish(self) -> BlockAnalysis:
+        blocks = []
+        for bi, seed in enumerate(self.seeds):
+            members = tuple(self.members[bi][k] for k in sorted(self.members[bi]))
+            divides = []
+            for m in members:
+                if m.role in ("seed", "input-grad", "weight-grad"):
+                    op = self.g.ops[m.op]
+                    for v, lab in list(zip(op.inputs, m.ins)) + list(zip(op.outputs, m.outs)):
+                        divides += [(l, s) for l, s in zip(lab, self.shape(v)) if l is not None]
+            all_strats, before = enumerate_strategies(self.loop_dims[bi], self.mesh_shape,
+                                                      ndims=self._ndims(seed))
+            strats = tuple(s for s in all_strats
+                           if dimrules.satisfied(divides, s.axes, self.mesh_shape))
+            blocks.append(Block(bi, seed, self.loop_dims[bi], members, strats, before))
+        unclaimed = tuple(op.index for op in self.g.ops if op.index not in self.owner)
+        return BlockAnalysis(tuple(blocks), tuple(self.labels), dict(self.owner), unclaimed)
+
+    def _ndims(self, seed):
+        op = self.g.ops[seed]
+        return (len(self.shape(op.outputs[0])), len(self.shape(op.inputs[0])),
+                len(self.shape(op.inputs[1])))

@@ -1,0 +1,403 @@
+"""Trace a training step into a flat operator graph.
+
+``trace_program`` runs ``jax.make_jaxpr`` on the step, inlines nested calls (``jit``,
+``custom_jvp_call``, ``custom_vjp_call``, ``closed_call``), drops dead code, and returns a
+``Program``: a flat list of equations over integer value ids that can be re-evaluated
+(``evaluate``) with hooks around each equation. ``Program.graph()`` is the plain-data view
+(shapes, dtypes, operands, users, contraction dimension numbers) that the analysis records;
+every operator prints in HLO notation.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> prog = trace_program(lambda x, w: jnp.sum(x @ w), jnp.ones((4, 8)), jnp.ones((8, 2)))
+    >>> prog.graph().ops[0].hlo
+    '%dot.2 = f32[4,2] dot(f32[4,8] %Arg_0.0, f32[8,2] %Arg_1.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}'
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.extend import core as jcore
+
+from cfp.errors import CfpError
+
+CONTRACTIONS = ("dot_general", "conv_general_dilated")
+
+# Calls whose body is inlined: they change nothing about the math.
+_INLINED = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+            "custom_vjp_call_jaxpr", "custom_lin"}
+# Control flow that hides a loop body; refused when a contraction is inside.
+_REFUSED = {
+    "scan": "lax.scan",
+    "while": "lax.while_loop / fori_loop",
+    "cond": "lax.cond / switch",
+    "checkpoint": "jax.checkpoint (remat)",
+    "remat": "jax.checkpoint (remat)",
+}
+
+_DTYPE_SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64",
+                "int32": "s32", "int64": "s64", "int8": "s8", "int16": "s16", "uint8": "u8",
+                "uint32": "u32", "uint64": "u64", "bool": "pred"}
+
+_HLO_NAME = {
+    "dot_general": "dot", "conv_general_dilated": "convolution", "add_any": "add",
+    "sub": "subtract", "mul": "multiply", "div": "divide", "neg": "negate", "max": "maximum",
+    "min": "minimum", "exp": "exponential", "integer_pow": "power", "pow": "power",
+    "select_n": "select", "eq": "compare", "ne": "compare", "lt": "compare", "gt": "compare",
+    "le": "compare", "ge": "compare", "convert_element_type": "convert",
+    "broadcast_in_dim": "broadcast", "reduce_sum": "reduce", "reduce_max": "reduce",
+    "reduce_min": "reduce", "reduce_prod": "reduce", "squeeze": "reshape",
+    "dynamic_slice": "dynamic-slice", "dynamic_update_slice": "dynamic-update-slice",
+    "scatter-add": "scatter", "scatter_add": "scatter", "logistic": "logistic",
+    "argmax": "reduce", "argmin": "reduce", "stop_gradient": "copy", "copy_p": "copy",
+}
+
+
+def dtype_short(dtype: str) -> str:
+    """HLO's short name of a numpy dtype name (``float32`` -> ``f32``)."""
+    return _DTYPE_SHORT.get(dtype, dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Value:
+    """A tensor of the step: a step input, a constant, or an operator's result."""
+
+    id: int
+    shape: tuple[int, ...]
+    dtype: str
+    name: str  # HLO-style, without the '%'
+    producer: int | None  # index of the producing op; None for inputs and constants
+    input_index: int | None = None  # position among the step's flat inputs
+
+    @property
+    def type_str(self) -> str:
+        return f"{dtype_short(self.dtype)}[{','.join(map(str, self.shape))}]"
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize if self.dtype != "bfloat16" \
+            else math.prod(self.shape) * 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One operator of the flat graph: plain data only (picklable, no JAX objects)."""
+
+    index: int
+    primitive: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    attrs: tuple[tuple[str, Any], ...]  # the simple parameters (ints, tuples, strings)
+    hlo: str  # the operator in HLO notation
+    flops: float
+
+    def attr(self, key: str, default: Any = None) -> Any:
+        return dict(self.attrs).get(key, default)
+
+    @property
+    def is_contraction(self) -> bool:
+        return self.primitive in CONTRACTIONS
+
+
+@dataclasses.dataclass(frozen=True)
+class Graph:
+    """The operator graph of a step: values, ops in program order, step inputs and outputs."""
+
+    values: dict[int, Value]
+    ops: tuple[Op, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    users: dict[int, tuple[int, ...]]  # value id -> indices of ops that read it
+    dead_ops: int  # equations of the jaxpr dropped because nothing used them
+
+    def producer_op(self, value_id: int) -> Op | None:
+        p = self.values[value_id].producer
+        return None if p is None else self.ops[p]
+
+    def fingerprint(self) -> str:
+        """A hash of the graph's structure: it changes when the traced step changes."""
+        h = hashlib.sha256()
+        for op in self.ops:
+            h.update(op.hlo.encode())
+        for v in self.outputs:
+            h.update(str(v).encode())
+        return h.hexdigest()[:16]
+
+
+@dataclasses.dataclass
+class _Eqn:
+    primitive: Any  # a jax Primitive
+    params: dict
+    inputs: list[int]
+    outputs: list[int]
+
+
+@dataclasses.dataclass
+class Program:
+    """A flat, re-evaluable step: equations over integer value ids.
+
+    ``consts`` maps the ids of literals and captured constants to their values.
+    """
+
+    eqns: list[_Eqn]
+    avals: dict[int, tuple[tuple[int, ...], str]]
+    consts: dict[int, Any]
+    inputs: list[int]
+    outputs: list[int]
+    in_tree: Any  # the pytree structure of the step's arguments
+    out_tree: Any
+    dead_ops: int = 0
+    _graph: Graph | None = None
+
+    def graph(self) -> Graph:
+        if self._graph is None:
+            self._graph = _build_graph(self)
+        return self._graph
+
+    def evaluate(self, flat_inputs: Sequence[Any], *,
+                 before: Callable[[int, list], list] | None = None,
+                 after: Callable[[int, list], list] | None = None,
+                 ops: Sequence[int] | None = None, env: dict[int, Any] | None = None,
+                 ) -> dict[int, Any]:
+        """Evaluate the equations (all, or the indices in ``ops``) and return the environment.
+
+        ``before(i, operands)`` may replace an equation's operands and ``after(i, results)``
+        its results (e.g. to apply sharding constraints). ``env`` supplies live-in values.
+        """
+        env = dict(env or {})
+        env.update(zip(self.inputs, flat_inputs))
+        for i in (range(len(self.eqns)) if ops is None else ops):
+            eqn = self.eqns[i]
+            args = [env[j] if j in env else self.consts[j] for j in eqn.inputs]
+            if before is not None:
+                args = before(i, args)
+            out = eqn.primitive.bind(*args, **eqn.params)
+            out = list(out) if eqn.primitive.multiple_results else [out]
+            if after is not None:
+                out = after(i, out)
+            env.update(zip(eqn.outputs, out))
+        return env
+
+    def output_values(self, env: dict[int, Any]) -> list[Any]:
+        return [env[j] if j in env else self.consts[j] for j in self.outputs]
+
+
+def trace_program(step: Callable, *args: Any) -> Program:
+    """Trace ``step(*args)`` (arrays or ``jax.ShapeDtypeStruct``s) into a flat ``Program``."""
+    flat_args, in_tree = jax.tree_util.tree_flatten(args)
+    closed, out_shape = jax.make_jaxpr(step, return_shape=True)(*args)
+    out_tree = jax.tree_util.tree_structure(out_shape)
+    b = _Builder()
+    in_ids = [b.new_value(v.aval) for v in closed.jaxpr.invars]
+    out_ids = b.inline(closed.jaxpr, closed.consts, in_ids)
+    prog = Program(b.eqns, b.avals, b.consts, in_ids, out_ids, in_tree, out_tree)
+    return _dead_code_eliminated(prog)
+
+
+class _Builder:
+    def __init__(self):
+        self.eqns: list[_Eqn] = []
+        self.avals: dict[int, tuple[tuple[int, ...], str]] = {}
+        self.consts: dict[int, Any] = {}
+
+    def new_value(self, aval) -> int:
+        vid = len(self.avals)
+        self.avals[vid] = (tuple(int(d) for d in aval.shape), str(np.dtype(aval.dtype)))
+        return vid
+
+    def const(self, val, aval) -> int:
+        vid = self.new_value(aval)
+        self.consts[vid] = val
+        return vid
+
+    def inline(self, jaxpr, consts, in_ids: list[int]) -> list[int]:
+        env: dict[Any, int] = {}
+        for var, c in zip(jaxpr.constvars, consts):
+            env[var] = self.const(c, var.aval)
+        env.update(zip(jaxpr.invars, in_ids))
+
+        def read(x) -> int:
+            if isinstance(x, jcore.Literal):
+                return self.const(x.val, x.aval)
+            return env[x]
+
+        for eqn in jaxpr.eqns:
+            ins = [read(x) for x in eqn.invars]
+            name = eqn.primitive.name
+            sub = _inlinable_body(eqn)
+            if sub is not None:
+                outs = self.inline(sub.jaxpr, sub.consts, ins)
+                env.update(zip(eqn.outvars, outs))
+                continue
+            if name in _REFUSED and _contains_contraction(eqn):
+                raise CfpError(
+                    f"the step puts contractions inside {_REFUSED[name]}; cfp analyses unrolled "
+                    f"layers only: unroll the loop (a Python for over layers) and trace again")
+            outs = [self.new_value(v.aval) for v in eqn.outvars]
+            self.eqns.append(_Eqn(eqn.primitive, dict(eqn.params), ins, outs))
+            env.update(zip(eqn.outvars, outs))
+        return [read(v) for v in jaxpr.outvars]
+
+
+def _inlinable_body(eqn):
+    if eqn.primitive.name not in _INLINED:
+        return None
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        body = eqn.params.get(key)
+        if body is None:
+            continue
+        if hasattr(body, "consts"):  # a ClosedJaxpr
+            return body
+        return jcore.ClosedJaxpr(body, ())
+    return None
+
+
+def _contains_contraction(eqn) -> bool:
+    for sub in jcore.jaxprs_in_params(eqn.params):
+        for inner in sub.eqns:
+            if inner.primitive.name in CONTRACTIONS or _contains_contraction(inner):
+                return True
+    return False
+
+
+def _dead_code_eliminated(prog: Program) -> Program:
+    live = set(prog.outputs)
+    keep = []
+    for eqn in reversed(prog.eqns):
+        effectful = bool(getattr(eqn, "effects", None))
+        if effectful or any(o in live for o in eqn.outputs):
+            keep.append(eqn)
+            live.update(eqn.inputs)
+    keep.reverse()
+    prog.dead_ops = len(prog.eqns) - len(keep)
+    prog.eqns = keep
+    return prog
+
+
+# ----------------------------------------------------------------------------------------------
+# The plain-data graph
+
+
+def _build_graph(prog: Program) -> Graph:
+    values: dict[int, Value] = {}
+    for k, vid in enumerate(prog.inputs):
+        shape, dtype = prog.avals[vid]
+        values[vid] = Value(vid, shape, dtype, f"Arg_{k}.{vid}", None, k)
+    for vid in prog.consts:
+        shape, dtype = prog.avals[vid]
+        values[vid] = Value(vid, shape, dtype, f"constant.{vid}", None)
+    ops = []
+    users: dict[int, list[int]] = {}
+    for i, eqn in enumerate(prog.eqns):
+        hname = _HLO_NAME.get(eqn.primitive.name, eqn.primitive.name.replace("_", "-"))
+        for o in eqn.outputs:
+            shape, dtype = prog.avals[o]
+            values[o] = Value(o, shape, dtype, f"{hname}.{o}", i)
+        for j in eqn.inputs:
+            users.setdefault(j, []).append(i)
+        attrs = _simple_attrs(eqn)
+        ins = [values[j] for j in eqn.inputs]
+        outs = [values[o] for o in eqn.outputs]
+        ops.append(Op(i, eqn.primitive.name, tuple(eqn.inputs), tuple(eqn.outputs), attrs,
+                      _hlo_line(hname, ins, outs, attrs, eqn.primitive.name),
+                      _flops(eqn.primitive.name, ins, outs, dict(attrs))))
+    return Graph(values, tuple(ops), tuple(prog.inputs), tuple(prog.outputs),
+                 {k: tuple(v) for k, v in users.items()}, prog.dead_ops)
+
+
+def _plain(x: Any) -> Any:
+    """A parameter as plain data, or None when it is not simple."""
+    if isinstance(x, (bool, int, float, str)) or x is None:
+        return x
+    if isinstance(x, (np.integer, np.floating)):
+        return x.item()
+    if isinstance(x, np.dtype) or type(x).__name__ in ("DType",):
+        return str(x)
+    if isinstance(x, (tuple, list)):
+        items = [_plain(e) for e in x]
+        return None if any(e is _UNSIMPLE for e in items) else tuple(items)
+    if hasattr(x, "_asdict"):  # NamedTuples such as ConvDimensionNumbers
+        return _plain(tuple(x))
+    if hasattr(x, "name") and type(x).__module__.startswith("jax") and isinstance(
+            getattr(x, "name"), str) and not hasattr(x, "spec"):
+        return x.name  # enums such as GatherScatterMode, Precision
+    return _UNSIMPLE
+
+
+_UNSIMPLE = object()
+
+
+def _simple_attrs(eqn) -> tuple[tuple[str, Any], ...]:
+    out = []
+    for key, val in sorted(eqn.params.items()):
+        if key == "dimension_numbers" and eqn.primitive.name == "dot_general":
+            (lc, rc), (lb, rb) = val
+            out += [("lhs_batch_dims", tuple(lb)), ("rhs_batch_dims", tuple(rb)),
+                    ("lhs_contracting_dims", tuple(lc)), ("rhs_contracting_dims", tuple(rc))]
+            continue
+        if key == "dimension_numbers" and hasattr(val, "lhs_spec"):
+            out += [("lhs_spec", tuple(val.lhs_spec)), ("rhs_spec", tuple(val.rhs_spec)),
+                    ("out_spec", tuple(val.out_spec))]
+            continue
+        if key == "dimension_numbers" and hasattr(val, "offset_dims"):  # gather / scatter
+            for f in val._fields if hasattr(val, "_fields") else ():
+                p = _plain(getattr(val, f))
+                if p is not _UNSIMPLE:
+                    out.append((f, p))
+            continue
+        p = _plain(val)
+        if p is not _UNSIMPLE and p is not None:
+            out.append((key, p))
+    return tuple(out)
+
+
+_SHOWN_ATTRS = ("lhs_batch_dims", "rhs_batch_dims", "lhs_contracting_dims",
+                "rhs_contracting_dims", "permutation", "broadcast_dimensions", "axes",
+                "dimensions", "new_sizes", "y", "window_strides", "padding", "lhs_spec",
+                "rhs_spec", "out_spec", "start_indices", "limit_indices", "dimension", "axis",
+                "feature_group_count")
+
+
+def _hlo_line(hname: str, ins: list[Value], outs: list[Value], attrs, prim: str) -> str:
+    if len(outs) == 1:
+        lhs, ty = f"%{outs[0].name}", outs[0].type_str
+    else:
+        lhs = f"%{outs[0].name}" if outs else "%none"
+        ty = "(" + ", ".join(o.type_str for o in outs) + ")"
+    operands = ", ".join(f"{v.type_str} %{v.name}" for v in ins)
+    shown = []
+    d = dict(attrs)
+    for key in _SHOWN_ATTRS:
+        if key in d:
+            if key.endswith("_batch_dims") and not d[key]:
+                continue
+            val = d[key]
+            text = "{" + ",".join(map(str, val)) + "}" if isinstance(val, tuple) else str(val)
+            shown.append(f"{key}={text}")
+    if hname == "compare":
+        shown.append(f"direction={prim.upper()}")
+    tail = (", " + ", ".join(shown)) if shown else ""
+    return f"{lhs} = {ty} {hname}({operands}){tail}"
+
+
+def _flops(prim: str, ins: list[Value], outs: list[Value], attrs: dict) -> float:
+    if not outs:
+        return 0.0
+    out_n = math.prod(outs[0].shape)
+    if prim == "dot_general":
+        contract = math.prod(ins[0].shape[d] for d in attrs["lhs_contracting_dims"])
+        return 2.0 * out_n * contract
+    if prim == "conv_general_dilated":
+        rhs = ins[1].shape
+        spec = attrs["rhs_spec"]
+        per_out = math.prod(rhs[d] for d in spec[1:])  # input features x kernel window
+        return 2.0 * out_n * per_out
+    if prim.startswith("reduce_") or prim in ("argmax", "argmin", "cumsum", "cumprod",
+                                               "cummax", "cumlogsumexp"):
+        return float(math.prod(ins[0].shape))
+    return float(out_n)
