@@ -251,7 +251,7 @@ class _Builder:
         for d in dims:
             found = [in_labels[0][d.lhs] if d.lhs is not None else None,
                      in_labels[1][d.rhs] if d.rhs is not None else None]
-            loop_label.append(dimrules._merge(found, reqs))
+            loop_label.append(dimrules.merge_labels(found, reqs))
         out = [None] * len(self.shape(c.outputs[0]))
         for d, l in zip(dims, loop_label):
             if d.out is not None:

@@ -104,7 +104,8 @@ def _map_reshape(src_shape, dst_shape, src_labels: Labels) -> tuple[Labels, list
     return tuple(dst), reqs
 
 
-def _merge(labels: list, reqs: list) -> int | None:
+def merge_labels(labels: list, reqs: list) -> int | None:
+    """The label of a dim several tensors share; a disagreeing label must not be split."""
     found = [l for l in labels if l is not None]
     if not found:
         return None
@@ -122,7 +123,7 @@ def forward(prim: str, attrs: dict, in_shapes, out_shapes, in_labels: list) -> F
         out = out_shapes[0]
         res = []
         for d in range(len(out)):
-            res.append(_merge([l[d] for l, s in zip(in_labels, in_shapes)
+            res.append(merge_labels([l[d] for l, s in zip(in_labels, in_shapes)
                                if len(s) == len(out) and s[d] == out[d]], reqs))
         outs = (tuple(res),)
         ins = tuple(_expected_elementwise(s, outs[0], out) for s in in_shapes)
@@ -191,7 +192,7 @@ def _window_like(in_shapes, out_shapes, in_labels) -> Flow:
             for c in changed:
                 if c is not None:
                     reqs.append((c, 0))
-            res.append(None if changed else _merge(cands, reqs))
+            res.append(None if changed else merge_labels(cands, reqs))
         outs.append(tuple(res))
     ins = tuple(tuple(l if (len(s) == len(out_shapes[0]) and s[d] == out_shapes[0][d])
                       else None for d, l in enumerate(lab))

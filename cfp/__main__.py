@@ -1,0 +1,6 @@
+"""``python -m cfp``: see ``cfp.cli``."""
+import sys
+
+from cfp.cli import main
+
+sys.exit(main())

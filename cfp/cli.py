@@ -1,0 +1,149 @@
+"""``python -m cfp``: the three passes from the command line.
+
+The CLI parses and checks the options, sets up the devices before JAX starts, runs the
+requested pass (or all of them in order when ``--mode`` is left out), and does the file I/O.
+A ``CfpError`` becomes one line on stderr and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+from cfp.errors import CfpError
+
+MODES = ("analysis", "profile", "search")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, status 2, no usage dump
+        print(f"cfp: error: {message} (see python -m cfp --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m cfp", description=__doc__.splitlines()[0])
+    p.add_argument("--mode", choices=MODES, help="the pass to run (default: all, in order)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--model", default="gpt",
+                   help="mlp, gpt, llama, moe, bert, or package.module:factory for your own step")
+    w.add_argument("--config", default=None, help="size preset, e.g. tiny, 125m, 13b (default tiny)")
+    w.add_argument("--batch-size", type=int, default=None)
+    for name in ("num-layers", "seq-len", "hidden-size", "num-heads", "vocab-size",
+                 "num-experts"):
+        w.add_argument(f"--{name}", type=int, default=None)
+    w.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    m = p.add_argument_group("devices")
+    m.add_argument("--num-devices", type=int, default=None,
+                   help="devices to use; on CPU, this many virtual devices (default 8)")
+    m.add_argument("--mesh", default=None, help="mesh shape, e.g. 8 or 2x4 (axes m0, m1)")
+    p.add_argument("--workdir", default=None,
+                   help="where the passes read and write (default profiles/<model>-<config>-<mesh>/)")
+    return p
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    spec: object  # WorkloadSpec
+    mesh_shape: tuple[int, ...]
+    num_devices: int
+    workdir: Path | None
+    modes: tuple[str, ...]
+
+
+def _options(args) -> RunOptions:
+    from cfp.workloads import WorkloadSpec, check_mesh, parse_mesh
+    overrides = tuple((k, getattr(args, k)) for k in (
+        "num_layers", "seq_len", "hidden_size", "num_heads", "vocab_size", "num_experts")
+        if getattr(args, k) is not None)
+    for k, v in overrides + (("batch_size", args.batch_size or 1),):
+        if v < 1:
+            raise CfpError(f"--{k.replace('_', '-')} must be positive, got {v}")
+    spec = WorkloadSpec(args.model, args.config, args.batch_size, args.dtype, overrides)
+    if args.mesh is None:
+        num = args.num_devices or 8
+        mesh_shape = (num,)
+    else:
+        mesh_shape = parse_mesh(args.mesh)
+        num = args.num_devices or int(__import__("math").prod(mesh_shape))
+    if num < 1:
+        raise CfpError(f"--num-devices must be positive, got {num}")
+    check_mesh(mesh_shape, num)
+    workdir = Path(args.workdir) if args.workdir else None
+    modes = (args.mode,) if args.mode else MODES
+    return RunOptions(spec, mesh_shape, num, workdir, modes)
+
+
+def _default_workdir(opts: RunOptions) -> Path:
+    from cfp.workloads import mesh_text
+    return Path("profiles") / f"{opts.spec.label}-{mesh_text(opts.mesh_shape)}"
+
+
+def _setup_devices(num_devices: int) -> None:
+    """Ask for ``num_devices`` virtual CPU devices; effective only before JAX starts."""
+    flag = f"--xla_force_host_platform_device_count={num_devices}"
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    if "jax" not in sys.modules:
+        os.environ["XLA_FLAGS"] = " ".join(flags + [flag])
+
+
+def _check_workdir(workdir: Path) -> None:
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        probe = workdir / ".cfp-write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise CfpError(f"cannot write to the work dir {workdir} ({e.strerror}): "
+                       f"choose another with --workdir") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        opts = _options(args)
+        _setup_devices(opts.num_devices)
+        opts = dataclasses.replace(opts, spec=opts.spec.resolved())
+        if not args.workdir:
+            opts = dataclasses.replace(opts, workdir=_default_workdir(opts))
+        _check_workdir(opts.workdir)
+        for mode in opts.modes:
+            _RUNNERS[mode](opts, args)
+    except CfpError as e:
+        print(f"cfp: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("cfp: interrupted; everything measured so far is kept in the work dir",
+              file=sys.stderr)
+        return 130
+    return 0
+
+
+def _run_analysis(opts: RunOptions, args) -> None:
+    from cfp import report
+    from cfp.records import write_record
+    from cfp.workloads import make_mesh, run_fingerprint
+    from passes.analysis import FORMAT, run_analysis
+
+    make_mesh(opts.mesh_shape)  # fails early, with one line, when the devices do not fit
+    report.say("***********Analysis Pass****************")
+    rec = run_analysis(opts.spec, opts.mesh_shape)
+    report.analysis_console(rec)
+    write_record(opts.workdir / "analysis.pkl", FORMAT,
+                 run_fingerprint(opts.spec, opts.mesh_shape), rec)
+    report.write_analysis_dumps(rec, opts.workdir / "debug_analysis_global")
+    report.say(f"wrote {opts.workdir / 'analysis.pkl'} and {opts.workdir / 'debug_analysis_global'}/")
+
+
+def _not_yet(name):
+    def run(opts, args):
+        from cfp import report
+        report.say(f"({name} pass: not built yet)")
+    return run
+
+
+_RUNNERS = {"analysis": _run_analysis, "profile": _not_yet("profile"),
+            "search": _not_yet("search")}

@@ -1,0 +1,105 @@
+"""Records that cross pass boundaries, and their files.
+
+Every file cfp writes is a pickle of a ``FileHeader`` followed by one record. The header carries
+the format name, the schema version and the fingerprint of the run that made it (model, config,
+dtype, batch, mesh, JAX version, graph hash); a later pass checks all three before it trusts
+anything. Files are read with a restricted unpickler that admits only cfp's own record types and
+plain data (numbers, strings, tuples, lists, dicts, sets, numpy arrays), so a crafted file in a
+work dir cannot run code. Writes are atomic (a temporary file renamed into place).
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from cfp.errors import CfpError
+
+SCHEMA_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class FileHeader:
+    format: str  # "cfp-analysis", "cfp-segment-profile", ...
+    version: int
+    fingerprint: tuple  # tuple of (key, value) pairs identifying the run
+
+
+def fingerprint_text(fp: tuple) -> str:
+    return ", ".join(f"{k}={v}" for k, v in fp)
+
+
+_ALLOWED_BUILTINS = {"tuple", "list", "dict", "set", "frozenset", "int", "float", "str",
+                     "bytes", "bool", "complex", "slice", "NoneType"}
+_ALLOWED_NUMPY = {("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
+                  ("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "scalar"),
+                  ("numpy._core.multiarray", "scalar"), ("numpy", "float64"), ("numpy", "float32"),
+                  ("numpy", "int64"), ("numpy", "int32")}
+_ALLOWED_CFP_MODULES = {"cfp.records", "cfp.graph", "cfp.strategies", "cfp.blocks",
+                        "cfp.segments", "cfp.workloads", "passes.analysis", "passes.profile",
+                        "passes.search"}
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if module == "builtins" and name in _ALLOWED_BUILTINS:
+            return super().find_class(module, name)
+        if (module, name) in _ALLOWED_NUMPY:
+            return super().find_class(module, name)
+        if module in _ALLOWED_CFP_MODULES:
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and dataclasses.is_dataclass(obj):
+                return obj
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
+
+
+def write_record(path: Path, fmt: str, fingerprint: tuple, record: Any) -> None:
+    """Atomically write ``record`` with a header to ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = FileHeader(fmt, SCHEMA_VERSION, fingerprint)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(header, f, protocol=pickle.HIGHEST_PROTOCOL)
+            pickle.dump(record, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_record(path: Path, fmt: str, fingerprint: tuple | None, *, hint: str) -> Any:
+    """Read a record written by ``write_record``, checking format, version and fingerprint.
+
+    ``hint`` says how to make the file afresh; it ends every error message.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CfpError(f"{path} does not exist: {hint}")
+    data = path.read_bytes()
+    try:
+        stream = io.BytesIO(data)
+        header = _RestrictedUnpickler(stream).load()
+        if not isinstance(header, FileHeader):
+            raise pickle.UnpicklingError("no cfp header")
+        if header.format != fmt:
+            raise CfpError(f"{path} is a {header.format} file, not {fmt}: {hint}")
+        if header.version != SCHEMA_VERSION:
+            raise CfpError(f"{path} has schema version {header.version}, this cfp reads "
+                           f"{SCHEMA_VERSION}: {hint}")
+        if fingerprint is not None and header.fingerprint != fingerprint:
+            mine, theirs = dict(fingerprint), dict(header.fingerprint)
+            diff = [k for k in mine if mine.get(k) != theirs.get(k)]
+            raise CfpError(f"{path} was made for another run ({', '.join(diff)} differ: "
+                           f"{', '.join(f'{k}={theirs.get(k)}' for k in diff)}): {hint}")
+        return _RestrictedUnpickler(stream).load()
+    except CfpError:
+        raise
+    except Exception as e:  # truncated, foreign, or crafted
+        raise CfpError(f"{path} is not a readable cfp {fmt} file ({type(e).__name__}: "
+                       f"{str(e)[:80]}): {hint}") from None

@@ -1,0 +1,110 @@
+"""What a run is about: the workload spec and the mesh, and how to trace the step.
+
+``WorkloadSpec`` names a workload as plain data (so it can live in a record): a model of the
+zoo (``gpt``, ``llama``, ...) or a user's own step given as ``package.module:factory``, where
+``factory(batch_size=..., dtype=..., **overrides)`` returns a ``cfp.models.Workload``.
+
+Example:
+    >>> spec = WorkloadSpec("gpt", "tiny", batch_size=8)
+    >>> spec.build().model
+    'gpt'
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+
+from cfp.errors import CfpError
+
+AXIS_NAMES = ("m0", "m1", "m2")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadSpec:
+    model: str  # a zoo model name, or "package.module:factory" for a user's own step
+    config: str | None = None  # preset key; None: the model's default
+    batch_size: int | None = None  # None: the preset's default
+    dtype: str = "float32"  # "float32" | "bfloat16"
+    overrides: tuple[tuple[str, int], ...] = ()  # (field, value) size overrides
+
+    def build(self):
+        """The ``cfp.models.Workload`` this spec names."""
+        if ":" in self.model:
+            return _user_workload(self)
+        from cfp.models import get_workload
+        return get_workload(self.model, self.config, batch_size=self.batch_size,
+                            dtype=self.dtype, **dict(self.overrides))
+
+    def resolved(self) -> "WorkloadSpec":
+        """The same spec with the preset and batch size filled in (checks them, too)."""
+        w = self.build()
+        return dataclasses.replace(self, config=self.config or w.config_name,
+                                   batch_size=w.batch_size)
+
+    @property
+    def label(self) -> str:
+        name = self.model.rsplit(":", 1)[-1].replace(".", "_")
+        return f"{name}-{self.config}" if self.config else name
+
+
+def _user_workload(spec: WorkloadSpec):
+    module_name, _, attr = spec.model.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise CfpError(f"cannot load the user step {spec.model!r} ({e}); give it as "
+                       f"package.module:factory with the module on PYTHONPATH") from None
+    kwargs = dict(spec.overrides)
+    if spec.batch_size is not None:
+        kwargs["batch_size"] = spec.batch_size
+    return factory(dtype=spec.dtype, **kwargs)
+
+
+def parse_mesh(text: str) -> tuple[int, ...]:
+    """``"8"`` -> ``(8,)``, ``"2x4"`` -> ``(2, 4)``; axes are named m0, m1, ..."""
+    try:
+        shape = tuple(int(p) for p in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if not shape or len(shape) > len(AXIS_NAMES) or any(n < 1 for n in shape):
+        raise CfpError(f"--mesh {text!r} is not a mesh shape: write N or NxM (e.g. 8 or 2x4)")
+    return shape
+
+
+def mesh_text(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape))
+
+
+def check_mesh(shape: tuple[int, ...], num_devices: int) -> None:
+    if math.prod(shape) != num_devices:
+        raise CfpError(f"mesh {mesh_text(shape)} has {math.prod(shape)} devices but "
+                       f"{num_devices} are used (--num-devices): make them equal")
+
+
+def make_mesh(shape: tuple[int, ...]):
+    """A ``jax.sharding.Mesh`` over the first devices, axes m0, m1, ... (Auto axis types)."""
+    import jax
+    import numpy as np
+    devices = jax.devices()
+    n = math.prod(shape)
+    if len(devices) < n:
+        raise CfpError(f"mesh {mesh_text(shape)} needs {n} devices but JAX sees {len(devices)} "
+                       f"({devices[0].platform}): use a smaller mesh or --num-devices")
+    return jax.sharding.Mesh(np.array(devices[:n]).reshape(shape), AXIS_NAMES[:len(shape)])
+
+
+def trace_step(workload):
+    """Trace a workload's full training step with abstract inputs (nothing allocated)."""
+    from cfp.graph import trace_program
+    args = (workload.abstract_params(), workload.abstract_opt_state(),
+            workload.abstract_batch())
+    return trace_program(workload.train_step(), *args)
+
+
+def run_fingerprint(spec: WorkloadSpec, mesh_shape: tuple[int, ...]) -> tuple:
+    """What identifies a run's files: workload, mesh and the JAX version."""
+    import jax
+    return (("model", spec.model), ("config", spec.config), ("batch", spec.batch_size),
+            ("dtype", spec.dtype), ("overrides", spec.overrides),
+            ("mesh", mesh_text(mesh_shape)), ("jax", jax.__version__))

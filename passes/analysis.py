@@ -1,0 +1,67 @@
+"""The analysis pass: trace -> graph -> ParallelBlocks -> segments.
+
+``run_analysis(spec, mesh_shape)`` traces the workload's step with abstract inputs (a 13B
+configuration is analysed without allocating it), builds the operator graph, groups it into
+ParallelBlocks with their strategies on the mesh, finds the repeated segments, and returns an
+``AnalysisRecord``. The CLI writes it to ``analysis.pkl`` and the text dumps next to it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+from cfp.blocks import BlockAnalysis, build_blocks
+from cfp.graph import Graph
+from cfp.segments import SegmentAnalysis, find_segments
+from cfp.workloads import WorkloadSpec, trace_step
+
+FORMAT = "cfp-analysis"
+
+
+@dataclasses.dataclass(frozen=True)
+class AnalysisStats:
+    time_s: float
+    flops_total: float
+    flops_in_blocks: float
+    num_layers: int | None  # the workload's layer count, when it has one
+
+    @property
+    def flops_share(self) -> float:
+        return self.flops_in_blocks / self.flops_total if self.flops_total else 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class AnalysisRecord:
+    """Everything later passes need from analysis: plain data only."""
+
+    spec: WorkloadSpec
+    mesh_shape: tuple[int, ...]
+    graph: Graph
+    blocks: BlockAnalysis
+    segments: SegmentAnalysis
+    stats: AnalysisStats
+
+    def segment_space(self, seg_type: int) -> list[int]:
+        """Strategies per block of a unique segment (its representative instance)."""
+        seg = self.segments.instances[self.segments.representatives[seg_type]]
+        return [len(self.blocks.blocks[b].strategies) for b in range(seg.start, seg.end)]
+
+    def plan_space_log10(self) -> float:
+        """log10 of the number of whole-model plans (one strategy per block)."""
+        return sum(math.log10(max(1, len(b.strategies))) for b in self.blocks.blocks)
+
+
+def run_analysis(spec: WorkloadSpec, mesh_shape: tuple[int, ...]) -> AnalysisRecord:
+    """Analyse ``spec``'s training step for a mesh of ``mesh_shape``."""
+    start = time.perf_counter()
+    workload = spec.build()
+    program = trace_step(workload)
+    graph = program.graph()
+    blocks = build_blocks(graph, mesh_shape)
+    segments = find_segments(graph, blocks)
+    total = sum(op.flops for op in graph.ops)
+    inside = sum(graph.ops[i].flops for i in blocks.owner)
+    stats = AnalysisStats(time.perf_counter() - start, total, inside,
+                          getattr(workload.config, "num_layers", None))
+    return AnalysisRecord(spec, tuple(mesh_shape), graph, blocks, segments, stats)
