@@ -1,0 +1,57 @@
+"""The Workload record: one model configuration as a traceable JAX training step."""
+import dataclasses
+from typing import Any, Callable
+
+import jax
+
+from cfp.models.optim import AdamState, adam_init, adam_update
+
+
+def make_train_step(loss_fn: Callable[[Any, Any], jax.Array], *, lr: float = 1e-3, b1: float = 0.9,
+                    b2: float = 0.999, eps: float = 1e-8) -> Callable[[Any, AdamState, Any], tuple]:
+    """Build step(params, opt_state, batch) -> (new_params, new_opt_state, loss): value_and_grad + Adam."""
+    grad_fn = jax.value_and_grad(loss_fn)
+
+    def step(params: Any, opt_state: AdamState, batch: Any) -> tuple[Any, AdamState, jax.Array]:
+        """One training step: loss and grads, then an Adam update."""
+        loss, grads = grad_fn(params, batch)
+        new_params, new_state = adam_update(grads, opt_state, params, lr=lr, b1=b1, b2=b2, eps=eps)
+        return new_params, new_state, loss
+
+    return step
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A model configuration plus the pure functions that make up its training step."""
+
+    model: str
+    config_name: str
+    config: Any
+    batch_size: int
+    dtype: str
+    init_params: Callable[[jax.Array], Any]
+    make_batch: Callable[[jax.Array], Any]
+    loss_fn: Callable[[Any, Any], jax.Array]
+    flops_per_step: Callable[[], float] | None = None
+
+    def abstract_params(self) -> Any:
+        """Parameter pytree of ShapeDtypeStructs (nothing allocated)."""
+        return jax.eval_shape(lambda: self.init_params(jax.random.key(0)))
+
+    def abstract_batch(self) -> Any:
+        """Batch pytree of ShapeDtypeStructs (nothing allocated)."""
+        return jax.eval_shape(lambda: self.make_batch(jax.random.key(0)))
+
+    def abstract_opt_state(self) -> AdamState:
+        """Adam state of ShapeDtypeStructs (nothing allocated)."""
+        return jax.eval_shape(adam_init, self.abstract_params())
+
+    def train_step(self, *, lr: float = 1e-3, b1: float = 0.9, b2: float = 0.999,
+                   eps: float = 1e-8) -> Callable[[Any, AdamState, Any], tuple]:
+        """step(params, opt_state, batch) -> (new_params, new_opt_state, loss)."""
+        return make_train_step(self.loss_fn, lr=lr, b1=b1, b2=b2, eps=eps)
+
+    def grad_fn(self) -> Callable[[Any, Any], tuple[jax.Array, Any]]:
+        """f(params, batch) -> (loss, grads)."""
+        return jax.value_and_grad(self.loss_fn)
