@@ -21,7 +21,10 @@ Built from the graph alone, with no knowledge of any model:
    read by block members joins the block of its readers, labelled by ``cfp.dims.backward``. *Rule
    for operators read by several blocks: the block of the first reader in program order takes
    it.*
-5. Whatever is left (nothing reachable from a contraction, e.g. step-counter arithmetic read by
+5. **Refinement.** Non-contraction members are re-labelled forwards, so a dim that backward inference
+   could not label (a reduced one) takes its operands' label, with the requirement that goes
+   with it.
+6. Whatever is left (nothing reachable from a contraction, e.g. step-counter arithmetic read by
    nobody, or opaque operators between blocks) is listed as *unclaimed*.
 
 A member whose requirements a strategy breaks (a reduction over a split dim, a merge of a split
@@ -39,7 +42,7 @@ from cfp.graph import Graph, Op
 from cfp.strategies import LoopDim, Strategy, enumerate_strategies, op_loop_dims
 
 Role = Literal["seed", "input-grad", "weight-grad", "flow", "attached"]
-LAYOUT_OPS = ("reshape", "transpose", "convert_element_type", "copy", "copy_p", "squeeze")
+LAYOUT_OPS = ("reshape", "transpose", "convert_element_type", "copy", "copy_p", "squeeze", "rev")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +103,7 @@ def build_blocks(graph: Graph, mesh_shape: tuple[int, ...]) -> BlockAnalysis:
     b.seed_and_match()
     b.forward_flow()
     b.backward_attach()
+    b.refine()
     return b.finish()
 
 
@@ -230,9 +234,9 @@ class _Builder:
                 member = self.contraction_member(c, lab)
                 if member is None:
                     continue
-                y_labels = {l for l in seed_member.ins[1 - x_pos] if l is not None}
-                out_labels = set(member.outs[0])
-                if None in out_labels or out_labels != y_labels:
+                y_labels = [l for l in seed_member.ins[1 - x_pos] if l is not None]
+                out_labels = [l for l in member.outs[0] if l is not None]
+                if sorted(out_labels) != sorted(y_labels):
                     continue
                 f_free = {i for i, d in enumerate(self.loop_dims[bi])
                           if (d.lhs if x_pos == 0 else d.rhs) is not None
@@ -298,21 +302,39 @@ class _Builder:
             if not readers or any(u not in self.owner for u in readers):
                 continue
             bi = self.owner[min(readers)]
-            wanted = []
+            wanted, reqs = [], []
             for v in op.outputs:
-                lab = None
-                for u in self.g.users.get(v, ()):
-                    if self.owner[u] != bi:
-                        continue
-                    member = self.members[bi][u]
-                    uop = self.g.ops[u]
-                    lab = member.ins[uop.inputs.index(v)]
-                    break
-                wanted.append(lab)
+                asks = [self.members[bi][u].ins[self.g.ops[u].inputs.index(v)]
+                        for u in self.g.users.get(v, ()) if self.owner[u] == bi]
+                wanted.append(tuple(dimrules.merge_labels(list(d), reqs) for d in zip(*asks))
+                              if asks and asks[0] else None)
             flow = dimrules.backward(op.primitive, dict(op.attrs),
                                      [self.shape(v) for v in op.inputs],
                                      [self.shape(v) for v in op.outputs], wanted)
-            self.add(bi, Member(op.index, "attached", flow.outs, flow.ins, flow.reqs))
+            self.add(bi, Member(op.index, "attached", flow.outs, flow.ins,
+                                flow.reqs + tuple(reqs)))
+
+    def refine(self):
+        """Re-derive non-contraction members' labels forwards, in program order: a dim that
+        backward inference left unlabelled (a reduced dim, say) takes the label its operands
+        carry, and the forward rule's requirements are added (a reduction over a split dim
+        needs one)."""
+        for bi, members in enumerate(self.members):
+            for k in sorted(members):
+                m = members[k]
+                if m.role not in ("attached", "flow"):
+                    continue
+                op = self.g.ops[k]
+                fwd = dimrules.forward(op.primitive, dict(op.attrs),
+                                       [self.shape(v) for v in op.inputs],
+                                       [self.shape(v) for v in op.outputs],
+                                       [self.labels[bi].get(v) for v in op.inputs])
+                outs = tuple(tuple(o if o is not None else f for o, f in zip(old, new))
+                             for old, new in zip(m.outs, fwd.outs))
+                ins = tuple(tuple(o if o is not None else f for o, f in zip(old, new))
+                            for old, new in zip(m.ins, fwd.ins))
+                reqs = tuple(dict.fromkeys(m.reqs + fwd.reqs))
+                self.add(bi, dataclasses.replace(m, outs=outs, ins=ins, reqs=reqs))
 
     # -- 5. strategies and records ------------------------------------------------------------
     def finish(self) -> BlockAnalysis:

@@ -156,10 +156,38 @@ def forward(prim: str, attrs: dict, in_shapes, out_shapes, in_labels: list) -> F
         return Flow(outs, tuple(in_labels), tuple(reqs))
     if prim in ("slice", "pad", "dynamic_slice", "dynamic_update_slice", "concatenate", "split"):
         return _window_like(in_shapes, out_shapes, in_labels)
+    if prim == "gather" and not attrs.get("operand_batching_dims"):
+        return _gather_forward(attrs, in_shapes, out_shapes, in_labels)
     # Opaque: no collective only when nothing it reads is split.
     reqs = [(l, 0) for lab in in_labels for l in lab if l is not None]
     return Flow(tuple(_none(s) for s in out_shapes), tuple(_none(s) for s in in_shapes),
                 tuple(reqs))
+
+
+def _gather_pairs(attrs, in_shapes, out_shapes):
+    """(output dim, 'indices' or 'operand', dim there) for the dims a gather carries over:
+    batch dims of the result come from the indices (last indices dim is the index vector),
+    offset dims from whole-extent operand dims."""
+    out_rank = len(out_shapes[0])
+    offset = list(attrs["offset_dims"])
+    batch = [d for d in range(out_rank) if d not in offset]
+    pairs = [(o, "indices", i) for o, i in zip(batch, range(len(in_shapes[1]) - 1))]
+    window = [d for d in range(len(in_shapes[0])) if d not in attrs["collapsed_slice_dims"]]
+    for o, d in zip(offset, window):
+        if attrs["slice_sizes"][d] == in_shapes[0][d]:
+            pairs.append((o, "operand", d))
+    return pairs
+
+
+def _gather_forward(attrs, in_shapes, out_shapes, in_labels) -> Flow:
+    out = [None] * len(out_shapes[0])
+    carried = set()
+    for o, src, d in _gather_pairs(attrs, in_shapes, out_shapes):
+        out[o] = in_labels[0 if src == "operand" else 1][d]
+        if src == "operand":
+            carried.add(d)
+    reqs = [(l, 0) for d, l in enumerate(in_labels[0]) if l is not None and d not in carried]
+    return Flow((tuple(out),), tuple(in_labels), tuple(reqs))
 
 
 def _expected_elementwise(shape, out_labels: Labels, out_shape) -> Labels:
@@ -226,6 +254,11 @@ def backward(prim: str, attrs: dict, in_shapes, out_shapes, out_labels: list) ->
         ins = (tuple(None if d in axes else next(it) for d in range(len(in_shapes[0]))),)
     elif prim == "optimization_barrier":
         ins = tuple(out_labels)
+    elif prim == "gather" and not attrs.get("operand_batching_dims"):
+        ins = [list(_none(s)) for s in in_shapes]
+        for o, src, d in _gather_pairs(attrs, in_shapes, out_shapes):
+            ins[0 if src == "operand" else 1][d] = want[o]
+        ins = tuple(tuple(x) for x in ins)
     else:
         ins = tuple(_none(s) for s in in_shapes)
     if prim not in ("reshape", "squeeze"):

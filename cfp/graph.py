@@ -38,6 +38,7 @@ _REFUSED = {
     "cond": "lax.cond / switch",
     "checkpoint": "jax.checkpoint (remat)",
     "remat": "jax.checkpoint (remat)",
+    "remat2": "jax.checkpoint (remat)",
 }
 
 _DTYPE_SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64",

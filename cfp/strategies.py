@@ -75,10 +75,11 @@ def dot_loop_dims(lhs_shape, rhs_shape, contracting, batch) -> tuple[LoopDim, ..
 def conv_loop_dims(lhs_shape, rhs_shape, lhs_spec, rhs_spec, out_spec, *,
                    feature_group_count: int = 1, batch_group_count: int = 1
                    ) -> tuple[LoopDim, ...]:
-    """Loop dims of ``conv_general_dilated``: batch, output features, input features."""
+    """Loop dims of ``conv_general_dilated``: the images (free in lhs), output features (free
+    in rhs), input features (contracted)."""
     dims = []
     if batch_group_count == 1:
-        dims.append(LoopDim("batch", lhs_shape[lhs_spec[0]], lhs_spec[0], None, out_spec[0]))
+        dims.append(LoopDim("lhs", lhs_shape[lhs_spec[0]], lhs_spec[0], None, out_spec[0]))
     if feature_group_count == 1 and batch_group_count == 1:
         dims.append(LoopDim("rhs", rhs_shape[rhs_spec[0]], None, rhs_spec[0], out_spec[1]))
         dims.append(LoopDim("contract", lhs_shape[lhs_spec[1]], lhs_spec[1], rhs_spec[1], None))

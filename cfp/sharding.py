@@ -1,0 +1,266 @@
+"""Turning block strategies into shardings, sub-programs and compiled collectives.
+
+- ``sub_program``: the operators of a set (a block, a segment), with their live-ins and live-outs,
+  as a function that re-evaluates exactly those equations of the traced step.
+- ``block_constraints``: a strategy's sharding constraints on a block's contractions (operands
+  and results), applied with ``jax.lax.with_sharding_constraint`` while re-evaluating.
+- ``collectives``: the collectives of a compiled program (kind, bytes, mesh axes), read from
+  ``Compiled.as_text()``.
+- ``check_communication_free``: compile a block alone under a strategy and list every collective
+  the strategy does not name.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Callable, Sequence
+
+import numpy as np
+
+from cfp import dims as dimrules
+from cfp.blocks import Block
+from cfp.graph import Graph, Program
+
+COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                    "collective-permute")
+
+
+@dataclasses.dataclass(frozen=True)
+class SubProgram:
+    ops: tuple[int, ...]  # program order
+    live_ins: tuple[int, ...]
+    live_outs: tuple[int, ...]
+
+
+def sub_program(graph: Graph, ops: Sequence[int]) -> SubProgram:
+    """The operators ``ops`` as a program: what they read from outside and what escapes."""
+    ops = tuple(sorted(ops))
+    opset = set(ops)
+    produced = {v for i in ops for v in graph.ops[i].outputs}
+    live_ins: dict[int, None] = {}
+    for i in ops:
+        for v in graph.ops[i].inputs:
+            if v not in produced and not _is_const(graph, v):
+                live_ins.setdefault(v)
+    outputs = set(graph.outputs)
+    live_outs = [v for i in ops for v in graph.ops[i].outputs
+                 if v in outputs or any(u not in opset for u in graph.users.get(v, ()))]
+    return SubProgram(ops, tuple(live_ins), tuple(live_outs))
+
+
+def _is_const(graph: Graph, v: int) -> bool:
+    val = graph.values[v]
+    return val.producer is None and val.input_index is None
+
+
+def sub_function(program: Program, sub: SubProgram, *,
+                 constraints: dict[int, tuple[list, list]] | None = None,
+                 mesh=None) -> Callable:
+    """``f(*live_ins) -> live_outs`` re-evaluating ``sub``'s equations, with sharding
+    constraints ``{op: (operand specs, result specs)}`` (``None`` entries: unconstrained)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    constraints = constraints or {}
+
+    def constrain(values, specs):
+        return [v if s is None else jax.lax.with_sharding_constraint(
+            v, NamedSharding(mesh, PartitionSpec(*s))) for v, s in zip(values, specs)]
+
+    def before(i, args):
+        return constrain(args, constraints[i][0]) if i in constraints else args
+
+    def after(i, outs):
+        return constrain(outs, constraints[i][1]) if i in constraints else outs
+
+    def fn(*live_ins):
+        env = program.evaluate([], ops=sub.ops, env=dict(zip(sub.live_ins, live_ins)),
+                               before=before if constraints else None,
+                               after=after if constraints else None)
+        return [env[v] for v in sub.live_outs]
+
+    return fn
+
+
+def block_constraints(block: Block, strategy, axis_names) -> dict[int, tuple[list, list]]:
+    """Sharding constraints a strategy puts on a block's contractions."""
+    out = {}
+    for m in block.contractions:
+        out[m.op] = ([dimrules.spec_axes(l, strategy.axes, axis_names) for l in m.ins],
+                     [dimrules.spec_axes(l, strategy.axes, axis_names) for l in m.outs])
+    return out
+
+
+def member_layouts(members, graph: Graph, sub: SubProgram, strategy, axis_names
+                   ) -> tuple[list, list]:
+    """PartitionSpec entries for a sub-program's live-ins (as their readers want them; a dim
+    readers disagree on is replicated) and live-outs (as their producer makes them);
+    unlabelled tensors are replicated."""
+    wanted: dict[int, tuple] = {}
+    made: dict[int, tuple] = {}
+    for m in members:
+        op = graph.ops[m.op]
+        for v, lab in zip(op.inputs, m.ins):
+            old = wanted.setdefault(v, lab)  # readers that disagree get it replicated there
+            wanted[v] = tuple(a if a == b else None for a, b in zip(old, lab))
+        for v, lab in zip(op.outputs, m.outs):
+            made[v] = lab
+
+    def spec(v, table):
+        lab = table.get(v) or (None,) * len(graph.values[v].shape)
+        return dimrules.spec_axes(lab, strategy.axes, axis_names)
+
+    return [spec(v, wanted) for v in sub.live_ins], [spec(v, made) for v in sub.live_outs]
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading collectives from compiled HLO
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    kind: str  # one of COLLECTIVE_KINDS
+    bytes: int  # bytes of the result on one device
+    axes: tuple[int, ...] | None  # mesh axes its groups run along; None if they match none
+    line: str
+
+
+_COLL_RE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+(" +
+                      "|".join(COLLECTIVE_KINDS) + r")(-start)?\(")
+_TYPE_RE = re.compile(r"(pred|[a-z]+\d+)\[([\d,]*)\]")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
+          "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def collectives(hlo_text: str, mesh_shape: tuple[int, ...]) -> list[Collective]:
+    """Every collective of a compiled HLO module (``-done`` halves of async pairs skipped)."""
+    found = []
+    for line in hlo_text.splitlines():
+        m = _COLL_RE.match(line)
+        if not m:
+            continue
+        types, kind, start = m.group(1), m.group(2), m.group(3)
+        shapes = [(t, [int(d) for d in dims.split(",") if d]) for t, dims in _TYPE_RE.findall(types)]
+        if start and len(shapes) > 1:  # async start: (operands..., results...)
+            shapes = shapes[len(shapes) // 2:]
+        nbytes = sum(_BYTES.get(t, 4) * math.prod(d) for t, d in shapes)
+        found.append(Collective(kind, nbytes, _axes_of(line, kind, mesh_shape), line.strip()))
+    return found
+
+
+def _parse_groups(line: str, n: int) -> list[list[int]] | None:
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:<=\[([\d,]+)\](?:T\(([\d,]+)\))?|"
+                  r", device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}", line)
+    if m:  # Shardy's form: mesh['a'=4,'b'=2] {'a'}: groups run along the named axes
+        axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        sizes = [int(x) for _, x in axes]
+        ids = np.arange(math.prod(sizes))
+        shape, perm = (m.group(2), m.group(3)) if m.group(2) else (m.group(4), m.group(5))
+        if shape:
+            ids = ids.reshape([int(x) for x in shape.split(",")])
+            if perm:
+                ids = ids.transpose([int(x) for x in perm.split(",")])
+        ids = ids.reshape(sizes)
+        chosen = [i for i, (name, _) in enumerate(axes) if f"'{name}'" in m.group(6)]
+        others = [i for i in range(len(sizes)) if i not in chosen]
+        moved = np.transpose(ids, others + chosen)
+        return moved.reshape(-1, math.prod(sizes[i] for i in chosen) if chosen else 1).tolist()
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if m:
+        shape = [int(x) for x in m.group(1).split(",")]
+        base = np.arange(math.prod(int(x) for x in m.group(2).split(","))).reshape(
+            [int(x) for x in m.group(2).split(",")])
+        if m.group(3):
+            base = base.transpose([int(x) for x in m.group(3).split(",")])
+        return base.reshape(shape).reshape(shape[0], -1).tolist()
+    m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
+    if m:
+        groups = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}",
+                                                                            m.group(1))]
+        return groups if groups and groups[0] else [list(range(n))]
+    m = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
+    if m:
+        pairs = [tuple(int(x) for x in p.split(",")) for p in re.findall(r"\{(\d+,\d+)\}",
+                                                                         m.group(1))]
+        return [list(p) for p in pairs]
+    return None
+
+
+def _axes_of(line: str, kind: str, mesh_shape) -> tuple[int, ...] | None:
+    n = math.prod(mesh_shape)
+    groups = _parse_groups(line, n)
+    if groups is None:
+        return None
+    coords = np.array(np.unravel_index(np.arange(n), mesh_shape)).T  # device -> mesh coords
+    if kind == "collective-permute":
+        axes = set()
+        for a, b in groups:
+            axes |= {i for i in range(len(mesh_shape)) if coords[a][i] != coords[b][i]}
+        return tuple(sorted(axes))
+    wanted = {frozenset(g) for g in groups}
+    for r in range(1, len(mesh_shape) + 1):
+        for axes in _subsets(len(mesh_shape), r):
+            others = [i for i in range(len(mesh_shape)) if i not in axes]
+            part: dict[tuple, set] = {}
+            for d in range(n):
+                part.setdefault(tuple(coords[d][others]), set()).add(d)
+            if {frozenset(s) for s in part.values()} == wanted:
+                return axes
+    return None
+
+
+def _subsets(n: int, r: int):
+    import itertools
+    return [tuple(c) for c in itertools.combinations(range(n), r)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The communication-free check
+
+
+def compile_block(program: Program, graph: Graph, block: Block, strategy, mesh, *,
+                  members=None, constrain_all: bool = True):
+    """Compile a block's members (those that need no collective under ``strategy``) alone,
+    every labelled member result constrained to the layout the strategy gives it, or, with
+    ``constrain_all=False``, only the contractions' operands and results)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh_shape = tuple(mesh.devices.shape)
+    members = members if members is not None else block.members_under(strategy, mesh_shape)
+    sub = sub_program(graph, [m.op for m in members])
+    names = mesh.axis_names
+    in_specs, out_specs = member_layouts(members, graph, sub, strategy, names)
+    constraints = block_constraints(block, strategy, names)
+    if constrain_all:  # the whole plan: every labelled member result in its layout
+        for m in members:
+            if m.op not in constraints and any(l is not None for lab in m.outs for l in lab):
+                constraints[m.op] = ([None] * len(graph.ops[m.op].inputs),
+                                     [dimrules.spec_axes(l, strategy.axes, names)
+                                      for l in m.outs])
+    fn = sub_function(program, sub, constraints=constraints, mesh=mesh)
+    shard = lambda s: NamedSharding(mesh, PartitionSpec(*s))  # noqa: E731
+    args = [jax.ShapeDtypeStruct(graph.values[v].shape, graph.values[v].dtype, sharding=shard(s))
+            for v, s in zip(sub.live_ins, in_specs)]
+    jitted = jax.jit(fn, in_shardings=[shard(s) for s in in_specs],
+                     out_shardings=[shard(s) for s in out_specs])
+    return jitted.lower(*args).compile()
+
+
+def unexpected_collectives(program: Program, graph: Graph, block: Block, strategy, mesh, *,
+                           members=None) -> list[Collective]:
+    """Collectives in the compiled block that the strategy does not name (all-reduces over the
+    axes of split contracting dims are named); empty when the block is communication-free."""
+    compiled = compile_block(program, graph, block, strategy, mesh, members=members)
+    named = {a for _, axes in block.named_allreduces(strategy) for a in axes}
+    mesh_shape = tuple(mesh.devices.shape)
+    return [c for c in collectives(compiled.as_text(), mesh_shape)
+            if not (c.kind == "all-reduce" and c.axes is not None and set(c.axes) <= named
+                    and _from_contraction(c.line))]
+
+
+def _from_contraction(line: str) -> bool:
+    """Whether XLA's metadata ties a collective to a contraction (true when it says nothing)."""
+    m = re.search(r'op_name="([^"]*)"', line)
+    return m is None or m.group(1).rsplit("/", 1)[-1] in ("dot_general", "conv_general_dilated")

@@ -1,0 +1,111 @@
+import collections
+import dataclasses
+
+import pytest
+
+import zoo_extra
+from cfp.blocks import build_blocks
+from cfp.workloads import make_mesh, trace_step
+from cfp.sharding import unexpected_collectives
+from helpers import blocks_of, traced
+
+ZOO = ["mlp", "gpt", "llama", "moe", "bert"]
+
+
+def _extra(name, mesh_shape):
+    program = trace_step(getattr(zoo_extra, name)())
+    graph = program.graph()
+    return program, graph, build_blocks(graph, mesh_shape)
+
+
+@pytest.mark.parametrize("model", ZOO)
+def test_every_operator_is_in_exactly_one_block_or_unclaimed(model):
+    _, g, ba = blocks_of(model, (4,))
+    members = [m.op for b in ba.blocks for m in b.members]
+    assert len(members) == len(set(members))
+    assert set(members) | set(ba.unclaimed) == set(range(len(g.ops)))
+    assert not set(members) & set(ba.unclaimed)
+    assert all(ba.owner[m.op] == b.index for b in ba.blocks for m in b.members)
+
+
+@pytest.mark.parametrize("model", ZOO)
+def test_blocks_hold_the_step_flops(model):
+    _, g, ba = blocks_of(model, (4,))
+    total = sum(op.flops for op in g.ops)
+    inside = sum(g.ops[i].flops for i in ba.owner)
+    assert inside / total >= 0.95
+
+
+def test_backward_contractions_join_their_forward_block():
+    _, g, ba = blocks_of("gpt", (4,))
+    contractions = [op.index for op in g.ops if op.is_contraction]
+    assert len(contractions) == 3 * len(ba.blocks)
+    for b in ba.blocks:
+        roles = collections.Counter(m.role for m in b.contractions)
+        assert roles["seed"] == 1 and roles["weight-grad"] + roles["input-grad"] == 2
+    # A projection (weight from the step's inputs) gets dW = x^T dy; attention scores get two
+    # input gradients.
+    kinds = {tuple(sorted(m.role for m in b.contractions)) for b in ba.blocks}
+    assert ("input-grad", "seed", "weight-grad") in kinds
+    assert ("input-grad", "input-grad", "seed") in kinds
+
+
+def test_data_parallel_names_the_gradient_allreduce():
+    _, g, ba = blocks_of("mlp", (4,))
+    block = ba.blocks[1]
+    dp = next(s for s in block.strategies if s.name.startswith("SR = SR x RR"))
+    assert [axes for _, axes in block.named_allreduces(dp)] == [(0,)]  # dW sums over the batch
+
+
+def _check_all(program, graph, ba, mesh_shape):
+    mesh = make_mesh(mesh_shape)
+    bad = {}
+    for b in ba.blocks:
+        for s in b.strategies:
+            extra = unexpected_collectives(program, graph, b, s, mesh)
+            if extra:
+                bad[(b.index, s.name)] = [(c.kind, c.axes) for c in extra]
+    return bad
+
+
+@pytest.mark.parametrize("model,mesh_shape,layers", [
+    ("mlp", (4,), None), ("mlp", (2, 2), None), ("gpt", (4,), 1), ("llama", (4,), 1),
+    ("moe", (4,), 2),
+])
+def test_every_strategy_of_every_block_is_communication_free(model, mesh_shape, layers):
+    program, graph, ba = blocks_of(model, mesh_shape, layers)
+    assert _check_all(program, graph, ba, mesh_shape) == {}
+
+
+@pytest.mark.parametrize("name,mesh_shape", [("convnet", (4,)), ("einsum_net", (2, 2))])
+def test_models_nobody_listed_analyse_and_stay_communication_free(name, mesh_shape):
+    program, graph, ba = _extra(name, mesh_shape)
+    assert not ba.unclaimed
+    assert all(len(b.contractions) >= 2 for b in ba.blocks)  # backward contractions found
+    assert _check_all(program, graph, ba, mesh_shape) == {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["gpt", "bert", "moe"])
+def test_communication_free_on_2d_mesh(model):
+    program, graph, ba = blocks_of(model, (2, 2), 2)
+    assert _check_all(program, graph, ba, (2, 2)) == {}
+
+
+def test_planted_collective_is_caught():
+    """Negative control: a member that needs a collective, with its requirement erased, must
+    make the check fail."""
+    program, graph, ba = blocks_of("mlp", (4,))
+    block = ba.blocks[-1]
+    dp = next(s for s in block.strategies if s.name.startswith("SR = SR x RR"))
+    # The loss reduction sums over the split batch: honest blocks drop it under data parallel.
+    loss_reduce = next(m for m in block.members
+                       if graph.ops[m.op].primitive == "reduce_sum" and m.reqs)
+    assert loss_reduce not in block.members_under(dp, (4,))
+    planted = [dataclasses.replace(m, reqs=()) if m is loss_reduce else m
+               for m in block.members]
+    mesh = make_mesh((4,))
+    honest = unexpected_collectives(program, graph, block, dp, mesh)
+    caught = unexpected_collectives(program, graph, block, dp, mesh, members=planted)
+    assert honest == []
+    assert caught and caught[0].kind == "all-reduce"

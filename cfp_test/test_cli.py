@@ -1,0 +1,105 @@
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cfp.cli import main
+from cfp.errors import CfpError
+from cfp.records import read_record, write_record
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--model", "resnet"], "unknown model"),
+    (["--config", "huge"], "unknown preset"),
+    (["--mesh", "2x3", "--num-devices", "8"], "mesh 2x3 has 6 devices"),
+    (["--mesh", "banana"], "not a mesh shape"),
+    (["--num-heads", "5"], "does not divide"),
+    (["--model", "moe", "--batch-size", "1", "--seq-len", "8"], "expert_group_size"),
+    (["--batch-size", "0"], "positive"),
+    (["--workdir", "/proc/cfp-cannot-write-here"], "cannot write to the work dir"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
+    rc, out, err = _run(capsys, "--mode", "analysis", *argv)
+    assert rc == 2
+    assert needle in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_argparse_errors_are_one_line_too(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--mode", "bogus"])
+    assert e.value.code == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_analysis_writes_its_files(capsys, tmp_path):
+    rc, out, err = _run(capsys, "--mode", "analysis", "--model", "gpt", "--mesh", "2x2",
+                        "--workdir", str(tmp_path))
+    assert rc == 0, err
+    assert "ParallelBlocks sequence: (0, 8) mapped to" in out
+    assert "global analysis time:" in out
+    assert "search space [" in out
+    dbg = tmp_path / "debug_analysis_global"
+    strategy_map = (dbg / "strategy_map.txt").read_text()
+    assert strategy_map.startswith("Instruction ") and "Strategy SSRR = " in strategy_map
+    assert "Parallel Block 0:" in (dbg / "parallel_blocks.txt").read_text()
+    assert "mapped to" in (dbg / "segments.txt").read_text()
+    rec = read_record(tmp_path / "analysis.pkl", "cfp-analysis", None, hint="rerun")
+    assert rec.mesh_shape == (2, 2) and len(rec.blocks.blocks) == 17
+
+
+def test_user_step_through_the_cli(capsys, tmp_path):
+    rc, out, err = _run(capsys, "--mode", "analysis", "--model", "zoo_extra:convnet",
+                        "--mesh", "4", "--workdir", str(tmp_path))
+    assert rc == 0, err
+    assert "3 ParallelBlocks" in out
+
+
+def test_fresh_process_default_run(tmp_path):
+    """The README's first command, in a fresh process (virtual devices set before JAX)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-m", "cfp", "--mode", "analysis", "--workdir",
+                           str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "global analysis time" in proc.stdout
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_crafted_pickle_is_refused(tmp_path):
+    path = tmp_path / "analysis.pkl"
+    with open(path, "wb") as f:
+        pickle.dump(_Evil(), f)
+    with pytest.raises(CfpError, match="not a readable cfp"):
+        read_record(path, "cfp-analysis", None, hint="rerun the analysis")
+
+
+def test_truncated_foreign_and_mismatched_files_are_refused(tmp_path):
+    path = tmp_path / "x.pkl"
+    write_record(path, "cfp-analysis", (("mesh", "4"),), {"blocks": [1, 2]})
+    assert read_record(path, "cfp-analysis", (("mesh", "4"),), hint="h") == {"blocks": [1, 2]}
+    with pytest.raises(CfpError, match="another run"):
+        read_record(path, "cfp-analysis", (("mesh", "8"),), hint="h")
+    with pytest.raises(CfpError, match="not cfp-profile"):
+        read_record(path, "cfp-profile", None, hint="h")
+    path.write_bytes(path.read_bytes()[:20])
+    with pytest.raises(CfpError, match="not a readable"):
+        read_record(path, "cfp-analysis", None, hint="h")
+    with pytest.raises(CfpError, match="does not exist"):
+        read_record(tmp_path / "nope.pkl", "cfp-analysis", None, hint="h")
