@@ -41,6 +41,21 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--mesh", default=None, help="mesh shape, e.g. 8 or 2x4 (axes m0, m1)")
     p.add_argument("--workdir", default=None,
                    help="where the passes read and write (default profiles/<model>-<config>-<mesh>/)")
+    f = p.add_argument_group("profile")
+    f.add_argument("--cost", choices=("measure", "model"), default="measure",
+                   help="measure on the devices, or price compiled programs analytically")
+    f.add_argument("--max-combinations", type=int, default=128,
+                   help="largest strategy space profiled as one window (default 128)")
+    f.add_argument("--profile-budget", type=float, default=None,
+                   help="seconds for the whole profile pass; what is left is pruned")
+    f.add_argument("--memory-budget", type=float, default=None,
+                   help="GB per device (default: the GPU's memory; required on CPU for search)")
+    f.add_argument("--device-preset", choices=("a100", "h100"), default=None,
+                   help="--cost model: documented device and network figures")
+    f.add_argument("--alpha", default=None, help="--cost model: seconds per collective, per axis")
+    f.add_argument("--beta", default=None, help="--cost model: seconds per byte, per axis")
+    f.add_argument("--device-flops", type=float, default=None)
+    f.add_argument("--device-bandwidth", type=float, default=None)
     return p
 
 
@@ -138,6 +153,75 @@ def _run_analysis(opts: RunOptions, args) -> None:
     report.say(f"wrote {opts.workdir / 'analysis.pkl'} and {opts.workdir / 'debug_analysis_global'}/")
 
 
+def _memory_budget_bytes(args, *, required: bool) -> int:
+    import jax
+    if args.memory_budget is not None:
+        if args.memory_budget <= 0:
+            raise CfpError(f"--memory-budget must be positive, got {args.memory_budget}")
+        return int(args.memory_budget * 2**30)
+    dev = jax.devices()[0]
+    if dev.platform == "gpu":
+        stats = dev.memory_stats() or {}
+        if stats.get("bytes_limit"):
+            return int(stats["bytes_limit"])
+    if required:
+        raise CfpError("on CPU the virtual devices share host memory: give --memory-budget GB "
+                       "(per device)")
+    return 2**62
+
+
+def _cost_model(args, mesh_shape):
+    from cfp.measure import DEVICE_PRESETS, CostModel
+    preset = dict(DEVICE_PRESETS[args.device_preset or "a100"])
+    n = len(mesh_shape)
+
+    def per_axis(text, default):
+        if text is None:
+            vals = list(default)[-n:] if len(default) >= n else [default[-1]] * n
+            return tuple(float(v) for v in vals)
+        vals = [float(x) for x in text.split(",")]
+        if len(vals) != n:
+            raise CfpError(f"give one value per mesh axis ({n}), got {text!r}")
+        return tuple(vals)
+
+    return CostModel(per_axis(args.alpha, preset["alpha"]), per_axis(args.beta, preset["beta"]),
+                     args.device_flops or preset["device_flops"],
+                     args.device_bandwidth or preset["device_bandwidth"])
+
+
+def _profile_options(opts: RunOptions, args):
+    from passes.profile import ProfileOptions
+    if args.max_combinations < 1:
+        raise CfpError(f"--max-combinations must be positive, got {args.max_combinations}")
+    return ProfileOptions(
+        cost=args.cost, max_combinations=args.max_combinations, budget_s=args.profile_budget,
+        memory_budget_bytes=_memory_budget_bytes(args, required=False),
+        cost_model=_cost_model(args, opts.mesh_shape) if args.cost == "model" else None)
+
+
+def _load_analysis(opts: RunOptions):
+    from cfp.records import read_record
+    from cfp.workloads import run_fingerprint
+    from passes.analysis import FORMAT
+    run_fp = run_fingerprint(opts.spec, opts.mesh_shape)
+    path = opts.workdir / "analysis.pkl"
+    rec = read_record(path, FORMAT, run_fp,
+                      hint="run python -m cfp --mode analysis with the same flags first")
+    return rec, path, run_fp
+
+
+def _run_profile(opts: RunOptions, args) -> None:
+    from cfp import report
+    from passes.profile import plan_space, run_profile, load_profiles
+    analysis, path, run_fp = _load_analysis(opts)
+    options = _profile_options(opts, args)
+    report.say("***********Profiling Pass****************")
+    rec = run_profile(analysis, path, run_fp, options, opts.workdir, report.say)
+    _, segs = load_profiles(opts.workdir, run_fp, analysis, options)
+    report.profile_console(rec, segs, plan_space(rec.windows, segs),
+                           analysis.plan_space_log10())
+
+
 def _not_yet(name):
     def run(opts, args):
         from cfp import report
@@ -145,5 +229,5 @@ def _not_yet(name):
     return run
 
 
-_RUNNERS = {"analysis": _run_analysis, "profile": _not_yet("profile"),
+_RUNNERS = {"analysis": _run_analysis, "profile": _run_profile,
             "search": _not_yet("search")}

@@ -40,7 +40,8 @@ _ALLOWED_NUMPY = {("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiar
                   ("numpy._core.multiarray", "scalar"), ("numpy", "float64"), ("numpy", "float32"),
                   ("numpy", "int64"), ("numpy", "int32")}
 _ALLOWED_CFP_MODULES = {"cfp.records", "cfp.graph", "cfp.strategies", "cfp.blocks",
-                        "cfp.segments", "cfp.workloads", "passes.analysis", "passes.profile",
+                        "cfp.segments", "cfp.workloads", "cfp.measure", "cfp.windows",
+                        "passes.analysis", "passes.profile",
                         "passes.search"}
 
 

@@ -106,3 +106,16 @@ def _reqs_text(reqs) -> str:
 
 def block_summary(graph: Graph, block: Block) -> str:
     return f"block {block.index}: {_short(graph.ops[block.seed].hlo, 80)}"
+
+
+# ---------------------------------------------------------------------------------------------
+# profile
+
+
+def profile_console(rec, segs, window_space_log10: float, model_space_log10: float) -> None:
+    counts = collections.Counter(m.status for seg in segs.values() for m in seg.results.values())
+    say(f"combinations: {sum(counts.values())} ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}); "
+        f"compiled in this run: {rec.compiled}")
+    say(f"launch overhead subtracted: {rec.launch_overhead_s * 1e3:.3f} ms per program")
+    say(f"whole-model plan space: 10^{model_space_log10:.1f} plans, covered by "
+        f"{len(rec.windows)} window instances of {len(segs)} types")

@@ -1,0 +1,282 @@
+"""Building, compiling and measuring window programs on the mesh.
+
+Everything here runs inside a worker process (``cfp.worker``) so that an XLA abort or the
+kernel's OOM killer ends the worker, not the pass.
+
+- ``WindowProgram``: a window's operators as a program; per combination its shardings and
+  constraints (``compile``), checked against the compiled HLO (``check_compiled``).
+- ``valid_inputs``: random live-ins valid for their role (ids in range, no zeros, no inf).
+- ``time_runs``: warm-up, then repeated timed runs (median, min, max), stopping early once a
+  combination is already 1.5x slower than the best so far.
+- ``launch_overhead``: the fixed cost of launching a program, subtracted from every window time.
+- ``model_cost``: the analytic backend: Alpa's alpha-beta collectives plus a roofline for compute.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import statistics
+import time
+from typing import Sequence
+
+import numpy as np
+
+from cfp import dims as dimrules
+from cfp.sharding import SubProgram, collectives, sub_function, sub_program
+from cfp.windows import Window, window_ops
+
+_FLOAT_LOW, _FLOAT_HIGH = 0.5, 1.5  # positive, away from zero: safe for log, sqrt, division
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """One combination of one window (or one resharding) as measured."""
+
+    status: str  # ok | oom | compile_error | mismatch | worker_died | pruned
+    time_s: float = float("nan")  # median, launch overhead subtracted
+    time_min_s: float = float("nan")
+    time_max_s: float = float("nan")
+    runs: int = 0
+    compile_s: float = 0.0
+    peak_bytes: int = 0  # per device: arguments + outputs + temporaries - aliased
+    argument_bytes: int = 0
+    output_bytes: int = 0
+    temp_bytes: int = 0
+    collectives: tuple = ()  # ((kind, axes, bytes), ...)
+    note: str = ""
+
+
+class WindowProgram:
+    """A window of blocks as a runnable program (see ``cfp.windows``)."""
+
+    def __init__(self, program, analysis, window: Window, mesh):
+        self.program, self.analysis, self.window, self.mesh = program, analysis, window, mesh
+        self.graph = analysis.graph
+        self.blocks = [analysis.blocks.blocks[b] for b in range(window.start, window.end)]
+        self.sub: SubProgram = sub_program(self.graph, window_ops(analysis, window))
+        self.names = mesh.axis_names
+        self.mesh_shape = tuple(mesh.devices.shape)
+
+    def strategies(self, combo: Sequence[int]):
+        return [b.strategies[k] for b, k in zip(self.blocks, combo)]
+
+    def layouts(self, combo) -> tuple[list, list, dict]:
+        """Live-in specs (first reader's want), live-out specs (producer's), constraints."""
+        g = self.graph
+        want, made, constraints = {}, {}, {}
+        for block, strat in zip(self.blocks, self.strategies(combo)):
+            for m in block.members:
+                op = g.ops[m.op]
+                for v, lab in zip(op.inputs, m.ins):
+                    if v not in want or m.op < want[v][0]:
+                        want[v] = (m.op, dimrules.spec_axes(lab, strat.axes, self.names))
+                for v, lab in zip(op.outputs, m.outs):
+                    made[v] = dimrules.spec_axes(lab, strat.axes, self.names)
+                if m.role in ("seed", "input-grad", "weight-grad"):
+                    constraints[m.op] = (
+                        [dimrules.spec_axes(l, strat.axes, self.names) for l in m.ins],
+                        [dimrules.spec_axes(l, strat.axes, self.names) for l in m.outs])
+        none = lambda v: (None,) * len(g.values[v].shape)  # noqa: E731
+        ins = [want[v][1] if v in want else none(v) for v in self.sub.live_ins]
+        outs = [made.get(v, none(v)) for v in self.sub.live_outs]
+        return ins, outs, constraints
+
+    def compile(self, combo):
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+        ins, outs, constraints = self.layouts(combo)
+        shard = lambda s: NamedSharding(self.mesh, PartitionSpec(*s))  # noqa: E731
+        fn = sub_function(self.program, self.sub, constraints=constraints, mesh=self.mesh)
+        args = [jax.ShapeDtypeStruct(self.graph.values[v].shape, self.graph.values[v].dtype,
+                                     sharding=shard(s)) for v, s in zip(self.sub.live_ins, ins)]
+        jitted = jax.jit(fn, in_shardings=[shard(s) for s in ins],
+                         out_shardings=[shard(s) for s in outs])
+        return jitted.lower(*args).compile(), [shard(s) for s in ins]
+
+    def expected_contraction_sizes(self, combo) -> list[int]:
+        """Per-device element count of each contraction's result under ``combo``."""
+        sizes = []
+        for block, strat in zip(self.blocks, self.strategies(combo)):
+            for m in block.contractions:
+                shape = self.graph.values[self.graph.ops[m.op].outputs[0]].shape
+                n = math.prod(shape)
+                for lab in m.outs[0]:
+                    for a, d in enumerate(strat.axes):
+                        if lab is not None and d == lab:
+                            n //= self.mesh_shape[a]
+                sizes.append(n)
+        return sizes
+
+    def check_compiled(self, compiled, combo) -> str:
+        """'' when every contraction computes the per-device shape the combination implies;
+        otherwise what differs (the combination then counts as a mismatch)."""
+        found = contraction_sizes(compiled.as_text())
+        missing = [n for n in self.expected_contraction_sizes(combo) if n not in found]
+        return "" if not missing else f"no contraction of per-device size {missing[:3]}"
+
+
+_CONTRACTION_RE = re.compile(r"=\s*([a-z]+\d*)\[([\d,]*)\][^ ]*\s+(dot|convolution)\(")
+
+
+def contraction_sizes(hlo_text: str) -> set[int]:
+    """Element counts of every dot/convolution result in a compiled module (fused ones too)."""
+    return {math.prod(int(d) for d in dims.split(",") if d) for _, dims, _ in
+            _CONTRACTION_RE.findall(hlo_text)}
+
+
+def memory_of(compiled) -> dict:
+    ma = compiled.memory_analysis()
+    get = lambda k: int(getattr(ma, k, 0) or 0)  # noqa: E731
+    arg, out, tmp, alias = (get("argument_size_in_bytes"), get("output_size_in_bytes"),
+                            get("temp_size_in_bytes"), get("alias_size_in_bytes"))
+    return {"peak_bytes": arg + out + tmp - alias, "argument_bytes": arg,
+            "output_bytes": out, "temp_bytes": tmp}
+
+
+def valid_inputs(graph, sub: SubProgram, seed: int = 0) -> list[np.ndarray]:
+    """Random live-ins valid for their role: floats in [0.5, 1.5) (no zeros, no inf), integer
+    ids below the size they index (a gather's table rows, a one-hot comparison's classes),
+    other integers in [1, 3), booleans all true (no fully masked rows)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for v in sub.live_ins:
+        val = graph.values[v]
+        dtype = np.dtype(val.dtype) if val.dtype != "bfloat16" else None
+        if val.dtype == "bool":
+            out.append(np.ones(val.shape, bool))
+        elif dtype is not None and np.issubdtype(dtype, np.integer):
+            high = _index_bound(graph, v)
+            low = 0 if high else 1
+            out.append(rng.integers(low, high or 3, size=val.shape).astype(dtype))
+        else:
+            x = rng.uniform(_FLOAT_LOW, _FLOAT_HIGH, size=val.shape).astype(np.float32)
+            out.append(x if val.dtype == "float32" else _cast(x, val.dtype))
+    return out
+
+
+def _cast(x, dtype: str):
+    import jax.numpy as jnp
+    return np.asarray(jnp.asarray(x, dtype=dtype))
+
+
+def _index_bound(graph, v: int, depth: int = 0) -> int | None:
+    """The size an integer tensor indexes, found through its readers."""
+    bound = None
+    for u in graph.users.get(v, ()):
+        op = graph.ops[u]
+        size = None
+        if op.primitive == "gather" and op.inputs[1] == v:
+            table = graph.values[op.inputs[0]].shape
+            size = min(table[d] for d in op.attr("start_index_map", (0,)))
+        elif op.primitive in ("eq", "ne", "lt", "le", "gt", "ge"):
+            other = [graph.producer_op(w) for w in op.inputs if w != v]
+            if other and other[0] is not None and other[0].primitive == "iota":
+                size = graph.values[other[0].outputs[0]].shape[other[0].attr("dimension", 0)]
+        elif depth < 4 and op.primitive in ("broadcast_in_dim", "reshape", "convert_element_type",
+                                            "select_n", "add", "squeeze"):
+            size = _index_bound(graph, op.outputs[0], depth + 1)
+        if size:
+            bound = size if bound is None else min(bound, size)
+    return bound
+
+
+def time_runs(fn, args, *, best_s: float | None, warmup: int = 2, min_runs: int = 5,
+              max_runs: int = 30, min_total_s: float = 0.05) -> tuple[list[float], bool]:
+    """Timed runs of ``fn(*args)`` (seconds each) and whether it stopped early because it was
+    already 1.5x slower than ``best_s``."""
+    import jax
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times: list[float] = []
+    while len(times) < max_runs:
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+        if best_s and len(times) >= 3 and statistics.median(times) > 1.5 * best_s:
+            return times, True
+        if len(times) >= min_runs and sum(times) >= min_total_s:
+            break
+    return times, False
+
+
+def launch_overhead(mesh, repeats: int = 50) -> float:
+    """Median wall time of launching a trivial sharded program on the mesh."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+    n = math.prod(mesh.devices.shape)
+    x = jax.device_put(jnp.ones((n, 8), jnp.float32),
+                       NamedSharding(mesh, PartitionSpec(mesh.axis_names)))
+    f = jax.jit(lambda a: a + 1)
+    times, _ = time_runs(f, (x,), best_s=None, warmup=5, min_runs=repeats, max_runs=repeats)
+    return statistics.median(times)
+
+
+# ---------------------------------------------------------------------------------------------
+# The analytic backend
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Alpa's alpha-beta model per mesh axis plus a compute roofline."""
+
+    alpha: tuple[float, ...]  # seconds per collective, per mesh axis
+    beta: tuple[float, ...]  # seconds per byte, per mesh axis
+    device_flops: float  # FLOP/s of one device
+    device_bandwidth: float  # bytes/s of one device's memory
+
+    def collective_s(self, kind: str, axes: tuple[int, ...] | None, nbytes: int,
+                     mesh_shape) -> float:
+        axes = axes if axes else tuple(range(len(mesh_shape)))
+        n = math.prod(mesh_shape[a] for a in axes)
+        if n <= 1:
+            return 0.0
+        a = max(self.alpha[x] for x in axes)
+        b = max(self.beta[x] for x in axes)
+        if kind == "all-reduce":
+            return a + b * 2 * (n - 1) / n * nbytes
+        if kind in ("all-gather", "reduce-scatter"):
+            return a + b * (n - 1) / n * nbytes
+        if kind == "all-to-all":
+            return a + b * (n - 1) / n / n * nbytes
+        return a + b * nbytes  # collective-permute
+
+
+# Documented presets (per device): peak dense bf16/fp32-TF32 FLOP/s, HBM bandwidth, and
+# alpha-beta for NVLink inside a node (axis 1) and the network across nodes (axis 0).
+DEVICE_PRESETS = {
+    "a100": {"device_flops": 312e12, "device_bandwidth": 1.555e12,
+             "alpha": (5e-6, 5e-6), "beta": (1 / 25e9, 1 / 150e9)},
+    "h100": {"device_flops": 989e12, "device_bandwidth": 3.35e12,
+             "alpha": (5e-6, 3e-6), "beta": (1 / 50e9, 1 / 450e9)},
+}
+
+
+def model_cost(compiled, mesh_shape, cost: CostModel) -> tuple[float, tuple]:
+    """Predicted seconds of a compiled program: roofline compute + alpha-beta collectives.
+    CPU's reduce-scatter (an all-reduce whose result is then sliced) is priced as one."""
+    text = compiled.as_text()
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, (list, tuple)):
+        analysis = analysis[0] if analysis else {}
+    flops = float(analysis.get("flops", 0.0))
+    nbytes = float(analysis.get("bytes accessed", 0.0))
+    compute = max(flops / cost.device_flops, nbytes / cost.device_bandwidth)
+    colls = collectives(text, mesh_shape)
+    sliced = _sliced_allreduces(text)
+    comm = 0.0
+    for c in colls:
+        kind = "reduce-scatter" if c.kind == "all-reduce" and c.line.split("=")[0].strip(
+            " %") in sliced else c.kind
+        comm += cost.collective_s(kind, c.axes, c.bytes, mesh_shape)
+    return compute + comm, tuple((c.kind, c.axes, c.bytes) for c in colls)
+
+
+def _sliced_allreduces(text: str) -> set[str]:
+    """Names of all-reduces whose only use is a dynamic-slice (CPU's reduce-scatter)."""
+    names = set()
+    for m in re.finditer(r"dynamic-slice\(%?([\w.\-]+)", text):
+        if m.group(1).startswith("all-reduce"):
+            names.add(m.group(1))
+    return names

@@ -1,0 +1,234 @@
+"""A measurement worker process, so that an XLA abort or an OOM kill ends it, not the pass.
+
+The parent sends jobs over a pipe; the worker re-traces the step (checking it against the
+analysis), compiles a batch of combinations first and then times them with nothing else
+running (a compile beside a timing corrupts it on a machine with few cores), streaming one
+result per combination. When the worker dies, the combination in flight is recorded as
+``worker_died`` and a fresh worker takes the rest.
+"""
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import statistics
+import time
+import traceback
+from typing import Iterator
+
+from cfp.errors import CfpError
+from cfp.measure import Measurement
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerOptions:
+    cost: str  # "measure" | "model"
+    memory_budget_bytes: int  # per device; a combination whose compiled peak exceeds it is oom
+    batch: int  # combinations compiled before timing
+    cost_model: object | None = None  # cfp.measure.CostModel for cost == "model"
+
+
+class Worker:
+    """The parent's handle on a worker process; restarted after a death."""
+
+    def __init__(self, analysis_path: str, fingerprint: tuple, options: WorkerOptions):
+        self.args = (analysis_path, fingerprint, options)
+        self.options = options
+        self.proc = None
+        self.overhead_s = 0.0
+
+    def _start(self):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_main, args=(child,) + self.args, daemon=True)
+        self.proc.start()
+        child.close()
+        kind, payload = self._recv()
+        if kind != "ready":
+            raise CfpError(f"the measurement worker could not start: {payload}")
+        self.overhead_s = payload
+
+    def _recv(self):
+        try:
+            return self.conn.recv()
+        except (EOFError, ConnectionError, OSError):
+            return ("died", None)
+
+    def ensure(self):
+        if self.proc is None or not self.proc.is_alive():
+            self._start()
+
+    def close(self):
+        if self.proc is not None and self.proc.is_alive():
+            try:
+                self.conn.send(("stop",))
+            except OSError:
+                pass
+            self.proc.join(timeout=10)
+            if self.proc.is_alive():
+                self.proc.kill()
+
+    def measure_window(self, window, combos: list[tuple], best_s: float | None
+                       ) -> Iterator[tuple[tuple, Measurement]]:
+        """Measurements of ``combos`` of ``window``, one by one, surviving worker deaths."""
+        pending = list(combos)
+        while pending:
+            self.ensure()
+            self.conn.send(("window", window, pending, best_s))
+            in_flight = None
+            while True:
+                kind, payload = self._recv()
+                if kind == "start":
+                    in_flight = payload
+                elif kind == "result":
+                    combo, m = payload
+                    pending.remove(combo)
+                    if m.status == "ok" and (best_s is None or m.time_s < best_s):
+                        best_s = m.time_s
+                    yield combo, m
+                elif kind == "done":
+                    break
+                elif kind == "error":
+                    raise CfpError(payload)
+                else:  # died
+                    self.proc.join(timeout=5)
+                    victim = in_flight if in_flight in pending else pending[0]
+                    pending.remove(victim)
+                    code = self.proc.exitcode
+                    yield victim, Measurement("worker_died", note=f"worker exit code {code}")
+                    self.proc = None
+                    break
+
+    def measure_reshards(self, items: list[tuple]) -> dict[tuple, float]:
+        """Seconds of each resharding ``(shape, dtype, src spec, dst spec)``."""
+        self.ensure()
+        self.conn.send(("reshard", items))
+        kind, payload = self._recv()
+        if kind != "reshards":
+            raise CfpError(f"the measurement worker failed while timing reshardings: {payload}")
+        return payload
+
+
+def _main(conn, analysis_path, fingerprint, options: WorkerOptions):
+    try:
+        state = _setup(analysis_path, fingerprint)
+        conn.send(("ready", state["overhead"]))
+    except Exception as e:  # noqa: BLE001 - reported to the parent as one line
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    while True:
+        msg = conn.recv()
+        if msg[0] == "stop":
+            return
+        try:
+            if msg[0] == "window":
+                _measure_window(conn, state, options, *msg[1:])
+                conn.send(("done", None))
+            elif msg[0] == "reshard":
+                conn.send(("reshards", _measure_reshards(state, msg[1])))
+        except Exception:  # noqa: BLE001
+            conn.send(("error", traceback.format_exc(limit=3).strip().splitlines()[-1]))
+
+
+def _setup(analysis_path, fingerprint):
+    from cfp.measure import launch_overhead
+    from cfp.records import read_record
+    from cfp.workloads import make_mesh, trace_step
+    from passes.analysis import FORMAT
+    analysis = read_record(analysis_path, FORMAT, fingerprint, hint="rerun --mode analysis")
+    program = trace_step(analysis.spec.build())
+    if program.graph().fingerprint() != analysis.graph.fingerprint():
+        raise CfpError("the step traced now differs from the one analysed: rerun --mode analysis")
+    mesh = make_mesh(analysis.mesh_shape)
+    return {"analysis": analysis, "program": program, "mesh": mesh,
+            "overhead": launch_overhead(mesh), "inputs": {}}
+
+
+def _measure_window(conn, state, options: WorkerOptions, window, combos, best_s):
+    """Compile a batch of combinations (in threads: XLA releases the GIL), then time them with
+    nothing else running; on a host with cores to spare (8 or more) the next batch compiles
+    while this one is timed."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+    from cfp.measure import WindowProgram, valid_inputs
+    wp = WindowProgram(state["program"], state["analysis"], window, state["mesh"])
+    if window.type not in state["inputs"]:
+        state["inputs"] = {window.type: valid_inputs(wp.graph, wp.sub, seed=window.type)}
+    host_inputs = state["inputs"][window.type]
+    cores = os.cpu_count() or 1
+    overlap = cores >= 8
+    batches = [combos[i:i + options.batch] for i in range(0, len(combos), options.batch)]
+    with ThreadPoolExecutor(max_workers=max(1, min(cores - (1 if overlap else 0), 8))) as pool:
+        submit = lambda batch: [(c, pool.submit(_compile_one, wp, c)) for c in batch]  # noqa
+        pending = submit(batches[0]) if batches else []
+        for i in range(len(batches)):
+            for combo, _ in pending:
+                conn.send(("start", combo))
+            ready = [(c, f.result()) for c, f in pending]
+            pending = submit(batches[i + 1]) if overlap and i + 1 < len(batches) else []
+            best_s = _time_batch(conn, state, options, wp, ready, host_inputs, best_s)
+            if not overlap and i + 1 < len(batches):
+                pending = submit(batches[i + 1])
+
+
+def _compile_one(wp, combo):
+    import time as _time
+    from cfp.measure import memory_of
+    from cfp.sharding import collectives
+    t0 = _time.perf_counter()
+    try:
+        exe, shardings = wp.compile(combo)
+    except Exception as e:  # noqa: BLE001 - a strategy XLA cannot compile
+        return Measurement("compile_error", note=f"{type(e).__name__}: {str(e)[:200]}")
+    colls = tuple((c.kind, c.axes, c.bytes) for c in collectives(exe.as_text(), wp.mesh_shape))
+    return (exe, shardings, _time.perf_counter() - t0, memory_of(exe), colls,
+            wp.check_compiled(exe, combo))
+
+
+def _time_batch(conn, state, options, wp, ready, host_inputs, best_s):
+    import jax
+    from cfp.measure import model_cost, time_runs
+    for combo, got in ready:
+        if isinstance(got, Measurement):
+            conn.send(("result", (combo, got)))
+            continue
+        exe, shardings, compile_s, mem, colls, note = got
+        conn.send(("start", combo))
+        if note:
+            m = Measurement("mismatch", compile_s=compile_s, collectives=colls, note=note, **mem)
+        elif mem["peak_bytes"] > options.memory_budget_bytes:
+            m = Measurement("oom", compile_s=compile_s, collectives=colls,
+                            note=f"compiled peak {mem['peak_bytes']} B over the budget", **mem)
+        elif options.cost == "model":
+            t, colls = model_cost(exe, wp.mesh_shape, options.cost_model)
+            m = Measurement("ok", t, t, t, 0, compile_s, collectives=colls, **mem)
+        else:
+            args = [jax.device_put(x, s) for x, s in zip(host_inputs, shardings)]
+            times, early = time_runs(exe, args, best_s=best_s)
+            times = [max(0.0, t - state["overhead"]) for t in times]
+            med = statistics.median(times)
+            m = Measurement("ok", med, min(times), max(times), len(times), compile_s,
+                            collectives=colls, note="stopped early: 1.5x slower than the best"
+                            if early else "", **mem)
+            del args
+        if m.status == "ok" and (best_s is None or m.time_s < best_s):
+            best_s = m.time_s
+        conn.send(("result", (combo, m)))
+    return best_s
+
+
+def _measure_reshards(state, items):
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+    from cfp.measure import time_runs
+    mesh = state["mesh"]
+    out = {}
+    for shape, dtype, src, dst in items:
+        s_src = NamedSharding(mesh, PartitionSpec(*src))
+        s_dst = NamedSharding(mesh, PartitionSpec(*dst))
+        x = jax.device_put(np.ones(shape, dtype=np.float32).astype(dtype)
+                           if dtype != "bfloat16" else jax.numpy.ones(shape, dtype), s_src)
+        f = jax.jit(lambda a: a, in_shardings=s_src, out_shardings=s_dst)
+        times, _ = time_runs(f, (x,), best_s=None)
+        out[(shape, dtype, src, dst)] = max(0.0, statistics.median(times) - state["overhead"])
+    return out
