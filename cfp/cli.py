@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import time
 from pathlib import Path
 
 from cfp.errors import CfpError
@@ -56,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--beta", default=None, help="--cost model: seconds per byte, per axis")
     f.add_argument("--device-flops", type=float, default=None)
     f.add_argument("--device-bandwidth", type=float, default=None)
+    s = p.add_argument_group("search")
+    s.add_argument("--time-limit", type=float, default=60.0, help="CP-SAT seconds per solve")
+    s.add_argument("--validate-top", type=int, default=3,
+                   help="run the K best predicted plans end to end and keep the fastest")
+    s.add_argument("--iters", type=int, default=None,
+                   help="steps per measurement (default: at least 10 steps or 2 s)")
     return p
 
 
@@ -222,12 +229,60 @@ def _run_profile(opts: RunOptions, args) -> None:
                            analysis.plan_space_log10())
 
 
-def _not_yet(name):
-    def run(opts, args):
-        from cfp import report
-        report.say(f"({name} pass: not built yet)")
-    return run
+def _run_search(opts: RunOptions, args) -> None:
+    import jax
+    from cfp import report
+    from cfp.execute import check_numerics, real_inputs
+    from cfp.workloads import make_mesh, trace_step
+    from passes.profile import load_profiles
+    from passes.search import (SearchOptions, build_problem, measure_plans, plan_flops,
+                               predicted_seconds, top_plans)
+    analysis, _, run_fp = _load_analysis(opts)
+    popts = _profile_options(opts, args)
+    profile, segs = load_profiles(opts.workdir, run_fp, analysis, popts)
+    budget = _memory_budget_bytes(args, required=True)
+    sopts = SearchOptions(budget, args.time_limit, args.validate_top, args.iters)
+    report.say("***********Search Pass****************")
+    t0 = time.perf_counter()
+    problem, _ = build_problem(analysis, profile, segs, budget)
+    sols = top_plans(problem, sopts.validate_top, sopts.time_limit_s)
+    solve_s = time.perf_counter() - t0
+    report.say(f"solver: {sols[0].status} in {sols[0].solve_s:.2f} s; {len(sols)} candidate plans")
+    workload = analysis.spec.build()
+    mesh = make_mesh(opts.mesh_shape)
+    numerics = None
+    if _small(analysis):
+        loss_err, grad_excess = check_numerics(workload, analysis, sols[0].strategies, mesh)
+        numerics = {"loss_rel_err": loss_err, "grad_excess_over_tol": grad_excess}
+        report.say(f"numerical check against one device: loss rel. error {loss_err:.2e}, "
+                   f"gradients {'match' if grad_excess == 0 else f'off by {grad_excess:.2e}'}")
+        if loss_err > 1e-4 or grad_excess > 0:
+            raise CfpError("the sharded step does not match the single-device step (see above);"
+                           " this is a cfp bug: please report it with the work dir")
+    program = trace_step(workload)
+    steps, times = measure_plans(program, analysis, [s.strategies for s in sols], mesh,
+                                 real_inputs(workload), sopts, report.say)
+    medians = [sorted(t)[len(t) // 2] for t in times]
+    best = min(range(len(sols)), key=lambda i: medians[i])
+    for i, sol in enumerate(sols):
+        report.say(f"candidate {i}: predicted {predicted_seconds(problem, sol.choices):.6f} s, "
+                   f"measured {medians[i]:.6f} s" + ("  <- kept" if i == best else ""))
+    flops = plan_flops(analysis)
+    report.search_console(sols[best], times[best], steps[best], flops,
+                          len(jax.devices()[:_num(opts)]))
+    report.write_search_dumps(opts.workdir, analysis, workload, problem, sols, best, steps,
+                              times, flops, numerics, solve_s, mesh, popts.cost)
 
 
-_RUNNERS = {"analysis": _run_analysis, "profile": _run_profile,
-            "search": _not_yet("search")}
+def _small(analysis) -> bool:
+    """Configurations small enough for the single-device numerical check."""
+    g = analysis.graph
+    return sum(g.values[v].nbytes for v in g.inputs) < 2**29
+
+
+def _num(opts: RunOptions) -> int:
+    import math
+    return math.prod(opts.mesh_shape)
+
+
+_RUNNERS = {"analysis": _run_analysis, "profile": _run_profile, "search": _run_search}

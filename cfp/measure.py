@@ -24,7 +24,7 @@ import numpy as np
 
 from cfp import dims as dimrules
 from cfp.sharding import SubProgram, collectives, sub_function, sub_program
-from cfp.windows import Window, window_ops
+from cfp.windows import Window, window_layouts, window_ops
 
 _FLOAT_LOW, _FLOAT_HIGH = 0.5, 1.5  # positive, away from zero: safe for log, sqrt, division
 
@@ -63,24 +63,8 @@ class WindowProgram:
 
     def layouts(self, combo) -> tuple[list, list, dict]:
         """Live-in specs (first reader's want), live-out specs (producer's), constraints."""
-        g = self.graph
-        want, made, constraints = {}, {}, {}
-        for block, strat in zip(self.blocks, self.strategies(combo)):
-            for m in block.members:
-                op = g.ops[m.op]
-                for v, lab in zip(op.inputs, m.ins):
-                    if v not in want or m.op < want[v][0]:
-                        want[v] = (m.op, dimrules.spec_axes(lab, strat.axes, self.names))
-                for v, lab in zip(op.outputs, m.outs):
-                    made[v] = dimrules.spec_axes(lab, strat.axes, self.names)
-                if m.role in ("seed", "input-grad", "weight-grad"):
-                    constraints[m.op] = (
-                        [dimrules.spec_axes(l, strat.axes, self.names) for l in m.ins],
-                        [dimrules.spec_axes(l, strat.axes, self.names) for l in m.outs])
-        none = lambda v: (None,) * len(g.values[v].shape)  # noqa: E731
-        ins = [want[v][1] if v in want else none(v) for v in self.sub.live_ins]
-        outs = [made.get(v, none(v)) for v in self.sub.live_outs]
-        return ins, outs, constraints
+        return window_layouts(self.graph, self.blocks, self.strategies(combo), self.sub,
+                              self.names)
 
     def compile(self, combo):
         import jax

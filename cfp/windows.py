@@ -136,3 +136,69 @@ def shard_bytes(shape, dtype_size: int, spec, mesh_shape, axis_names) -> int:
         for name in (entry if isinstance(entry, tuple) else (entry,) if entry else ()):
             n //= mesh_shape[axis_names.index(name)]
     return n
+
+
+def window_layouts(graph, blocks, strategies, sub, axis_names) -> tuple[list, list, dict]:
+    """For a window under one strategy per block: live-in specs (as the first reader in program
+    order wants them), live-out specs (as their producer makes them), and the constraints on
+    every contraction's operands and result."""
+    want, made, constraints = {}, {}, {}
+    for block, strat in zip(blocks, strategies):
+        for m in block.members:
+            op = graph.ops[m.op]
+            for v, lab in zip(op.inputs, m.ins):
+                if v not in want or m.op < want[v][0]:
+                    want[v] = (m.op, dimrules.spec_axes(lab, strat.axes, axis_names))
+            for v, lab in zip(op.outputs, m.outs):
+                made[v] = dimrules.spec_axes(lab, strat.axes, axis_names)
+            if m.role in ("seed", "input-grad", "weight-grad"):
+                constraints[m.op] = (
+                    [dimrules.spec_axes(l, strat.axes, axis_names) for l in m.ins],
+                    [dimrules.spec_axes(l, strat.axes, axis_names) for l in m.outs])
+    none = lambda v: (None,) * len(graph.values[v].shape)  # noqa: E731
+    ins = [want[v][1] if v in want else none(v) for v in sub.live_ins]
+    outs = [made.get(v, none(v)) for v in sub.live_outs]
+    return ins, outs, constraints
+
+
+def option_memory(analysis, window: Window, combo, measured, axis_names) -> tuple[int, int]:
+    """(bytes that add up over windows, transient bytes) of a window under ``combo``, per device.
+
+    Adding up: the window's parameters, optimizer state and batch coming in and their updates
+    going out, plus the activations it produces in the forward pass and holds for the backward
+    pass (produced before the loss, read after it). Transient: the compiled temporaries less
+    the held activations inside them; only the largest transient counts in a step's peak."""
+    from cfp.sharding import sub_program
+    g = analysis.graph
+    blocks = [analysis.blocks.blocks[b] for b in range(window.start, window.end)]
+    strategies = [b.strategies[k] for b, k in zip(blocks, combo)]
+    sub = sub_program(g, window_ops(analysis, window))
+    ins, outs, _ = window_layouts(g, blocks, strategies, sub, axis_names)
+    mesh_shape = analysis.mesh_shape
+    size = lambda v, spec: shard_bytes(g.values[v].shape, _itemsize(g.values[v].dtype), spec,  # noqa
+                                        mesh_shape, axis_names)
+    persistent = sum(size(v, s) for v, s in zip(sub.live_ins, ins)
+                     if g.values[v].input_index is not None)
+    outputs = set(g.outputs)
+    persistent += sum(size(v, s) for v, s in zip(sub.live_outs, outs) if v in outputs)
+    loss_op = g.values[g.outputs[-1]].producer if g.outputs else None
+    held = held_internal = 0
+    if loss_op is not None and not g.values[g.outputs[-1]].shape:
+        out_spec = dict(zip(sub.live_outs, outs))
+        member = {m.op: (blk, st, m) for blk, st in zip(blocks, strategies) for m in blk.members}
+        for i in sub.ops:
+            if i >= loss_op:
+                continue
+            blk, st, m = member[i]
+            for v, lab in zip(g.ops[i].outputs, m.outs):
+                if any(u > loss_op for u in g.users.get(v, ())):
+                    b = size(v, dimrules.spec_axes(lab, st.axes, axis_names))
+                    held += b
+                    if v not in out_spec:
+                        held_internal += b
+    transient = max(0, measured.temp_bytes - held_internal)
+    return persistent + held, transient
+
+
+def _itemsize(dtype: str) -> int:
+    return 2 if dtype == "bfloat16" else __import__("numpy").dtype(dtype).itemsize

@@ -1,0 +1,161 @@
+"""Running the full training step under a plan (one strategy per block).
+
+``PlannedStep`` re-evaluates the traced step with each block's strategy applied through public
+APIs: parameter, optimizer-state and batch shardings as ``jax.jit`` input shardings (the layout
+the first block that reads each wants), the new state as output shardings, and
+``with_sharding_constraint`` on every contraction's operands and result inside.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Sequence
+
+import numpy as np
+
+from cfp import dims as dimrules
+from cfp.sharding import block_constraints, sub_function, SubProgram
+
+
+def plan_specs(analysis, strategies: Sequence[int], axis_names) -> tuple[dict, dict, dict]:
+    """(in specs per step-input value, out specs per step-output value, constraints per op)."""
+    g, ba = analysis.graph, analysis.blocks
+    member = {m.op: (b, m) for b in ba.blocks for m in b.members}
+    want: dict[int, tuple] = {}
+    made: dict[int, tuple] = {}
+    for op in g.ops:
+        if op.index not in member:
+            continue
+        block, m = member[op.index]
+        strat = block.strategies[strategies[block.index]]
+        for v, lab in zip(op.inputs, m.ins):
+            if g.values[v].producer is None and v not in want:
+                want[v] = dimrules.spec_axes(lab, strat.axes, axis_names)
+        for v, lab in zip(op.outputs, m.outs):
+            made[v] = dimrules.spec_axes(lab, strat.axes, axis_names)
+    none = lambda v: (None,) * len(g.values[v].shape)  # noqa: E731
+    ins = {v: want.get(v, none(v)) for v in g.inputs}
+    outs = {v: made.get(v, ins.get(v, none(v))) for v in g.outputs}
+    constraints = {}
+    for b in ba.blocks:
+        constraints.update(block_constraints(b, b.strategies[strategies[b.index]], axis_names))
+    return ins, outs, constraints
+
+
+class PlannedStep:
+    """The whole step under ``strategies``; ``compile()`` once, then ``run`` or ``time``."""
+
+    def __init__(self, program, analysis, strategies: Sequence[int], mesh):
+        from jax.sharding import NamedSharding, PartitionSpec
+        self.program, self.analysis, self.mesh = program, analysis, mesh
+        self.strategies = tuple(strategies)
+        ins, outs, self.constraints = plan_specs(analysis, strategies, mesh.axis_names)
+        g = analysis.graph
+        shard = lambda s: NamedSharding(mesh, PartitionSpec(*s))  # noqa: E731
+        self.in_shardings = [shard(ins[v]) for v in g.inputs]
+        self.out_shardings = [shard(outs[v]) for v in g.outputs]
+        self.in_specs = [ins[v] for v in g.inputs]
+        self.out_specs = [outs[v] for v in g.outputs]
+        sub = SubProgram(tuple(range(len(g.ops))), tuple(g.inputs), tuple(g.outputs))
+        self.fn = sub_function(program, sub, constraints=self.constraints, mesh=mesh)
+        self.compiled = None
+
+    def compile(self):
+        import jax
+        g = self.analysis.graph
+        args = [jax.ShapeDtypeStruct(g.values[v].shape, g.values[v].dtype, sharding=s)
+                for v, s in zip(g.inputs, self.in_shardings)]
+        jitted = jax.jit(self.fn, in_shardings=self.in_shardings,
+                         out_shardings=self.out_shardings)
+        self.compiled = jitted.lower(*args).compile()
+        return self.compiled
+
+    def place(self, flat_inputs):
+        import jax
+        return [jax.device_put(x, s) for x, s in zip(flat_inputs, self.in_shardings)]
+
+    def time_steps(self, args, *, iters: int | None, min_steps: int = 10,
+                   min_seconds: float = 2.0) -> float:
+        """Mean seconds per step over one measurement: ``iters`` steps, or (default) at least
+        ``min_steps`` steps or ``min_seconds``, whichever comes first."""
+        import jax
+        n, t0 = 0, time.perf_counter()
+        out = None
+        while True:
+            out = self.compiled(*args)
+            n += 1
+            if iters is not None and n >= iters:
+                break
+            if iters is None and (n >= min_steps or time.perf_counter() - t0 >= min_seconds):
+                break
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) / n
+
+
+def real_inputs(workload, seed: int = 0) -> list:
+    """Concrete (params, opt_state, batch) leaves for the workload, on the host."""
+    import jax
+    from cfp.models import adam_init
+    params = workload.init_params(jax.random.key(seed))
+    opt = workload.opt_init(params) if getattr(workload, "opt_init", None) else adam_init(params)
+    batch = workload.make_batch(jax.random.key(seed + 1))
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves((params, opt, batch))]
+
+
+def check_numerics(workload, analysis, strategies, mesh, *, rtol=2e-3, atol=2e-5):
+    """Loss and gradients of the sharded step against the single-device step.
+
+    The gradient function is traced separately; it holds the same contractions in the same
+    order as the step, so each gets the plan's constraints. Gradients are compared rather than
+    Adam-updated parameters, whose sign-like update amplifies reduction-order noise.
+    Returns (max relative loss error, max gradient error over tolerance) and raises nothing.
+    """
+    import jax
+    from cfp.graph import trace_program
+    from jax.sharding import NamedSharding, PartitionSpec
+    params = workload.init_params(jax.random.key(0))
+    batch = workload.make_batch(jax.random.key(1))
+    grad_fn = workload.grad_fn()
+    loss_ref, grads_ref = jax.jit(grad_fn)(params, batch)
+    prog = trace_program(grad_fn, params, batch)
+    g = prog.graph()
+    ins, _, constraints = plan_specs(analysis, strategies, mesh.axis_names)
+    step_contractions = [op.index for op in analysis.graph.ops if op.is_contraction]
+    grad_contractions = [op.index for op in g.ops if op.is_contraction]
+    if len(grad_contractions) > len(step_contractions):
+        raise RuntimeError("the gradient program has contractions the step does not")
+    mapped = {gi: constraints[si] for gi, si in zip(grad_contractions, step_contractions)
+              if si in constraints}
+    n_params = len(jax.tree_util.tree_leaves(params))
+    n_opt = len(analysis.graph.inputs) - n_params - len(jax.tree_util.tree_leaves(batch))
+    step_inputs = list(analysis.graph.inputs)
+    specs = [ins[v] for v in step_inputs[:n_params] + step_inputs[n_params + n_opt:]]
+    shard = lambda s: NamedSharding(mesh, PartitionSpec(*s))  # noqa: E731
+    sub = SubProgram(tuple(range(len(g.ops))), tuple(g.inputs), tuple(g.outputs))
+    fn = sub_function(prog, sub, constraints=mapped, mesh=mesh)
+    flat = jax.tree_util.tree_leaves((params, batch))
+    out = jax.jit(fn, in_shardings=[shard(s) for s in specs])(
+        *[jax.device_put(x, shard(s)) for x, s in zip(flat, specs)])
+    loss = float(out[0])
+    grads = out[1:]
+    loss_err = abs(loss - float(loss_ref)) / max(abs(float(loss_ref)), 1e-12)
+    worst = 0.0
+    for a, b in zip(grads, jax.tree_util.tree_leaves(grads_ref)):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        excess = np.abs(a - b) - (atol + rtol * np.abs(b))
+        worst = max(worst, float(excess.max(initial=0.0)))
+    return loss_err, worst
+
+
+def flops_of(analysis) -> float:
+    return float(sum(op.flops for op in analysis.graph.ops))
+
+
+def memory_gb(compiled) -> float:
+    from cfp.measure import memory_of
+    return memory_of(compiled)["peak_bytes"] / 2**30
+
+
+def median(xs) -> float:
+    return statistics.median(xs) if xs else math.nan

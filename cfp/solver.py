@@ -1,0 +1,164 @@
+"""The plan search as a CP-SAT model (OR-Tools), on integers.
+
+A ``Problem`` has *groups* (window instances), each choosing one of its measured *options* (a
+combination of strategies for its blocks, with a cost and memory terms), and *edges* between
+blocks of different groups, each with a cost table over the two blocks' strategies (the
+resharding of the tensors that cross). Edges follow the program's real boundaries, so they need
+not form a chain (tied embeddings, skip connections).
+
+Model: one-hot booleans per group option; per block, booleans ``x[b][s]`` tied to the options
+that give it strategy ``s``; per edge, "transport" booleans ``e[s,t]`` with ``sum_t e[s,t] =
+x_i[s]`` and ``sum_s e[s,t] = x_j[t]`` (exactly one is true, and it prices the pair). Memory:
+``sum(persistent + held) + M <= budget`` with ``M >= transient`` of every chosen option. Costs
+are integers (the caller scales seconds to its profiles' resolution), so the optimum is exact.
+
+Example:
+    >>> p = Problem(groups=[Group((0,), [Option((0,), 5), Option((1,), 3)])], num_strategies=[2])
+    >>> solve(p).choices
+    (1,)
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    strategies: tuple[int, ...]  # one per block of the group
+    cost: int
+    memory: int = 0  # persistent + held-for-backward bytes: these add up over groups
+    transient: int = 0  # bytes alive only while the group runs: the largest one counts
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    blocks: tuple[int, ...]
+    options: list[Option]
+
+
+@dataclasses.dataclass
+class Problem:
+    groups: list[Group]
+    num_strategies: list[int]  # per block
+    edges: dict = dataclasses.field(default_factory=dict)  # (i, j) -> int array [S_i, S_j]
+    memory_budget: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Solution:
+    choices: tuple[int, ...]  # option index per group
+    strategies: tuple[int, ...]  # strategy per block
+    objective: int
+    memory: int
+    status: str  # OPTIMAL | FEASIBLE
+    solve_s: float
+
+
+def evaluate(problem: Problem, choices) -> tuple[int, int, tuple[int, ...]]:
+    """(cost, memory, block strategies) of a choice of one option per group."""
+    strat = [0] * len(problem.num_strategies)
+    cost = mem = trans = 0
+    for g, c in zip(problem.groups, choices):
+        opt = g.options[c]
+        cost += opt.cost
+        mem += opt.memory
+        trans = max(trans, opt.transient)
+        for b, s in zip(g.blocks, opt.strategies):
+            strat[b] = s
+    for (i, j), table in problem.edges.items():
+        cost += int(table[strat[i], strat[j]])
+    return cost, mem + trans, tuple(strat)
+
+
+def solve(problem: Problem, *, time_limit_s: float = 60.0, exclude=(), workers: int = 1
+          ) -> Solution | None:
+    """The cheapest plan (None when no plan meets the memory budget or all are excluded)."""
+    from ortools.sat.python import cp_model
+    t0 = time.perf_counter()
+    m = cp_model.CpModel()
+    y = [[m.NewBoolVar(f"y{g}_{o}") for o in range(len(grp.options))]
+         for g, grp in enumerate(problem.groups)]
+    for g, vs in enumerate(y):
+        m.AddExactlyOne(vs)
+    x = {}
+    for g, grp in enumerate(problem.groups):
+        for k, b in enumerate(grp.blocks):
+            for s in range(problem.num_strategies[b]):
+                ys = [y[g][o] for o, opt in enumerate(grp.options) if opt.strategies[k] == s]
+                x[b, s] = m.NewBoolVar(f"x{b}_{s}")
+                m.Add(x[b, s] == sum(ys)) if ys else m.Add(x[b, s] == 0)
+    objective = [opt.cost * y[g][o] for g, grp in enumerate(problem.groups)
+                 for o, opt in enumerate(grp.options)]
+    for (i, j), table in problem.edges.items():
+        table = np.asarray(table)
+        if not table.any():
+            continue
+        e = {(s, t): m.NewBoolVar(f"e{i}_{j}_{s}_{t}") for s in range(table.shape[0])
+             for t in range(table.shape[1])}
+        for s in range(table.shape[0]):
+            m.Add(sum(e[s, t] for t in range(table.shape[1])) == x[i, s])
+        for t in range(table.shape[1]):
+            m.Add(sum(e[s, t] for s in range(table.shape[0])) == x[j, t])
+        objective += [int(table[s, t]) * v for (s, t), v in e.items() if table[s, t]]
+    if problem.memory_budget is not None:
+        peak = m.NewIntVar(0, max((o.transient for g in problem.groups for o in g.options),
+                                  default=0), "transient")
+        for g, grp in enumerate(problem.groups):
+            m.Add(peak >= sum(opt.transient * y[g][o] for o, opt in enumerate(grp.options)))
+        m.Add(sum(opt.memory * y[g][o] for g, grp in enumerate(problem.groups)
+                  for o, opt in enumerate(grp.options)) + peak <= problem.memory_budget)
+    for prev in exclude:  # no-good cuts: not this exact plan again
+        m.AddBoolOr([y[g][c].Not() for g, c in enumerate(prev)])
+    m.Minimize(sum(objective))
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = workers
+    solver.parameters.linearization_level = 2
+    status = solver.Solve(m)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    choices = tuple(next(o for o, v in enumerate(vs) if solver.Value(v)) for vs in y)
+    cost, mem, strat = evaluate(problem, choices)
+    return Solution(choices, strat, cost, mem,
+                    "OPTIMAL" if status == cp_model.OPTIMAL else "FEASIBLE",
+                    time.perf_counter() - t0)
+
+
+def brute_force(problem: Problem) -> tuple[int, tuple] | None:
+    """Exhaustive optimum (cost, choices) for tests; None when nothing fits the budget."""
+    best = None
+    for choices in itertools.product(*[range(len(g.options)) for g in problem.groups]):
+        cost, mem, _ = evaluate(problem, choices)
+        if problem.memory_budget is not None and mem > problem.memory_budget:
+            continue
+        if best is None or cost < best[0]:
+            best = (cost, choices)
+    return best
+
+
+def chain_dp(problem: Problem) -> int:
+    """Exact optimum of a chain (edges only between consecutive groups), no memory budget."""
+    groups = problem.groups
+    owner = {b: g for g, grp in enumerate(groups) for b in grp.blocks}
+
+    def edge_cost(g, o_prev, o_next):
+        total = 0
+        for (i, j), table in problem.edges.items():
+            gi, gj = owner[i], owner[j]
+            if {gi, gj} == {g, g + 1}:
+                si = groups[gi].options[o_prev if gi == g else o_next]
+                sj = groups[gj].options[o_prev if gj == g else o_next]
+                total += int(table[si.strategies[groups[gi].blocks.index(i)],
+                                   sj.strategies[groups[gj].blocks.index(j)]])
+        return total
+
+    best = [o.cost for o in groups[0].options]
+    for g in range(len(groups) - 1):
+        best = [groups[g + 1].options[n].cost + min(best[p] + edge_cost(g, p, n)
+                                                   for p in range(len(best)))
+                for n in range(len(groups[g + 1].options))]
+    return min(best)

@@ -1,0 +1,70 @@
+import random
+
+import numpy as np
+import pytest
+
+from cfp.solver import Group, Option, Problem, brute_force, chain_dp, evaluate, solve
+
+
+def _random_chain(rng, groups=4, blocks_per=2, strategies=3, budget=None):
+    gs, nb = [], []
+    for g in range(groups):
+        blocks = tuple(range(len(nb), len(nb) + blocks_per))
+        nb += [strategies] * blocks_per
+        opts = [Option(c, rng.randint(10, 100), rng.randint(1, 20), rng.randint(0, 10))
+                for c in np.ndindex(*(strategies,) * blocks_per)]
+        gs.append(Group(blocks, opts))
+    edges = {}
+    for g in range(groups - 1):
+        i, j = gs[g].blocks[-1], gs[g + 1].blocks[0]
+        edges[i, j] = np.array([[0 if s == t else rng.randint(1, 40) for t in range(strategies)]
+                                for s in range(strategies)])
+    return Problem(gs, nb, edges, budget)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_solver_matches_brute_force_and_dp(seed):
+    rng = random.Random(seed)
+    p = _random_chain(rng, groups=3)
+    sol = solve(p)
+    assert sol.status == "OPTIMAL"
+    assert sol.objective == brute_force(p)[0] == chain_dp(p)
+    assert evaluate(p, sol.choices)[0] == sol.objective
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_solver_respects_a_binding_memory_budget(seed):
+    rng = random.Random(100 + seed)
+    free = _random_chain(rng, groups=3)
+    unconstrained = brute_force(free)
+    mem_of_best = evaluate(free, unconstrained[1])[1]
+    tight = Problem(free.groups, free.num_strategies, free.edges, mem_of_best - 1)
+    want = brute_force(tight)
+    sol = solve(tight)
+    if want is None:
+        assert sol is None
+    else:
+        assert sol.objective == want[0] and sol.memory <= tight.memory_budget
+        assert sol.objective >= unconstrained[0]
+
+
+def test_incompatible_neighbours_pay_or_avoid_the_resharding():
+    """Two segments each best alone (strategy 0 and 1) but incompatible at their boundary."""
+    def problem(reshard):
+        g0 = Group((0,), [Option((0,), 10), Option((1,), 14)])
+        g1 = Group((1,), [Option((0,), 14), Option((1,), 10)])
+        return Problem([g0, g1], [2, 2], {(0, 1): np.array([[0, reshard], [reshard, 0]])})
+    cheap = solve(problem(reshard=1))  # paying 1 beats giving up 4
+    assert cheap.strategies == (0, 1) and cheap.objective == 21
+    dear = solve(problem(reshard=9))  # paying 9 is worse than one side's 4
+    assert dear.strategies[0] == dear.strategies[1] and dear.objective == 24
+
+
+def test_non_chain_edges_and_exclusion():
+    rng = random.Random(7)
+    p = _random_chain(rng, groups=3, blocks_per=1)
+    p.edges[(0, 2)] = np.array([[0, 50, 50], [50, 0, 50], [50, 50, 0]])  # a skip connection
+    first = solve(p)
+    assert first.objective == brute_force(p)[0]
+    second = solve(p, exclude=[first.choices])
+    assert second.choices != first.choices and second.objective >= first.objective
