@@ -103,22 +103,18 @@ def real_inputs(workload, seed: int = 0) -> list:
     return [np.asarray(x) for x in jax.tree_util.tree_leaves((params, opt, batch))]
 
 
-def check_numerics(workload, analysis, strategies, mesh, *, rtol=2e-3, atol=2e-5):
-    """Loss and gradients of the sharded step against the single-device step.
+def sharded_loss_and_grads(workload, analysis, strategies, mesh):
+    """Loss and gradients of the step under the plan, on the mesh (real data, seed 0).
 
     The gradient function is traced separately; it holds the same contractions in the same
-    order as the step, so each gets the plan's constraints. Gradients are compared rather than
-    Adam-updated parameters, whose sign-like update amplifies reduction-order noise.
-    Returns (max relative loss error, max gradient error over tolerance) and raises nothing.
-    """
+    order as the step, so each gets the plan's constraints; parameters and batch enter in the
+    plan's layouts."""
     import jax
     from cfp.graph import trace_program
     from jax.sharding import NamedSharding, PartitionSpec
     params = workload.init_params(jax.random.key(0))
     batch = workload.make_batch(jax.random.key(1))
-    grad_fn = workload.grad_fn()
-    loss_ref, grads_ref = jax.jit(grad_fn)(params, batch)
-    prog = trace_program(grad_fn, params, batch)
+    prog = trace_program(workload.grad_fn(), params, batch)
     g = prog.graph()
     ins, _, constraints = plan_specs(analysis, strategies, mesh.axis_names)
     step_contractions = [op.index for op in analysis.graph.ops if op.is_contraction]
@@ -137,15 +133,35 @@ def check_numerics(workload, analysis, strategies, mesh, *, rtol=2e-3, atol=2e-5
     flat = jax.tree_util.tree_leaves((params, batch))
     out = jax.jit(fn, in_shardings=[shard(s) for s in specs])(
         *[jax.device_put(x, shard(s)) for x, s in zip(flat, specs)])
-    loss = float(out[0])
-    grads = out[1:]
-    loss_err = abs(loss - float(loss_ref)) / max(abs(float(loss_ref)), 1e-12)
+    return out[0], list(out[1:])
+
+
+def reference_loss_and_grads(workload):
+    """Loss and gradients of the unsharded step on one device (real data, seed 0)."""
+    import jax
+    params = workload.init_params(jax.random.key(0))
+    batch = workload.make_batch(jax.random.key(1))
+    loss, grads = jax.jit(workload.grad_fn())(params, batch)  # uncommitted: one device
+    return loss, jax.tree_util.tree_leaves(grads)
+
+
+def numerics_error(got, want, *, rtol=2e-3, atol=2e-5) -> tuple[float, float]:
+    """(relative loss error, largest gradient error beyond ``atol + rtol*|want|``); gradients
+    are compared rather than Adam-updated parameters, whose sign-like update amplifies
+    reduction-order noise."""
+    (loss, grads), (loss_ref, grads_ref) = got, want
+    loss_err = abs(float(loss) - float(loss_ref)) / max(abs(float(loss_ref)), 1e-12)
     worst = 0.0
-    for a, b in zip(grads, jax.tree_util.tree_leaves(grads_ref)):
+    for a, b in zip(grads, grads_ref):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        excess = np.abs(a - b) - (atol + rtol * np.abs(b))
-        worst = max(worst, float(excess.max(initial=0.0)))
+        worst = max(worst, float((np.abs(a - b) - (atol + rtol * np.abs(b))).max(initial=0.0)))
     return loss_err, worst
+
+
+def check_numerics(workload, analysis, strategies, mesh) -> tuple[float, float]:
+    """The sharded step's loss and gradients against the single-device step's."""
+    return numerics_error(sharded_loss_and_grads(workload, analysis, strategies, mesh),
+                          reference_loss_and_grads(workload))
 
 
 def flops_of(analysis) -> float:

@@ -4,7 +4,7 @@
 (``cfp.windows``), and for each window type compiles every combination of its blocks'
 strategies, checks it against the compiled HLO, and times it on the mesh in a worker process
 (``cfp.worker``). It then times every resharding a boundary between windows can need. Results
-go to ``segment_<k>.pkl`` (one per window type, rewritten atomically after each batch, so an
+go to ``segment_<k>.pkl`` (one per window type, rewritten atomically after every result, so an
 interrupted run resumes where it stopped), ``reshard.pkl``, ``profile.pkl`` (the index search
 reads) and ``profile.csv``. With ``cost="model"`` nothing runs: compiled programs are priced by
 the analytic model, and the files go to ``<workdir>/model/``.
@@ -133,8 +133,9 @@ def _profile_window(k, window: Window, analysis, worker: Worker, options, fp, ou
             done += 1
             if m.status == "ok":
                 best = m.time_s if best is None else min(best, m.time_s)
+            # Saved after every result: an interruption loses nothing already measured.
+            write_record(path, SEGMENT_FORMAT, fp, WindowProfile(k, blocks, space, dict(results)))
             progress.result(k, combo, m)
-        write_record(path, SEGMENT_FORMAT, fp, WindowProfile(k, blocks, space, dict(results)))
     write_record(path, SEGMENT_FORMAT, fp, WindowProfile(k, blocks, space, dict(results)))
     return done
 

@@ -1,0 +1,123 @@
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from cfp.cli import main
+from cfp.errors import CfpError
+from cfp.measure import CostModel, WindowProgram, model_cost
+from cfp.records import read_record, write_record
+from cfp.sharding import collectives, sub_function
+from cfp.windows import Window, split_windows
+from cfp.workloads import WorkloadSpec, make_mesh, trace_step
+from passes.analysis import run_analysis
+from passes.profile import SEGMENT_FORMAT
+
+
+def _analysis(model, mesh_shape, **over):
+    spec = WorkloadSpec(model, "tiny", None, "float32", tuple(over.items())).resolved()
+    return run_analysis(spec, mesh_shape)
+
+
+def test_window_program_computes_what_the_full_step_computes():
+    a = _analysis("gpt", (4,), num_layers=2)
+    w = a.spec.build()
+    program = trace_step(w)
+    from cfp.execute import real_inputs
+    env = program.evaluate(real_inputs(w))
+    windows, reps = split_windows(a, 128)
+    for k in reps:
+        wp = WindowProgram(program, a, windows[k], make_mesh((4,)))
+        fn = sub_function(program, wp.sub)
+        got = jax.jit(fn)(*[env[v] for v in wp.sub.live_ins])
+        for v, x in zip(wp.sub.live_outs, got):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(env[v]), rtol=1e-5, atol=1e-6)
+
+
+def _mlp_window(combo_names):
+    a = _analysis("mlp", (4,))
+    program = trace_step(a.spec.build())
+    window = Window(1, len(a.blocks.blocks), 0)  # the three layers after the first
+    wp = WindowProgram(program, a, window, make_mesh((4,)))
+    combo = tuple(next(i for i, s in enumerate(b.strategies) if s.name.startswith(n))
+                  for b, n in zip(wp.blocks, combo_names))
+    return a, wp, combo
+
+
+def test_combinations_compile_to_their_strategy():
+    _, wp, dp = _mlp_window(["SR = SR x RR"] * 3)
+    exe, _ = wp.compile(dp)
+    assert wp.check_compiled(exe, dp) == ""
+    kinds = {c.kind for c in collectives(exe.as_text(), (4,))}
+    assert kinds == {"all-reduce"}  # data parallel: gradient all-reduces only
+
+
+def test_model_backend_prices_dp_and_megatron_as_worked_out_by_hand():
+    """mlp tiny (hidden 64, batch 8, float32), layers 1-3, mesh 4, alpha 10 us, beta 1 ns/B;
+    compute priced at ~0 (huge device figures) so the price is the communication alone."""
+    cost = CostModel(alpha=(1e-5,), beta=(1e-9,), device_flops=1e30, device_bandwidth=1e30)
+    ring = lambda b: 1e-5 + 1e-9 * 2 * 3 / 4 * b  # noqa: E731 - all-reduce on 4 devices
+    _, wp, dp = _mlp_window(["SR = SR x RR"] * 3)
+    exe, _ = wp.compile(dp)
+    t_dp, colls = model_cost(exe, (4,), cost)
+    # Data parallel: the three layers' weight and bias gradients (3 x (64x64 + 64) x 4 B) are
+    # summed over the batch split, in CPU's one tuple all-reduce, with the loss scalar and one
+    # more bias-sized partial sum.
+    assert [k for k, _, _ in colls] == ["all-reduce"]
+    params = 3 * (64 * 64 + 64) * 4
+    assert params <= colls[0][2] <= params + 64 * 4 + 4
+    assert t_dp == pytest.approx(ring(colls[0][2]))
+    _, wp, mega = _mlp_window(["RS = RR x RS", "RR = RS x SR", "RS = RR x RS"])
+    exe, _ = wp.compile(mega)
+    t_mp, colls = model_cost(exe, (4,), cost)
+    # Column, row, column: the row-split layer all-reduces its [8,64] output forward and each
+    # column-split layer its [8,64] input gradient backward: three 2048 B all-reduces (one
+    # carries the 4 B loss scalar too).
+    assert [k for k, _, _ in colls] == ["all-reduce"] * 3
+    assert sorted(b for _, _, b in colls) == [2048, 2048, 2052]
+    assert t_mp == pytest.approx(3 * ring(2048) + 1e-9 * 2 * 3 / 4 * 4)
+    assert t_mp < t_dp  # fewer bytes on the wire than data parallel's gradients
+
+
+def test_profile_resumes_records_failures_and_refuses_bad_files(tmp_path, capsys):
+    base = ["--model", "mlp", "--mesh", "4", "--workdir", str(tmp_path)]
+    assert main(["--mode", "analysis"] + base) == 0
+    assert main(["--mode", "profile", "--memory-budget", "0.00001"] + base) == 0
+    out = capsys.readouterr().out
+    assert "status: oom" in out  # recorded, and the pass went on to the end
+    assert "overall time" in out
+    # A real budget in a fresh dir; then forget two results and resume: only they are measured.
+    fresh = tmp_path / "fresh"
+    base2 = ["--model", "mlp", "--mesh", "4", "--workdir", str(fresh)]
+    assert main(["--mode", "analysis"] + base2) == 0
+    assert main(["--mode", "profile"] + base2) == 0
+    seg_path = fresh / "segment_0.pkl"
+    rec = read_record(seg_path, SEGMENT_FORMAT, None, hint="")
+    header = read_header(seg_path)
+    kept = dict(list(rec.results.items())[:-2])
+    write_record(seg_path, SEGMENT_FORMAT, header.fingerprint,
+                 type(rec)(rec.window_type, rec.blocks, rec.space, kept))
+    capsys.readouterr()
+    assert main(["--mode", "profile"] + base2) == 0
+    out = capsys.readouterr().out
+    assert f"resuming: {len(kept)} combinations already measured" in out
+    assert "compiled in this run: 2" in out
+    # Truncated and mismatched files: one clear line, exit 2.
+    seg_path.write_bytes(seg_path.read_bytes()[:50])
+    assert main(["--mode", "profile"] + base2) == 2
+    assert "not a readable" in capsys.readouterr().err
+    assert main(["--mode", "profile", "--batch-size", "16"] + base2) == 2
+    assert "another run" in capsys.readouterr().err
+
+
+def read_header(path):
+    import pickle
+    from cfp.records import _RestrictedUnpickler
+    with open(path, "rb") as f:
+        return _RestrictedUnpickler(f).load()
+
+
+def test_profile_refuses_without_analysis(tmp_path, capsys):
+    assert main(["--mode", "profile", "--workdir", str(tmp_path / "none")]) == 2
+    assert "run python -m cfp --mode analysis" in capsys.readouterr().err

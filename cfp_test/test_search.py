@@ -1,0 +1,91 @@
+import json
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cfp.cli import main
+from cfp.execute import (check_numerics, numerics_error, reference_loss_and_grads,
+                         sharded_loss_and_grads)
+from cfp.plan import load_plan, shardings
+from cfp.workloads import WorkloadSpec, make_mesh
+from passes.analysis import run_analysis
+
+MODELS = [("mlp", {}), ("gpt", {"num_layers": 1}), ("llama", {"num_layers": 1}),
+          ("moe", {"num_layers": 2}), ("bert", {"num_layers": 1})]
+
+
+@pytest.mark.parametrize("model,over", MODELS)
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
+def test_sharded_step_matches_single_device(model, over, mesh_shape):
+    spec = WorkloadSpec(model, "tiny", None, "float32", tuple(over.items())).resolved()
+    a = run_analysis(spec, mesh_shape)
+    rng = random.Random(hash((model, mesh_shape)) % 1000)
+    plans = [[rng.randrange(len(b.strategies)) for b in a.blocks.blocks] for _ in range(2)]
+    mesh = make_mesh(mesh_shape)
+    for plan in plans:
+        loss_err, grad_excess = check_numerics(spec.build(), a, plan, mesh)
+        assert loss_err < 1e-5 and grad_excess == 0, (plan, loss_err, grad_excess)
+
+
+def test_numerics_check_can_fail():
+    """Negative control: gradients 5% off, or a loss 1% off, are reported."""
+    spec = WorkloadSpec("mlp", "tiny", None, "float32", ()).resolved()
+    a = run_analysis(spec, (4,))
+    w = spec.build()
+    got = sharded_loss_and_grads(w, a, [0] * len(a.blocks.blocks), make_mesh((4,)))
+    loss_ref, grads_ref = reference_loss_and_grads(w)
+    assert numerics_error(got, (loss_ref, grads_ref)) == (pytest.approx(0, abs=1e-5), 0.0)
+    skewed = [g * 1.05 + 1e-3 for g in grads_ref]
+    assert numerics_error(got, (loss_ref, skewed))[1] > 0
+    assert numerics_error(got, (loss_ref * 1.01, grads_ref))[0] > 1e-3
+
+
+def test_three_passes_plan_json_and_user_jit(tmp_path, capsys):
+    base = ["--model", "mlp", "--mesh", "2x2", "--workdir", str(tmp_path)]
+    assert main(base + ["--memory-budget", "1", "--validate-top", "2", "--iters", "2"]) == 0
+    out = capsys.readouterr().out
+    for line in ("searched ParallelBlock Strategies solution:", "searched training cost:",
+                 "memory_cost:", "TFLOP_COUNT:", "tflops", "numerical check", "solver: OPTIMAL"):
+        assert line in out
+    dbg = tmp_path / "debug_search"
+    for f in ("after_ir.txt", "input_placement_specs.txt", "output_placement_specs.txt",
+              "mem_usage.txt", "report.json", "strategy.png", "predicted_vs_measured.png"):
+        assert (dbg / f).exists(), f
+    report = json.loads((dbg / "report.json").read_text())
+    assert report["backend"] == "cpu" and report["devices"] == 4
+    # plan.json back into the user's own jit
+    plan = load_plan(tmp_path / "plan.json")
+    spec = WorkloadSpec("mlp", "tiny", None, "float32", ()).resolved()
+    w = spec.build()
+    params = w.init_params(jax.random.key(0))
+    mesh = make_mesh((2, 2))
+    sh = shardings(params, plan, mesh)
+    assert jax.tree_util.tree_structure(sh) == jax.tree_util.tree_structure(params)
+    placed = jax.device_put(params, sh)
+    batch = w.make_batch(jax.random.key(1))
+    loss = jax.jit(w.loss_fn, in_shardings=(sh, None))(placed, batch)
+    assert np.isfinite(float(loss))
+    for leaf, s in zip(jax.tree_util.tree_leaves(placed), jax.tree_util.tree_leaves(sh)):
+        assert leaf.sharding.is_equivalent_to(s, leaf.ndim)
+
+
+def test_search_errors(tmp_path, capsys):
+    base = ["--model", "mlp", "--mesh", "4", "--workdir", str(tmp_path)]
+    assert main(base + ["--mode", "search", "--memory-budget", "1"]) == 2
+    assert "analysis" in capsys.readouterr().err  # nothing analysed yet
+    assert main(base + ["--mode", "analysis"]) == 0
+    assert main(base + ["--mode", "search", "--memory-budget", "1"]) == 2
+    assert "run --mode profile first" in capsys.readouterr().err
+    assert main(base + ["--mode", "profile"]) == 0
+    assert main(base + ["--mode", "search"]) == 2
+    assert "give --memory-budget" in capsys.readouterr().err
+    assert main(base + ["--mode", "search", "--memory-budget", "0.000001"]) == 2
+    err = capsys.readouterr().err
+    assert "no plan fits the memory budget" in err and "smallest any plan reaches" in err
+    # profiles from another analysis: re-analyse with another batch into the same dir
+    assert main(base + ["--mode", "analysis", "--batch-size", "16"]) == 0
+    assert main(base + ["--mode", "search", "--memory-budget", "1", "--batch-size", "16"]) == 2
+    assert "another run" in capsys.readouterr().err
