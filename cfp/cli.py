@@ -99,8 +99,15 @@ def _options(args) -> RunOptions:
 
 
 def _default_workdir(opts: RunOptions) -> Path:
+    """profiles/<model>-<config>[-overrides][-b<batch>]-<mesh>, from the flags as given."""
     from cfp.workloads import mesh_text
-    return Path("profiles") / f"{opts.spec.label}-{mesh_text(opts.mesh_shape)}"
+    spec = opts.spec
+    if spec.config is None and ":" not in spec.model:
+        spec = dataclasses.replace(spec, config="tiny")
+    label = spec.label
+    if spec.batch_size is not None:
+        label += f"-b{spec.batch_size}"
+    return Path("profiles") / f"{label}-{mesh_text(opts.mesh_shape)}"
 
 
 def _setup_devices(num_devices: int) -> None:
@@ -128,9 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         opts = _options(args)
         _setup_devices(opts.num_devices)
-        opts = dataclasses.replace(opts, spec=opts.spec.resolved())
         if not args.workdir:
             opts = dataclasses.replace(opts, workdir=_default_workdir(opts))
+        opts = dataclasses.replace(opts, spec=opts.spec.resolved())
         _check_workdir(opts.workdir)
         for mode in opts.modes:
             _RUNNERS[mode](opts, args)
@@ -230,7 +237,6 @@ def _run_profile(opts: RunOptions, args) -> None:
 
 
 def _run_search(opts: RunOptions, args) -> None:
-    import jax
     from cfp import report
     from cfp.execute import check_numerics, real_inputs
     from cfp.workloads import make_mesh, trace_step
@@ -261,28 +267,24 @@ def _run_search(opts: RunOptions, args) -> None:
                            " this is a cfp bug: please report it with the work dir")
     program = trace_step(workload)
     steps, times = measure_plans(program, analysis, [s.strategies for s in sols], mesh,
-                                 real_inputs(workload), sopts, report.say)
+                                 real_inputs(workload), sopts)
     medians = [sorted(t)[len(t) // 2] for t in times]
     best = min(range(len(sols)), key=lambda i: medians[i])
     for i, sol in enumerate(sols):
-        report.say(f"candidate {i}: predicted {predicted_seconds(problem, sol.choices):.6f} s, "
+        pred = predicted_seconds(problem, sol.choices, profile.launch_overhead_s)
+        report.say(f"candidate {i}: predicted {pred:.6f} s, "
                    f"measured {medians[i]:.6f} s" + ("  <- kept" if i == best else ""))
     flops = plan_flops(analysis)
-    report.search_console(sols[best], times[best], steps[best], flops,
-                          len(jax.devices()[:_num(opts)]))
+    report.search_console(sols[best], times[best], steps[best], flops, opts.num_devices)
     report.write_search_dumps(opts.workdir, analysis, workload, problem, sols, best, steps,
-                              times, flops, numerics, solve_s, mesh, popts.cost)
+                              times, flops, numerics, solve_s, mesh, popts.cost,
+                              profile.launch_overhead_s)
 
 
 def _small(analysis) -> bool:
     """Configurations small enough for the single-device numerical check."""
     g = analysis.graph
     return sum(g.values[v].nbytes for v in g.inputs) < 2**29
-
-
-def _num(opts: RunOptions) -> int:
-    import math
-    return math.prod(opts.mesh_shape)
 
 
 _RUNNERS = {"analysis": _run_analysis, "profile": _run_profile, "search": _run_search}

@@ -7,8 +7,6 @@ the first block that reads each wants), the new state as output shardings, and
 """
 from __future__ import annotations
 
-import math
-import statistics
 import time
 from typing import Sequence
 
@@ -98,7 +96,7 @@ def real_inputs(workload, seed: int = 0) -> list:
     import jax
     from cfp.models import adam_init
     params = workload.init_params(jax.random.key(seed))
-    opt = workload.opt_init(params) if getattr(workload, "opt_init", None) else adam_init(params)
+    opt = (workload.opt_init or adam_init)(params)
     batch = workload.make_batch(jax.random.key(seed + 1))
     return [np.asarray(x) for x in jax.tree_util.tree_leaves((params, opt, batch))]
 
@@ -164,14 +162,6 @@ def check_numerics(workload, analysis, strategies, mesh) -> tuple[float, float]:
                           reference_loss_and_grads(workload))
 
 
-def flops_of(analysis) -> float:
-    return float(sum(op.flops for op in analysis.graph.ops))
-
-
 def memory_gb(compiled) -> float:
     from cfp.measure import memory_of
     return memory_of(compiled)["peak_bytes"] / 2**30
-
-
-def median(xs) -> float:
-    return statistics.median(xs) if xs else math.nan

@@ -22,7 +22,6 @@ from typing import Sequence
 
 import numpy as np
 
-from cfp import dims as dimrules
 from cfp.sharding import SubProgram, collectives, sub_function, sub_program
 from cfp.windows import Window, window_layouts, window_ops
 

@@ -29,10 +29,6 @@ class FileHeader:
     fingerprint: tuple  # tuple of (key, value) pairs identifying the run
 
 
-def fingerprint_text(fp: tuple) -> str:
-    return ", ".join(f"{k}={v}" for k, v in fp)
-
-
 _ALLOWED_BUILTINS = {"tuple", "list", "dict", "set", "frozenset", "int", "float", "str",
                      "bytes", "bool", "complex", "slice", "NoneType"}
 _ALLOWED_NUMPY = {("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),

@@ -7,8 +7,6 @@ from __future__ import annotations
 import collections
 from pathlib import Path
 
-from cfp.blocks import Block
-from cfp.graph import Graph
 
 
 def say(line: str = "") -> None:
@@ -104,10 +102,6 @@ def _reqs_text(reqs) -> str:
                      for l, d in reqs)
 
 
-def block_summary(graph: Graph, block: Block) -> str:
-    return f"block {block.index}: {_short(graph.ops[block.seed].hlo, 80)}"
-
-
 # ---------------------------------------------------------------------------------------------
 # profile
 
@@ -135,7 +129,7 @@ def search_console(sol, times, step, flops: float, devices: int) -> None:
 
 
 def write_search_dumps(workdir, analysis, workload, problem, sols, best, steps, times, flops,
-                       numerics, solve_s, mesh, cost) -> None:
+                       numerics, solve_s, mesh, cost, overhead_s: float) -> None:
     """debug_search/: after_ir.txt, input/output_placement_specs.txt, mem_usage.txt,
     report.json, strategy.png, predicted_vs_measured.png; and plan.json in the work dir."""
     import json
@@ -197,23 +191,23 @@ def write_search_dumps(workdir, analysis, workload, problem, sols, best, steps, 
         "backend": jax.devices()[0].platform, "devices": int(__import__("math").prod(
             analysis.mesh_shape)), "mesh": list(analysis.mesh_shape), "cost": cost,
         "solution": list(sol.strategies), "solver_status": sol.status,
-        "solve_s": solve_s, "predicted_step_s": predicted_seconds(problem, sol.choices),
+        "solve_s": solve_s, "predicted_step_s": predicted_seconds(problem, sol.choices, overhead_s),
         "measured_step_s": times[best], "measured_median_s": med,
         "memory_gb": memory_gb(step.compiled), "composed_memory_gb": predicted_mem / 2**30,
         "tflop_count": flops / 1e12,
         "tflops_per_device": [flops / t / len(mesh.devices.flat) / 1e12 for t in times[best]],
         "collectives": by_kind, "numerics": numerics,
         "candidates": [{"solution": list(s.strategies),
-                        "predicted_s": predicted_seconds(problem, s.choices),
+                        "predicted_s": predicted_seconds(problem, s.choices, overhead_s),
                         "measured_s": sorted(t)[len(t) // 2]} for s, t in zip(sols, times)],
         "pass_times_s": {"analysis": analysis.stats.time_s, "search": solve_s},
         "blocks": [dict(r, predicted_s=None) for r in block_rows],
     }
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
-    _plots(out, sol, sols, times, problem)
+    _plots(out, sol, sols, times, problem, overhead_s)
 
 
-def _plots(out, sol, sols, times, problem) -> None:
+def _plots(out, sol, sols, times, problem, overhead_s: float) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -227,7 +221,7 @@ def _plots(out, sol, sols, times, problem) -> None:
     fig.savefig(out / "strategy.png", dpi=100)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(4, 4))
-    pred = [predicted_seconds(problem, s.choices) for s in sols]
+    pred = [predicted_seconds(problem, s.choices, overhead_s) for s in sols]
     meas = [sorted(t)[len(t) // 2] for t in times]
     ax.scatter(pred, meas)
     for i, (p, m) in enumerate(zip(pred, meas)):

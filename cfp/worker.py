@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import statistics
-import time
 import traceback
 from typing import Iterator
 

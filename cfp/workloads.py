@@ -44,8 +44,13 @@ class WorkloadSpec:
 
     @property
     def label(self) -> str:
+        """``<model>-<config>`` plus the overrides, e.g. ``gpt-tiny-L4-b16``."""
+        short = {"num_layers": "L", "seq_len": "S", "hidden_size": "H", "num_heads": "A",
+                 "vocab_size": "V", "num_experts": "E"}
         name = self.model.rsplit(":", 1)[-1].replace(".", "_")
-        return f"{name}-{self.config}" if self.config else name
+        parts = [name] + ([self.config] if self.config else [])
+        parts += [f"{short.get(k, k)}{v}" for k, v in self.overrides]
+        return "-".join(parts)
 
 
 def _user_workload(spec: WorkloadSpec):

@@ -18,4 +18,11 @@ while [ $# -gt 0 ]; do
   esac
 done
 cd "$root"
+# On CPU the virtual devices share host memory, so search needs a budget: 2 GB per device
+# unless one is given (on a GPU the device's memory is the default).
+case " ${args[*]} " in
+  *" --memory-budget "*) ;;
+  *) if [ "$(python -c 'import jax; print(jax.default_backend())' 2>/dev/null)" = cpu ]; then
+       args+=(--memory-budget 2); fi ;;
+esac
 exec python -m cfp --num-devices "$device_num" "${args[@]}"

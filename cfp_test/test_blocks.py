@@ -7,7 +7,7 @@ import zoo_extra
 from cfp.blocks import build_blocks
 from cfp.workloads import make_mesh, trace_step
 from cfp.sharding import unexpected_collectives
-from helpers import blocks_of, traced
+from helpers import blocks_of
 
 ZOO = ["mlp", "gpt", "llama", "moe", "bert"]
 

@@ -1,11 +1,9 @@
-import math
 
 import jax
 import numpy as np
 import pytest
 
 from cfp.cli import main
-from cfp.errors import CfpError
 from cfp.measure import CostModel, WindowProgram, model_cost
 from cfp.records import read_record, write_record
 from cfp.sharding import collectives, sub_function
@@ -112,7 +110,6 @@ def test_profile_resumes_records_failures_and_refuses_bad_files(tmp_path, capsys
 
 
 def read_header(path):
-    import pickle
     from cfp.records import _RestrictedUnpickler
     with open(path, "rb") as f:
         return _RestrictedUnpickler(f).load()

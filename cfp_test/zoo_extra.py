@@ -67,3 +67,20 @@ def einsum_net(batch_size: int = 8, dtype: str = "float32", **_) -> Workload:
         return _ce(logits, b["y"])
 
     return Workload("einsum_net", "test", None, batch_size, dtype, init, batch, loss)
+
+
+def einsum_net_momentum(batch_size: int = 8, dtype: str = "float32", **kw) -> Workload:
+    """``einsum_net`` trained with the user's own optimizer (Optax-style init/update pair:
+    SGD with momentum), as a user with an Optax optimizer would plug it in."""
+    import dataclasses
+
+    def opt_init(params):
+        return jax.tree_util.tree_map(jnp.zeros_like, params)
+
+    def opt_update(grads, velocity, params):
+        velocity = jax.tree_util.tree_map(lambda v, g: 0.9 * v + g, velocity, grads)
+        params = jax.tree_util.tree_map(lambda p, v: p - 0.01 * v, params, velocity)
+        return params, velocity
+
+    return dataclasses.replace(einsum_net(batch_size, dtype, **kw), opt_init=opt_init,
+                               opt_update=opt_update)

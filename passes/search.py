@@ -9,7 +9,6 @@ the mesh, interleaved, keeps the measured fastest, and reports.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 
 import numpy as np
@@ -93,11 +92,12 @@ def top_plans(problem: Problem, k: int, time_limit_s: float):
     return sols
 
 
-def predicted_seconds(problem: Problem, choices) -> float:
-    return evaluate(problem, choices)[0] / SCALE
+def predicted_seconds(problem: Problem, choices, launch_overhead_s: float) -> float:
+    """Composed step time: windows, boundary reshardings, and one program launch."""
+    return evaluate(problem, choices)[0] / SCALE + launch_overhead_s
 
 
-def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOptions, say):
+def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOptions):
     """Compile every plan, then time them in interleaved rounds; per plan the list of
     measured seconds per step and the compiled executable."""
     from cfp.execute import PlannedStep
@@ -119,7 +119,3 @@ def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOpti
 
 def plan_flops(analysis) -> float:
     return float(sum(op.flops for op in analysis.graph.ops))
-
-
-def tflops_per_device(flops: float, seconds: float, devices: int) -> float:
-    return flops / seconds / devices / 1e12 if seconds > 0 else math.nan

@@ -34,6 +34,10 @@ class Workload:
     make_batch: Callable[[jax.Array], Any]
     loss_fn: Callable[[Any, Any], jax.Array]
     flops_per_step: Callable[[], float] | None = None
+    # A user's own optimizer (e.g. Optax): opt_init(params) -> state and
+    # opt_update(grads, state, params) -> (new_params, new_state). None: cfp's Adam.
+    opt_init: Callable[[Any], Any] | None = None
+    opt_update: Callable[[Any, Any, Any], tuple] | None = None
 
     def abstract_params(self) -> Any:
         """Parameter pytree of ShapeDtypeStructs (nothing allocated)."""
@@ -43,13 +47,22 @@ class Workload:
         """Batch pytree of ShapeDtypeStructs (nothing allocated)."""
         return jax.eval_shape(lambda: self.make_batch(jax.random.key(0)))
 
-    def abstract_opt_state(self) -> AdamState:
-        """Adam state of ShapeDtypeStructs (nothing allocated)."""
-        return jax.eval_shape(adam_init, self.abstract_params())
+    def abstract_opt_state(self) -> Any:
+        """Optimizer state of ShapeDtypeStructs (nothing allocated)."""
+        return jax.eval_shape(self.opt_init or adam_init, self.abstract_params())
 
     def train_step(self, *, lr: float = 1e-3, b1: float = 0.9, b2: float = 0.999,
                    eps: float = 1e-8) -> Callable[[Any, AdamState, Any], tuple]:
         """step(params, opt_state, batch) -> (new_params, new_opt_state, loss)."""
+        if self.opt_update is not None:
+            grad_fn, update = jax.value_and_grad(self.loss_fn), self.opt_update
+
+            def step(params, opt_state, batch):
+                loss, grads = grad_fn(params, batch)
+                new_params, new_state = update(grads, opt_state, params)
+                return new_params, new_state, loss
+
+            return step
         return make_train_step(self.loss_fn, lr=lr, b1=b1, b2=b2, eps=eps)
 
     def grad_fn(self) -> Callable[[Any, Any], tuple[jax.Array, Any]]:

@@ -1,0 +1,35 @@
+"""Python API: a user's own training step through the same three passes.
+
+    >>> import cfp.api  # doctest: +SKIP
+    >>> plan = cfp.api.autoshard("mypkg.train:make_workload", mesh="2x4",
+    ...                          workdir="profiles/mine", memory_budget_gb=4)  # doctest: +SKIP
+
+``make_workload(batch_size=..., dtype=..., **overrides)`` returns a ``cfp.models.Workload``
+(``init_params``, ``make_batch``, ``loss_fn``, and optionally ``opt_init``/``opt_update`` for an
+Optax-style optimizer). It is named by import path because measurement runs in worker
+processes that build it afresh. The result is the parsed ``plan.json``; ``cfp.plan.shardings``
+turns it into ``NamedSharding``s for the user's own ``jax.jit``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from cfp.errors import CfpError
+
+
+def autoshard(factory: str, *, mesh: str = "8", workdir: str | Path, batch_size: int | None = None,
+              dtype: str = "float32", memory_budget_gb: float | None = None,
+              max_combinations: int = 128, validate_top: int = 3, extra_args=()) -> dict:
+    """Run analysis, profile and search on ``factory``'s step; return the plan."""
+    from cfp.cli import main
+    from cfp.plan import load_plan
+    args = ["--model", factory, "--mesh", mesh, "--workdir", str(workdir), "--dtype", dtype,
+            "--max-combinations", str(max_combinations), "--validate-top", str(validate_top)]
+    if batch_size is not None:
+        args += ["--batch-size", str(batch_size)]
+    if memory_budget_gb is not None:
+        args += ["--memory-budget", str(memory_budget_gb)]
+    code = main(args + list(extra_args))
+    if code != 0:
+        raise CfpError(f"cfp stopped with status {code} (see the line above)")
+    return load_plan(Path(workdir) / "plan.json")

@@ -1,0 +1,134 @@
+"""The claim the method rests on: composed segment profiles predict whole-model plans.
+
+For a workload and mesh (analysed and profiled first if the work dir lacks them), draws random
+whole-model plans (one measured combination per window instance), predicts each plan's step
+time (window times + boundary reshardings + one launch) and per-device memory from the
+profiles, then compiles and runs every plan on the mesh, interleaved over rounds, and compares:
+step time by medians, memory against the full step's ``memory_analysis()``.
+
+    python scripts/composition_check.py --model gpt --num-layers 4 --mesh 8 --plans 20
+
+Writes ``scripts/results/<date>-composition-<backend>.csv`` (appending) and a PNG.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import random
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="gpt")
+    ap.add_argument("--num-layers", type=int, default=4)
+    ap.add_argument("--mesh", default="8")
+    ap.add_argument("--plans", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    mesh_shape = tuple(int(x) for x in args.mesh.split("x"))
+    n_dev = 1
+    for x in mesh_shape:
+        n_dev *= x
+    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={n_dev}")
+    from cfp.cli import main as cli
+    workdir = ROOT / "profiles" / f"{args.model}-tiny-L{args.num_layers}-{args.mesh}"
+    base = ["--model", args.model, "--num-layers", str(args.num_layers), "--mesh", args.mesh,
+            "--workdir", str(workdir)]
+    if not (workdir / "analysis.pkl").exists():
+        assert cli(base + ["--mode", "analysis"]) == 0
+    if not (workdir / "profile.pkl").exists():
+        assert cli(base + ["--mode", "profile"]) == 0
+
+    import jax
+    from cfp.execute import PlannedStep, real_inputs
+    from cfp.measure import memory_of
+    from cfp.records import read_record
+    from cfp.solver import evaluate
+    from cfp.workloads import make_mesh, run_fingerprint, trace_step
+    from passes.analysis import FORMAT
+    from passes.profile import ProfileOptions, load_profiles
+    from passes.search import SCALE, build_problem
+
+    analysis = read_record(workdir / "analysis.pkl", FORMAT, None, hint="")
+    run_fp = run_fingerprint(analysis.spec, mesh_shape)
+    profile, segs = load_profiles(workdir, run_fp, analysis, ProfileOptions())
+    problem, _ = build_problem(analysis, profile, segs, None)
+    rng = random.Random(args.seed)
+    plans = [tuple(rng.randrange(len(g.options)) for g in problem.groups)
+             for _ in range(args.plans)]
+    workload = analysis.spec.build()
+    program = trace_step(workload)
+    mesh = make_mesh(mesh_shape)
+    host = real_inputs(workload)
+    steps = []
+    for choices in plans:
+        cost, mem, strategies = evaluate(problem, choices)
+        ps = PlannedStep(program, analysis, strategies, mesh)
+        ps.compile()
+        ps.args = ps.place(host)
+        ps.time_steps(ps.args, iters=2)
+        ps.predicted_s = cost / SCALE + profile.launch_overhead_s
+        ps.predicted_mem = mem
+        ps.compiled_mem = memory_of(ps.compiled)["peak_bytes"]
+        steps.append(ps)
+    times = [[] for _ in steps]
+    for _ in range(args.rounds):
+        for i, ps in enumerate(steps):
+            times[i].append(ps.time_steps(ps.args, iters=args.iters))
+    backend = jax.devices()[0].platform
+    date = datetime.date.today().isoformat()
+    out = ROOT / "scripts" / "results" / f"{date}-composition-{backend}.csv"
+    new = not out.exists()
+    rows = []
+    with open(out, "a") as f:
+        if new:
+            f.write("workload,mesh,backend,devices,plan,predicted_s,measured_s,time_err,"
+                    "composed_mem_bytes,compiled_mem_bytes,mem_err\n")
+        for i, ps in enumerate(steps):
+            meas = statistics.median(times[i])
+            terr = (ps.predicted_s - meas) / meas
+            merr = (ps.predicted_mem - ps.compiled_mem) / ps.compiled_mem
+            rows.append((ps.predicted_s, meas, terr, merr))
+            f.write(f"{args.model}-L{args.num_layers},{args.mesh},{backend},{n_dev},{i},"
+                    f"{ps.predicted_s:.6g},{meas:.6g},{terr:.4f},{ps.predicted_mem},"
+                    f"{ps.compiled_mem},{merr:.4f}\n")
+    abs_t = sorted(abs(r[2]) for r in rows)
+    abs_m = sorted(abs(r[3]) for r in rows)
+    pairs = [(a, b) for a in rows for b in rows if a is not b]
+    agree = sum((a[0] < b[0]) == (a[1] < b[1]) for a, b in pairs) / max(1, len(pairs))
+    print(f"{args.model}-L{args.num_layers} mesh {args.mesh} ({backend}, {n_dev} devices), "
+          f"{len(rows)} random plans: median |time error| {100 * statistics.median(abs_t):.1f}% "
+          f"(max {100 * abs_t[-1]:.1f}%), median |memory error| "
+          f"{100 * statistics.median(abs_m):.1f}% (max {100 * abs_m[-1]:.1f}%), pairwise "
+          f"order agreement {100 * agree:.0f}%; rows appended to {out.relative_to(ROOT)}")
+    _plot(rows, out.with_name(f"{date}-composition-{args.model}-L{args.num_layers}-"
+                              f"{args.mesh}-{backend}.png"), args)
+
+
+def _plot(rows, path, args) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(4, 4))
+    pred, meas = [r[0] for r in rows], [r[1] for r in rows]
+    ax.scatter(pred, meas, s=12)
+    hi = max(pred + meas) * 1.1
+    ax.plot([0, hi], [0, hi], "k--", lw=0.5)
+    ax.set_xlabel("predicted step s (composed profiles)")
+    ax.set_ylabel("measured step s")
+    ax.set_title(f"{args.model} L{args.num_layers} mesh {args.mesh}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
