@@ -78,10 +78,13 @@ class WindowProgram:
         return jitted.lower(*args).compile(), [shard(s) for s in ins]
 
     def expected_contraction_sizes(self, combo) -> list[int]:
-        """Per-device element count of each contraction's result under ``combo``."""
+        """Per-device element count of each contraction's result under ``combo`` (outer
+        products, which contract nothing, are left out: XLA turns them into multiplies)."""
         sizes = []
         for block, strat in zip(self.blocks, self.strategies(combo)):
             for m in block.contractions:
+                if not m.reduces and not any(d.kind == "contract" for d in block.loop_dims):
+                    continue  # an outer product: XLA rewrites it as a broadcast multiply
                 shape = self.graph.values[self.graph.ops[m.op].outputs[0]].shape
                 n = math.prod(shape)
                 for lab in m.outs[0]:

@@ -166,8 +166,11 @@ def option_memory(analysis, window: Window, combo, measured, axis_names) -> tupl
 
     Adding up: the window's parameters, optimizer state and batch coming in and their updates
     going out, plus the activations it produces in the forward pass and holds for the backward
-    pass (produced before the loss, read after it). Transient: the compiled temporaries less
-    the held activations inside them; only the largest transient counts in a step's peak."""
+    pass: produced before the loss, read after it, and materialized, i.e. a contraction's or a
+    reduction's result, or an operand a backward contraction reads. (Elementwise intermediates
+    that only backward elementwise ops read are recomputed inside XLA's fusions, not stored.)
+    Transient: the compiled temporaries less the held activations inside them; only the largest
+    transient counts in a step's peak."""
     from cfp.sharding import sub_program
     g = analysis.graph
     blocks = [analysis.blocks.blocks[b] for b in range(window.start, window.end)]
@@ -190,14 +193,29 @@ def option_memory(analysis, window: Window, combo, measured, axis_names) -> tupl
             if i >= loss_op:
                 continue
             blk, st, m = member[i]
+            stored = g.ops[i].is_contraction or g.ops[i].primitive in dimrules.REDUCTIONS
             for v, lab in zip(g.ops[i].outputs, m.outs):
-                if any(u > loss_op for u in g.users.get(v, ())):
+                late = [u for u in g.users.get(v, ()) if u > loss_op]
+                if late and (stored or any(_feeds_contraction(g, u) for u in late)):
                     b = size(v, dimrules.spec_axes(lab, st.axes, axis_names))
                     held += b
                     if v not in out_spec:
                         held_internal += b
     transient = max(0, measured.temp_bytes - held_internal)
     return persistent + held, transient
+
+
+def _feeds_contraction(g, op_index: int, depth: int = 3) -> bool:
+    """Whether an op is a contraction, or a layout op (reshape, transpose, convert) on the way
+    to one."""
+    from cfp.blocks import LAYOUT_OPS
+    op = g.ops[op_index]
+    if op.is_contraction:
+        return True
+    if op.primitive not in LAYOUT_OPS or depth == 0:
+        return False
+    return any(_feeds_contraction(g, u, depth - 1) for v in op.outputs
+               for u in g.users.get(v, ()))
 
 
 def _itemsize(dtype: str) -> int:

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from cfp.models import layers
-from cfp.models.common import ModelSpec, check_heads, check_positive_fields
+from cfp.models.common import ModelSpec, TransformerConfig
 
 LN_EPS = 1e-12
 TYPE_VOCAB_SIZE = 2
@@ -15,24 +15,11 @@ MLM_PROBABILITY = 0.15
 
 
 @dataclasses.dataclass(frozen=True)
-class BertConfig:
+class BertConfig(TransformerConfig):
     """BERT hyper-parameters; ffn_size None means 4 * hidden_size."""
 
-    num_layers: int
-    hidden_size: int
-    num_heads: int
     seq_len: int = 512
     vocab_size: int = 30522
-    ffn_size: int | None = None
-
-    def __post_init__(self):
-        check_positive_fields(self)
-        check_heads(self)
-
-    @property
-    def ffn(self) -> int:
-        """Feed-forward width."""
-        return self.ffn_size or 4 * self.hidden_size
 
 
 # Devlin et al. 2019 (BERT-base / BERT-large).

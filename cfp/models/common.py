@@ -74,3 +74,24 @@ class ModelSpec(typing.NamedTuple):
     loss_fn: Callable[..., jax.Array]        # (config, params, batch) -> scalar float32
     flops_per_step: Callable[..., float]     # (config, batch_size) -> float
     check_batch_size: Callable[..., None] | None = None  # (config, batch_size) -> None or CfpError
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Hyper-parameters shared by the GPT and BERT families; ffn_size None means 4 * hidden."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    seq_len: int = 1024
+    vocab_size: int = 51200
+    ffn_size: int | None = None
+
+    def __post_init__(self):
+        check_positive_fields(self)
+        check_heads(self)
+
+    @property
+    def ffn(self) -> int:
+        """Feed-forward width."""
+        return self.ffn_size or 4 * self.hidden_size

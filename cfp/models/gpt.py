@@ -6,28 +6,15 @@ import jax
 import jax.numpy as jnp
 
 from cfp.models import layers
-from cfp.models.common import ModelSpec, check_heads, check_positive_fields
+from cfp.models.common import ModelSpec, TransformerConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class GPTConfig:
+class GPTConfig(TransformerConfig):
     """GPT hyper-parameters; ffn_size None means 4 * hidden_size."""
 
-    num_layers: int
-    hidden_size: int
-    num_heads: int
     seq_len: int = 1024
     vocab_size: int = 51200
-    ffn_size: int | None = None
-
-    def __post_init__(self):
-        check_positive_fields(self)
-        check_heads(self)
-
-    @property
-    def ffn(self) -> int:
-        """Feed-forward width."""
-        return self.ffn_size or 4 * self.hidden_size
 
 
 # Alpa's GPT benchmark suite / GPT-3 paper table 2.1 (seq 1024, vocab 51200).
