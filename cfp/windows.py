@@ -19,6 +19,7 @@ import dataclasses
 import math
 
 from cfp import dims as dimrules
+from cfp.sharding import block_constraints, sub_program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,10 +152,7 @@ def window_layouts(graph, blocks, strategies, sub, axis_names) -> tuple[list, li
                     want[v] = (m.op, dimrules.spec_axes(lab, strat.axes, axis_names))
             for v, lab in zip(op.outputs, m.outs):
                 made[v] = dimrules.spec_axes(lab, strat.axes, axis_names)
-            if m.role in ("seed", "input-grad", "weight-grad"):
-                constraints[m.op] = (
-                    [dimrules.spec_axes(l, strat.axes, axis_names) for l in m.ins],
-                    [dimrules.spec_axes(l, strat.axes, axis_names) for l in m.outs])
+        constraints.update(block_constraints(block, strat, axis_names))
     none = lambda v: (None,) * len(graph.values[v].shape)  # noqa: E731
     ins = [want[v][1] if v in want else none(v) for v in sub.live_ins]
     outs = [made.get(v, none(v)) for v in sub.live_outs]
@@ -171,7 +169,6 @@ def option_memory(analysis, window: Window, combo, measured, axis_names) -> tupl
     that only backward elementwise ops read are recomputed inside XLA's fusions, not stored.)
     Transient: the compiled temporaries less the held activations inside them; only the largest
     transient counts in a step's peak."""
-    from cfp.sharding import sub_program
     g = analysis.graph
     blocks = [analysis.blocks.blocks[b] for b in range(window.start, window.end)]
     strategies = [b.strategies[k] for b, k in zip(blocks, combo)]
