@@ -51,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds for the whole profile pass; what is left is pruned")
     f.add_argument("--memory-budget", type=float, default=None,
                    help="GB per device (default: the GPU's memory; required on CPU for search)")
-    f.add_argument("--device-preset", choices=("a100", "h100"), default=None,
-                   help="--cost model: documented device and network figures")
+    f.add_argument("--device-preset", choices=("a100", "h100", "here"), default=None,
+                   help="--cost model: documented device and network figures, or 'here': "
+                        "alpha-beta and roofline fitted from microbenchmarks on these devices")
     f.add_argument("--alpha", default=None, help="--cost model: seconds per collective, per axis")
     f.add_argument("--beta", default=None, help="--cost model: seconds per byte, per axis")
     f.add_argument("--device-flops", type=float, default=None)
@@ -61,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--time-limit", type=float, default=60.0, help="CP-SAT seconds per solve")
     s.add_argument("--validate-top", type=int, default=3,
                    help="run the K best predicted plans end to end and keep the fastest")
+    s.add_argument("--no-validate-baselines", dest="validate_baselines", action="store_false",
+                   help="validate only the predicted plans, not the rule-file baselines too")
     s.add_argument("--iters", type=int, default=None,
                    help="steps per measurement (default: at least 10 steps or 2 s)")
     return p
@@ -185,8 +188,18 @@ def _memory_budget_bytes(args, *, required: bool) -> int:
 
 
 def _cost_model(args, mesh_shape):
-    from cfp.measure import DEVICE_PRESETS, CostModel
-    preset = dict(DEVICE_PRESETS[args.device_preset or "a100"])
+    from cfp.measure import DEVICE_PRESETS, CostModel, fit_cost_model
+    if args.device_preset == "here":
+        from cfp.workloads import make_mesh
+        fitted = fit_cost_model(make_mesh(mesh_shape))
+        from cfp import report
+        report.say(f"fitted here: alpha {fitted.alpha} s, beta {fitted.beta} s/B, "
+                   f"{fitted.device_flops:.3g} FLOP/s, {fitted.device_bandwidth:.3g} B/s")
+        preset = {"alpha": fitted.alpha, "beta": fitted.beta,
+                  "device_flops": fitted.device_flops,
+                  "device_bandwidth": fitted.device_bandwidth}
+    else:
+        preset = dict(DEVICE_PRESETS[args.device_preset or "a100"])
     n = len(mesh_shape)
 
     def per_axis(text, default):
@@ -241,30 +254,27 @@ def _run_search(opts: RunOptions, args) -> None:
     from cfp.execute import check_numerics, real_inputs
     from cfp.workloads import make_mesh, trace_step
     from passes.profile import load_profiles
-    from passes.search import (SearchOptions, build_problem, measure_plans, plan_flops,
-                               predicted_seconds, top_plans)
+    from passes.search import (SearchOptions, baseline_candidates, build_problem,
+                               measure_plans, plan_flops, predicted_seconds, top_plans)
     analysis, _, run_fp = _load_analysis(opts)
     popts = _profile_options(opts, args)
     profile, segs = load_profiles(opts.workdir, run_fp, analysis, popts)
     budget = _memory_budget_bytes(args, required=True)
-    sopts = SearchOptions(budget, args.time_limit, args.validate_top, args.iters)
+    sopts = SearchOptions(budget, args.time_limit, args.validate_top, args.validate_baselines,
+                          args.iters)
     report.say("***********Search Pass****************")
     t0 = time.perf_counter()
     problem, _ = build_problem(analysis, profile, segs, budget)
     sols = top_plans(problem, sopts.validate_top, sopts.time_limit_s)
     solve_s = time.perf_counter() - t0
     report.say(f"solver: {sols[0].status} in {sols[0].solve_s:.2f} s; {len(sols)} candidate plans")
+    if sopts.validate_baselines:
+        extra = baseline_candidates(analysis, problem, [s.strategies for s in sols])
+        sols += [sol for _, sol in extra]
+        if extra:
+            report.say(f"also validating the baselines {', '.join(n for n, _ in extra)}")
     workload = analysis.spec.build()
     mesh = make_mesh(opts.mesh_shape)
-    numerics = None
-    if _small(analysis):
-        loss_err, grad_excess = check_numerics(workload, analysis, sols[0].strategies, mesh)
-        numerics = {"loss_rel_err": loss_err, "grad_excess_over_tol": grad_excess}
-        report.say(f"numerical check against one device: loss rel. error {loss_err:.2e}, "
-                   f"gradients {'match' if grad_excess == 0 else f'off by {grad_excess:.2e}'}")
-        if loss_err > 1e-4 or grad_excess > 0:
-            raise CfpError("the sharded step does not match the single-device step (see above);"
-                           " this is a cfp bug: please report it with the work dir")
     program = trace_step(workload)
     steps, times = measure_plans(program, analysis, [s.strategies for s in sols], mesh,
                                  real_inputs(workload), sopts)
@@ -272,8 +282,18 @@ def _run_search(opts: RunOptions, args) -> None:
     best = min(range(len(sols)), key=lambda i: medians[i])
     for i, sol in enumerate(sols):
         pred = predicted_seconds(problem, sol.choices, profile.launch_overhead_s)
-        report.say(f"candidate {i}: predicted {pred:.6f} s, "
+        src = sol.status if sol.status.startswith("baseline") else "predicted"
+        report.say(f"candidate {i} ({src}): predicted {pred:.6f} s, "
                    f"measured {medians[i]:.6f} s" + ("  <- kept" if i == best else ""))
+    numerics = None
+    if _small(analysis):
+        loss_err, grad_excess = check_numerics(workload, analysis, sols[best].strategies, mesh)
+        numerics = {"loss_rel_err": loss_err, "grad_excess_over_tol": grad_excess}
+        report.say(f"numerical check against one device: loss rel. error {loss_err:.2e}, "
+                   f"gradients {'match' if grad_excess == 0 else f'off by {grad_excess:.2e}'}")
+        if loss_err > 1e-4 or grad_excess > 0:
+            raise CfpError("the sharded step does not match the single-device step (see above);"
+                           " this is a cfp bug: please report it with the work dir")
     flops = plan_flops(analysis)
     report.search_console(sols[best], times[best], steps[best], flops, opts.num_devices)
     report.write_search_dumps(opts.workdir, analysis, workload, problem, sols, best, steps,

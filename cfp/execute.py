@@ -14,41 +14,57 @@ import numpy as np
 
 from cfp import dims as dimrules
 from cfp.sharding import block_constraints, sub_function, SubProgram
+from cfp.strategies import Strategy
 
 
-def plan_specs(analysis, strategies: Sequence[int], axis_names) -> tuple[dict, dict, dict]:
-    """(in specs per step-input value, out specs per step-output value, constraints per op)."""
+def _strategy(block, s):
+    return s if isinstance(s, Strategy) else block.strategies[s]
+
+
+def plan_specs(analysis, strategies: Sequence[int | Strategy] | None, axis_names,
+               storage: tuple[dict, dict] | None = None) -> tuple[dict, dict, dict]:
+    """(in specs per step-input value, out specs per step-output value, constraints per op).
+
+    ``strategies`` holds per block a strategy index or a ``Strategy`` (a manual plan may use
+    one that enumeration pruned); ``None`` puts no constraint anywhere. ``storage`` is a pair
+    of dicts, position -> PartitionSpec entries, that override the layouts of step inputs and
+    of step outputs (a manual plan's parameter storage)."""
     g, ba = analysis.graph, analysis.blocks
     member = {m.op: (b, m) for b in ba.blocks for m in b.members}
     want: dict[int, tuple] = {}
     made: dict[int, tuple] = {}
     for op in g.ops:
-        if op.index not in member:
+        if op.index not in member or strategies is None:
             continue
         block, m = member[op.index]
-        strat = block.strategies[strategies[block.index]]
+        strat = _strategy(block, strategies[block.index])
         for v, lab in zip(op.inputs, m.ins):
             if g.values[v].producer is None and v not in want:
                 want[v] = dimrules.spec_axes(lab, strat.axes, axis_names)
         for v, lab in zip(op.outputs, m.outs):
             made[v] = dimrules.spec_axes(lab, strat.axes, axis_names)
     none = lambda v: (None,) * len(g.values[v].shape)  # noqa: E731
+    in_store, out_store = storage or ({}, {})
+    for i, spec in in_store.items():
+        want[g.inputs[i]] = tuple(spec)
+    for i, spec in out_store.items():
+        made[g.outputs[i]] = tuple(spec)
     ins = {v: want.get(v, none(v)) for v in g.inputs}
     outs = {v: made.get(v, ins.get(v, none(v))) for v in g.outputs}
     constraints = {}
-    for b in ba.blocks:
-        constraints.update(block_constraints(b, b.strategies[strategies[b.index]], axis_names))
+    for b in ba.blocks if strategies is not None else ():
+        constraints.update(block_constraints(b, _strategy(b, strategies[b.index]), axis_names))
     return ins, outs, constraints
 
 
 class PlannedStep:
     """The whole step under ``strategies``; ``compile()`` once, then ``run`` or ``time``."""
 
-    def __init__(self, program, analysis, strategies: Sequence[int], mesh):
+    def __init__(self, program, analysis, strategies, mesh, storage: tuple[dict, dict] | None = None):
         from jax.sharding import NamedSharding, PartitionSpec
         self.program, self.analysis, self.mesh = program, analysis, mesh
-        self.strategies = tuple(strategies)
-        ins, outs, self.constraints = plan_specs(analysis, strategies, mesh.axis_names)
+        self.strategies = None if strategies is None else tuple(strategies)
+        ins, outs, self.constraints = plan_specs(analysis, strategies, mesh.axis_names, storage)
         g = analysis.graph
         shard = lambda s: NamedSharding(mesh, PartitionSpec(*s))  # noqa: E731
         self.in_shardings = [shard(ins[v]) for v in g.inputs]
@@ -101,7 +117,7 @@ def real_inputs(workload, seed: int = 0) -> list:
     return [np.asarray(x) for x in jax.tree_util.tree_leaves((params, opt, batch))]
 
 
-def sharded_loss_and_grads(workload, analysis, strategies, mesh):
+def sharded_loss_and_grads(workload, analysis, strategies, mesh, storage=None):
     """Loss and gradients of the step under the plan, on the mesh (real data, seed 0).
 
     The gradient function is traced separately; it holds the same contractions in the same
@@ -114,7 +130,7 @@ def sharded_loss_and_grads(workload, analysis, strategies, mesh):
     batch = workload.make_batch(jax.random.key(1))
     prog = trace_program(workload.grad_fn(), params, batch)
     g = prog.graph()
-    ins, _, constraints = plan_specs(analysis, strategies, mesh.axis_names)
+    ins, _, constraints = plan_specs(analysis, strategies, mesh.axis_names, storage)
     step_contractions = [op.index for op in analysis.graph.ops if op.is_contraction]
     grad_contractions = [op.index for op in g.ops if op.is_contraction]
     if len(grad_contractions) > len(step_contractions):
@@ -156,9 +172,9 @@ def numerics_error(got, want, *, rtol=2e-3, atol=2e-5) -> tuple[float, float]:
     return loss_err, worst
 
 
-def check_numerics(workload, analysis, strategies, mesh) -> tuple[float, float]:
+def check_numerics(workload, analysis, strategies, mesh, storage=None) -> tuple[float, float]:
     """The sharded step's loss and gradients against the single-device step's."""
-    return numerics_error(sharded_loss_and_grads(workload, analysis, strategies, mesh),
+    return numerics_error(sharded_loss_and_grads(workload, analysis, strategies, mesh, storage),
                           reference_loss_and_grads(workload))
 
 

@@ -239,6 +239,47 @@ DEVICE_PRESETS = {
 }
 
 
+def fit_cost_model(mesh, sizes=(2**12, 2**15, 2**18, 2**21)) -> CostModel:
+    """Alpha-beta per mesh axis and a compute roofline, measured on the devices at hand.
+
+    Per axis, all-reduces of ``sizes`` bytes (a sum over a dim split on that axis) are timed and
+    ``t = alpha + beta * 2(n-1)/n * bytes`` is fitted by least squares; FLOP/s come from a
+    matmul split over every device, bandwidth from an elementwise add."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+    names, shape = mesh.axis_names, mesh.devices.shape
+    alpha, beta = [], []
+    for a, n in enumerate(shape):
+        if n == 1:
+            alpha.append(0.0), beta.append(0.0)
+            continue
+        xs, ys = [], []
+        for nbytes in sizes:
+            x = jax.device_put(jnp.ones((n, nbytes // 4), jnp.float32),
+                               NamedSharding(mesh, PartitionSpec(names[a], None)))
+            f = jax.jit(lambda v: v.sum(0), out_shardings=NamedSharding(mesh, PartitionSpec()))
+            times, _ = time_runs(f, (x,), best_s=None, warmup=3, min_runs=20, max_runs=20)
+            xs.append(2 * (n - 1) / n * nbytes)
+            ys.append(statistics.median(times))
+        slope, icept = np.polyfit(np.array(xs, float), np.array(ys, float), 1)
+        alpha.append(max(float(icept), 1e-7)), beta.append(max(float(slope), 1e-13))
+    n = math.prod(shape)
+    k = 512
+    a = jax.device_put(jnp.ones((n * k, k), jnp.float32),
+                       NamedSharding(mesh, PartitionSpec(tuple(names), None)))
+    w = jax.device_put(jnp.ones((k, k), jnp.float32), NamedSharding(mesh, PartitionSpec()))
+    mm = jax.jit(lambda u, v: u @ v)
+    t_mm = statistics.median(time_runs(mm, (a, w), best_s=None, warmup=3, min_runs=10,
+                                       max_runs=10)[0])
+    add = jax.jit(lambda u: u + 1.0)
+    t_add = statistics.median(time_runs(add, (a,), best_s=None, warmup=3, min_runs=10,
+                                        max_runs=10)[0])
+    flops = 2 * k * k * k / t_mm  # per device: each holds k rows
+    bandwidth = 2 * 4 * k * k / t_add
+    return CostModel(tuple(alpha), tuple(beta), flops, bandwidth)
+
+
 def model_cost(compiled, mesh_shape, cost: CostModel) -> tuple[float, tuple]:
     """Predicted seconds of a compiled program: roofline compute + alpha-beta collectives.
     CPU's reduce-scatter (an all-reduce whose result is then sliced) is priced as one."""

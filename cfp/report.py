@@ -179,7 +179,9 @@ def write_search_dumps(workdir, analysis, workload, problem, sols, best, steps, 
                    "strategy": b.strategies[sol.strategies[b.index]].name,
                    "seed": g.ops[b.seed].hlo} for b in blocks]
     write_plan(Path(workdir) / "plan.json", mesh_shape=analysis.mesh_shape,
-               axis_names=mesh.axis_names, blocks=block_rows, params=param_specs)
+               axis_names=mesh.axis_names, blocks=block_rows, params=param_specs,
+               extra={"source": sol.status if sol.status.startswith("baseline")
+                      else "predicted"})
     colls = collectives(text, analysis.mesh_shape)
     by_kind: dict = {}
     for c in colls:

@@ -123,7 +123,7 @@ def _main(conn, analysis_path, fingerprint, options: WorkerOptions):
                 _measure_window(conn, state, options, *msg[1:])
                 conn.send(("done", None))
             elif msg[0] == "reshard":
-                conn.send(("reshards", _measure_reshards(state, msg[1])))
+                conn.send(("reshards", _measure_reshards(state, options, msg[1])))
         except Exception:  # noqa: BLE001
             conn.send(("error", traceback.format_exc(limit=3).strip().splitlines()[-1]))
 
@@ -215,11 +215,13 @@ def _time_batch(conn, state, options, wp, ready, host_inputs, best_s):
     return best_s
 
 
-def _measure_reshards(state, items):
+def _measure_reshards(state, options, items):
+    """Seconds per resharding: timed, or with ``cost == "model"`` priced from its compiled
+    collectives."""
     import jax
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
-    from cfp.measure import time_runs
+    from cfp.measure import model_cost, time_runs
     mesh = state["mesh"]
     out = {}
     for shape, dtype, src, dst in items:
@@ -228,6 +230,11 @@ def _measure_reshards(state, items):
         x = jax.device_put(np.ones(shape, dtype=np.float32).astype(dtype)
                            if dtype != "bfloat16" else jax.numpy.ones(shape, dtype), s_src)
         f = jax.jit(lambda a: a, in_shardings=s_src, out_shardings=s_dst)
+        if options.cost == "model":
+            out[(shape, dtype, src, dst)] = model_cost(f.lower(x).compile(),
+                                                       tuple(mesh.devices.shape),
+                                                       options.cost_model)[0]
+            continue
         times, _ = time_runs(f, (x,), best_s=None)
         out[(shape, dtype, src, dst)] = max(0.0, statistics.median(times) - state["overhead"])
     return out

@@ -47,7 +47,8 @@ def test_three_passes_plan_json_and_user_jit(tmp_path, capsys):
     assert main(base + ["--memory-budget", "1", "--validate-top", "2", "--iters", "2"]) == 0
     out = capsys.readouterr().out
     for line in ("searched ParallelBlock Strategies solution:", "searched training cost:",
-                 "memory_cost:", "TFLOP_COUNT:", "tflops", "numerical check", "solver: OPTIMAL"):
+                 "memory_cost:", "TFLOP_COUNT:", "tflops", "numerical check", "solver: OPTIMAL",
+                 "also validating the baselines dp", "(baseline dp)", "(predicted)"):
         assert line in out
     dbg = tmp_path / "debug_search"
     for f in ("after_ir.txt", "input_placement_specs.txt", "output_placement_specs.txt",
@@ -57,6 +58,7 @@ def test_three_passes_plan_json_and_user_jit(tmp_path, capsys):
     assert report["backend"] == "cpu" and report["devices"] == 4
     # plan.json back into the user's own jit
     plan = load_plan(tmp_path / "plan.json")
+    assert plan["source"] == "predicted" or plan["source"].startswith("baseline ")
     spec = WorkloadSpec("mlp", "tiny", None, "float32", ()).resolved()
     w = spec.build()
     params = w.init_params(jax.random.key(0))

@@ -2,9 +2,10 @@
 
 ``build_problem`` turns the profiles into a CP-SAT problem (``cfp.solver``): one group per
 window instance, whose options are its measured combinations (time, memory), and one edge per
-pair of blocks that a boundary tensor joins, priced from the resharding table. ``run_search``
-solves it, asks for the next-best plans too (``validate_top``), runs each of them end to end on
-the mesh, interleaved, keeps the measured fastest, and reports.
+pair of blocks that a boundary tensor joins, priced from the resharding table. The search pass
+solves it, asks for the next-best plans too (``validate_top``), adds the baseline plans that
+are plans of the problem (``baseline_candidates``), runs each end to end on the mesh,
+interleaved, keeps the measured fastest, and reports.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import time
 import numpy as np
 
 from cfp.errors import CfpError
-from cfp.solver import Group, Option, Problem, evaluate, solve
+from cfp.solver import Group, Option, Problem, Solution, evaluate, solve
 from cfp.windows import boundary_specs, option_memory
 
 SCALE = 1e7  # integer cost units per second: 0.1 microsecond, finer than any timing here
@@ -25,6 +26,7 @@ class SearchOptions:
     memory_budget_bytes: int | None
     time_limit_s: float = 60.0
     validate_top: int = 3
+    validate_baselines: bool = True  # also run the rule-file baselines that are plans here
     iters: int | None = None  # steps per measurement; None: at least 10 steps or 2 s
     rounds: int = 3  # measurements per plan, interleaved across plans
     check_numerics: bool = True
@@ -90,6 +92,38 @@ def top_plans(problem: Problem, k: int, time_limit_s: float):
                        f"{problem.memory_budget / 2**30:.3f} GB per device; the smallest any "
                        f"plan reaches is about {need / 2**30:.3f} GB")
     return sols
+
+
+def baseline_candidates(analysis, problem: Problem, known) -> list[tuple[str, Solution]]:
+    """The rule-file baselines (``cfp.baselines``) that are plans of this problem: every block
+    on a profiled strategy, every window on a feasible measured combination, parameters kept as
+    the plan keeps them, and within the memory budget. Search validates them next to its own
+    predictions, so a plan people already use is measured too, not only predicted."""
+    from cfp.baselines import applies, baseline_plan, load_rules
+    out, seen = [], set(known)
+    for name, rule in load_rules().items():
+        if rule.axes is None or rule.storage != "plan" or not applies(rule, analysis):
+            continue
+        bp = baseline_plan(rule, analysis)
+        idx = []
+        for b, st in zip(analysis.blocks.blocks, bp.strategies):
+            idx.append(next((i for i, t in enumerate(b.strategies) if t.axes == st.axes), None))
+        if None in idx or tuple(idx) in seen:
+            continue
+        choices = []
+        for g in problem.groups:
+            want = tuple(idx[b] for b in g.blocks)
+            choices.append(next((i for i, o in enumerate(g.options) if o.strategies == want),
+                                None))
+        if None in choices:
+            continue
+        cost, mem, strategies = evaluate(problem, choices)
+        if problem.memory_budget is not None and mem > problem.memory_budget:
+            continue
+        seen.add(strategies)
+        out.append((name, Solution(tuple(choices), strategies, cost, mem, f"baseline {name}",
+                                   0.0)))
+    return out
 
 
 def predicted_seconds(problem: Problem, choices, launch_overhead_s: float) -> float:

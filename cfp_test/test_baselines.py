@@ -1,0 +1,142 @@
+"""Baseline plans: each is what it claims, judged from its compiled collectives, and computes
+the same loss and gradients as the single-device step."""
+import functools
+import math
+
+import jax
+import pytest
+
+from cfp.baselines import applies, baseline_plan, load_rules
+from cfp.errors import CfpError
+from cfp.execute import PlannedStep, check_numerics
+from cfp.sharding import collectives
+from cfp.workloads import WorkloadSpec, make_mesh, trace_step
+from passes.analysis import run_analysis
+
+GPT = (("num_layers", 2), ("num_heads", 8))  # 8 heads: Megatron splits them 8 ways
+
+
+@functools.lru_cache(maxsize=None)
+def setup(model, mesh_shape, overrides):
+    spec = WorkloadSpec(model, "tiny", None, "float32", overrides).resolved()
+    rec = run_analysis(spec, mesh_shape)
+    return spec, rec, trace_step(spec.build())
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(model, mesh_shape, overrides, rule):
+    spec, rec, program = setup(model, mesh_shape, overrides)
+    bp = baseline_plan(load_rules()[rule], rec)
+    text = PlannedStep(program, rec, bp.strategies, make_mesh(mesh_shape), bp.storage
+                       ).compile().as_text()
+    return bp, text, collectives(text, mesh_shape)
+
+
+def param_bytes(spec):
+    return sum(math.prod(x.shape) * x.dtype.itemsize
+               for x in jax.tree_util.tree_leaves(spec.build().abstract_params()))
+
+
+def test_rule_files_are_checked(tmp_path):
+    assert {"dp", "megatron", "fsdp", "dp_tp", "expert", "batch_only"} <= set(load_rules())
+    (tmp_path / "bad.json").write_text('{"title": "x", "axes": [["heads"]], "storage": "plan"}')
+    with pytest.raises(CfpError, match="unknown role 'heads'"):
+        load_rules(tmp_path)
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(CfpError, match="not a baseline rule file"):
+        load_rules(tmp_path)
+
+
+def test_data_parallel_has_one_gradient_allreduce():
+    spec, _, _ = setup("gpt", (8,), GPT)
+    _, _, colls = compiled("gpt", (8,), GPT, "dp")
+    assert [c.kind for c in colls] == ["all-reduce"]
+    # The tied embedding's two gradient terms (gather's scatter-add and the head's) are
+    # reduced before they are added: one table's bytes more.
+    table = spec.build().config.vocab_size * spec.build().config.hidden_size * 4
+    assert param_bytes(spec) <= colls[0].bytes <= param_bytes(spec) + table + 64
+
+
+def test_megatron_has_two_allreduces_per_layer_each_way():
+    spec, rec, _ = setup("gpt", (8,), GPT)
+    bp, _, colls = compiled("gpt", (8,), GPT, "megatron")
+    cfg = spec.build().config
+    act = spec.build().batch_size * cfg.seq_len * cfg.hidden_size * 4
+    big = [c for c in colls if c.kind == "all-reduce" and c.bytes >= act]
+    layers = cfg.num_layers
+    # 2 forward (attention out, FFN out) + 2 backward (input gradients of the column-parallel
+    # q/k/v and FFN-in) per layer, plus the vocab-parallel head's input gradient.
+    assert 4 * layers <= len(big) <= 4 * layers + 1, [c.bytes for c in big]
+    assert not any(c.kind == "all-reduce" and c.bytes >= param_bytes(spec) for c in colls)
+    # Column then row: the FFN-out contraction splits its contracting dim (named all-reduce).
+    ffn = [b for b in rec.blocks.blocks if any(ld.kind == "contract" and ld.size == 4 * cfg.hidden_size
+                                               for ld in b.loop_dims)]
+    assert ffn and all(b.loop_dims[bp.strategies[b.index].axes[0]].kind == "contract"
+                       for b in ffn)
+
+
+def test_fsdp_gathers_parameters_and_reduce_scatters_gradients():
+    spec, _, _ = setup("gpt", (8,), GPT)
+    bp, text, colls = compiled("gpt", (8,), GPT, "fsdp")
+    gathered = sum(c.bytes for c in colls if c.kind == "all-gather")
+    split = sum(1 for s in bp.storage[0].values() if any(e is not None for e in s))
+    assert split > 0 and gathered >= 0.5 * param_bytes(spec)
+    reduced = [c for c in colls if c.kind in ("all-reduce", "reduce-scatter")]
+    assert sum(c.bytes for c in reduced) >= param_bytes(spec) / 8
+    # A reduce-scatter, or CPU's form: an all-reduce whose result each device slices by its
+    # partition id (the slice is fused into the optimizer update).
+    assert any(c.kind == "reduce-scatter" for c in reduced) or (
+        reduced and "partition-id" in text and "dynamic-slice" in text)
+
+
+def test_dp_tp_splits_data_on_axis_0_and_features_on_axis_1():
+    _, rec, _ = setup("gpt", (2, 4), GPT)
+    assert not applies(load_rules()["dp_tp"], setup("gpt", (8,), GPT)[1])
+    bp, _, colls = compiled("gpt", (2, 4), GPT, "dp_tp")
+    b0 = rec.blocks.blocks[0]
+    s = bp.strategies[0]
+    assert b0.loop_dims[s.axes[0]].kind == "lhs" and b0.loop_dims[s.axes[1]].kind == "rhs"
+    assert {c.axes for c in colls if c.kind == "all-reduce"} <= {(0,), (1,), (0, 1)}
+
+
+def test_expert_parallel_splits_experts():
+    ov = (("num_layers", 2), ("num_experts", 8))
+    spec, rec, _ = setup("moe", (8,), ov)
+    rule = load_rules()["expert"]
+    assert applies(rule, rec) and not applies(rule, setup("gpt", (8,), GPT)[1])
+    bp = baseline_plan(rule, rec)
+    expert = [b for b in rec.blocks.blocks if b.loop_dims[0].kind == "batch"
+              and b.loop_dims[0].size == 8 and bp.strategies[b.index].axes == (0,)
+              and rec.graph.values[rec.graph.ops[b.seed].inputs[1]].shape[0] == 8]
+    assert len(expert) >= 2  # the expert FFN's two contractions
+    err = check_numerics(spec.build(), rec, bp.strategies, make_mesh((8,)), bp.storage)
+    assert err[0] < 1e-4 and err[1] == 0
+
+
+@pytest.mark.parametrize("rule", ["megatron", "fsdp", "batch_only"])
+def test_baselines_match_single_device(rule):
+    spec, rec, _ = setup("gpt", (8,), GPT)
+    bp = baseline_plan(load_rules()[rule], rec)
+    loss_err, grad_excess = check_numerics(spec.build(), rec, bp.strategies, make_mesh((8,)),
+                                           bp.storage)
+    assert loss_err < 1e-4 and grad_excess == 0
+
+
+def test_benchmark_statistics():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from benchmark import bootstrap_ratio
+    from enum_and_benchmark.enumerate_plans import ordering_accuracy
+    m, lo, hi = bootstrap_ratio([2.0, 2.1, 1.9, 2.0], [1.0, 1.0, 1.0, 1.0])
+    assert lo <= m <= hi and 1.9 <= lo and hi <= 2.1
+    acc, pairs = ordering_accuracy([1, 2, 3], [1.0, 1.05, 3.0])
+    assert pairs == 2 and acc == 1.0
+    assert ordering_accuracy([3, 2, 1], [1.0, 2.0, 3.0]) == (0.0, 3)
+
+
+def test_cost_model_fitted_here():
+    from cfp.measure import fit_cost_model
+    cm = fit_cost_model(make_mesh((2, 4)), sizes=(2**12, 2**16))
+    assert len(cm.alpha) == 2 and all(a > 0 for a in cm.alpha) and all(b > 0 for b in cm.beta)
+    assert cm.device_flops > 1e6 and cm.device_bandwidth > 1e6

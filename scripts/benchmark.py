@@ -1,0 +1,346 @@
+"""cfp's plan against the plans people use, timed side by side in one process.
+
+For one workload and mesh: run cfp's three passes (timing each), the analytic plan (search
+over ``--cost model`` profiles with alpha-beta fitted here, its top prediction taken as is),
+and every baseline in ``cfp/baseline_rules/`` that applies, plus the single-device step. All
+plans are compiled, then timed in interleaved rounds (the order rotates each round), so drift
+hits every plan alike. Appends one row per timed round to ``<out>/<date>-<backend>.csv``
+(workload, mesh, plan, round, step_s, backend, devices), the pass overheads to
+``<date>-<backend>-overheads.csv``, each plan's compiled collectives to
+``<date>-<backend>-plans.csv``, and prints cfp's time over each baseline's as the median of
+per-round ratios with a bootstrap 95% interval; a plan whose compiled program equals cfp's
+(names aside) is a tie. ``--plot`` redraws the chart from the CSVs.
+
+    python scripts/benchmark.py --model gpt --mesh 2x4 --hidden-size 128 --num-heads 8
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+FIELDS = ["workload", "mesh", "plan", "round", "step_s", "backend", "devices"]
+OVERHEAD_FIELDS = ["workload", "mesh", "analysis_s", "profile_s", "search_s", "compiled",
+                   "model_profile_s", "backend", "devices"]
+PLAN_FIELDS = ["workload", "mesh", "plan", "source", "collectives", "comm_bytes", "compile_s",
+               "same_program_as_cfp", "backend", "devices"]
+
+
+def workload_parser(doc: str, *, model: str, rounds: int, min_seconds: float,
+                    max_combinations: int) -> argparse.ArgumentParser:
+    """The flags the benchmark scripts share: the workload, as cfp takes it, and the timing."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--model", default=model)
+    p.add_argument("--config", default="tiny")
+    p.add_argument("--mesh", default="8")
+    for name in ("num-layers", "batch-size", "seq-len", "hidden-size", "num-heads",
+                 "vocab-size", "num-experts"):
+        p.add_argument(f"--{name}", type=int, default=None)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--memory-budget", type=float, default=None, help="GB per device")
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--min-seconds", type=float, default=min_seconds,
+                   help="per plan and round: at least 5 steps or this long")
+    p.add_argument("--max-combinations", type=int, default=max_combinations)
+    p.add_argument("--out", default=str(ROOT / "scripts" / "results"))
+    p.add_argument("--date", default=datetime.date.today().isoformat())
+    return p
+
+
+def parse_args(argv=None):
+    p = workload_parser(__doc__, model="gpt", rounds=15, min_seconds=0.3, max_combinations=128)
+    p.add_argument("--plot", action="store_true", help="only redraw the chart from the CSVs")
+    return p.parse_args(argv)
+
+
+def start(a):
+    """Set up the devices (before JAX starts), run cfp's passes in the benchmark's work dir
+    (``modes``; what is already there is resumed) and return (mesh shape, backend, label,
+    work dir, spec, run fingerprint, analysis, {mode: seconds})."""
+    mesh_shape = tuple(int(x) for x in a.mesh.split("x"))
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count="
+                               f"{math.prod(mesh_shape)}").strip()
+    import jax
+    from cfp.records import read_record
+    from cfp.workloads import WorkloadSpec, run_fingerprint
+    from passes.analysis import FORMAT
+    backend = jax.devices()[0].platform
+    label = workload_label(a)
+    workdir = ROOT / "profiles" / f"bench-{label}-{a.mesh}"
+    flags = cfp_flags(a) + ["--workdir", str(workdir)]
+    print(f"== {label} on mesh {a.mesh} ({backend}, {math.prod(mesh_shape)} devices)")
+    seconds = {mode: run_cfp(flags, mode) for mode in ("analysis", "profile", "search")}
+    spec = WorkloadSpec(a.model, a.config, a.batch_size, a.dtype, tuple(
+        (k, getattr(a, k)) for k in ("num_layers", "seq_len", "hidden_size", "num_heads",
+                                     "vocab_size", "num_experts") if getattr(a, k) is not None)
+    ).resolved()
+    run_fp = run_fingerprint(spec, mesh_shape)
+    analysis = read_record(workdir / "analysis.pkl", FORMAT, run_fp, hint="")
+    return mesh_shape, backend, label, workdir, spec, run_fp, analysis, seconds
+
+
+def cfp_flags(a) -> list[str]:
+    flags = ["--model", a.model, "--config", a.config, "--mesh", a.mesh, "--dtype", a.dtype]
+    for name in ("num_layers", "batch_size", "seq_len", "hidden_size", "num_heads",
+                 "vocab_size", "num_experts"):
+        if getattr(a, name) is not None:
+            flags += [f"--{name.replace('_', '-')}", str(getattr(a, name))]
+    if a.memory_budget is not None:
+        flags += ["--memory-budget", str(a.memory_budget)]
+    return flags + ["--max-combinations", str(a.max_combinations)]
+
+
+def workload_label(a) -> str:
+    parts = [a.model, a.config]
+    for key, name in (("L", "num_layers"), ("b", "batch_size"), ("s", "seq_len"),
+                      ("h", "hidden_size"), ("nh", "num_heads"), ("e", "num_experts")):
+        if getattr(a, name) is not None:
+            parts.append(f"{key}{getattr(a, name)}")
+    return "-".join(parts)
+
+
+def run_cfp(flags: list[str], mode: str) -> float:
+    from cfp.cli import main
+    t0 = time.perf_counter()
+    rc = main(flags + ["--mode", mode])
+    if rc:
+        raise SystemExit(f"benchmark: cfp --mode {mode} failed (exit {rc})")
+    return time.perf_counter() - t0
+
+
+def _has_row(path: Path, workload: str, mesh: str) -> bool:
+    if not path.exists():
+        return False
+    with path.open(newline="") as f:
+        return any(r["workload"] == workload and r["mesh"] == mesh for r in csv.DictReader(f))
+
+
+def normalized_hlo(compiled) -> str:
+    """The compiled program with names, metadata and ids taken out."""
+    text = compiled.as_text()
+    text = re.sub(r", metadata=\{[^}]*\}", "", text)
+    text = re.sub(r"%[\w.\-]+", "%v", text)
+    text = re.sub(r"^HloModule \S+", "HloModule", text, flags=re.M)
+    text = re.sub(r"\b[\w\-]+\.\d+\b", "n", text)
+    return text
+
+
+def bootstrap_ratio(a, b, n=2000, seed=0):
+    """Median of per-round ratios a/b and its bootstrap 95% interval."""
+    import numpy as np
+    r = np.asarray(a) / np.asarray(b)
+    rng = np.random.default_rng(seed)
+    meds = np.median(r[rng.integers(0, len(r), (n, len(r)))], axis=1)
+    return float(np.median(r)), float(np.quantile(meds, 0.025)), float(np.quantile(meds, 0.975))
+
+
+def append_rows(path: Path, fields, rows) -> None:
+    """Add ``rows``; rows of an earlier run of the same workload and mesh are replaced."""
+    keys = {(r["workload"], r["mesh"]) for r in rows}
+    old = []
+    if path.exists():
+        with path.open(newline="") as f:
+            old = [r for r in csv.DictReader(f) if (r["workload"], r["mesh"]) not in keys]
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(old + rows)
+    tmp.replace(path)
+
+
+def build_plans(a, workdir: Path, mesh, analysis, program, run_fp):
+    """Plan name -> PlannedStep: cfp's, the analytic one, and every baseline that applies."""
+    from cfp.baselines import applies, baseline_plan, load_rules
+    from cfp.execute import PlannedStep
+    blocks = json.loads((workdir / "plan.json").read_text())["blocks"]
+    plans = {"cfp": PlannedStep(program, analysis, [b["strategy_index"] for b in blocks], mesh),
+             "analytic": PlannedStep(program, analysis,
+                                     analytic_plan(a, workdir, analysis, run_fp), mesh)}
+    for name, rule in load_rules().items():
+        if applies(rule, analysis):
+            bp = baseline_plan(rule, analysis)
+            plans[name] = PlannedStep(program, analysis, bp.strategies, mesh, bp.storage)
+    return plans
+
+
+def analytic_plan(a, workdir: Path, analysis, run_fp):
+    """The plan CP-SAT picks from the ``--cost model`` profiles, taken without measuring."""
+    from passes.profile import ProfileOptions, load_profiles
+    from passes.search import build_problem, top_plans
+    profile, segs = load_profiles(workdir, run_fp, analysis, ProfileOptions(
+        cost="model", max_combinations=a.max_combinations))
+    budget = int(a.memory_budget * 2**30) if a.memory_budget else None
+    problem, _ = build_problem(analysis, profile, segs, budget)
+    return top_plans(problem, 1, 60.0)[0].strategies
+
+
+class SingleDevice:
+    """The unsharded step, jitted on one device."""
+
+    def __init__(self, workload):
+        import jax
+        w = workload
+        self.abstract = jax.tree_util.tree_flatten(
+            (w.abstract_params(), w.abstract_opt_state(), w.abstract_batch()))
+        step, tree = w.train_step(), self.abstract[1]
+        self.step = jax.jit(lambda *leaves: jax.tree_util.tree_leaves(
+            step(*jax.tree_util.tree_unflatten(tree, leaves))))
+
+    def compile(self):
+        self.compiled = self.step.lower(*self.abstract[0]).compile()
+        return self.compiled
+
+    def place(self, flat):
+        import jax
+        dev = jax.devices()[0]
+        return [jax.device_put(x, dev) for x in flat]
+
+
+def time_plan(ps, min_seconds: float) -> float:
+    """Mean seconds per step over at least 5 steps or ``min_seconds``, each step waited for
+    (thousands of queued steps starve XLA CPU's collective rendezvous)."""
+    import jax
+    n, t0 = 0, time.perf_counter()
+    while n < 5 or time.perf_counter() - t0 < min_seconds:
+        jax.block_until_ready(ps.compiled(*ps.args))
+        n += 1
+    return (time.perf_counter() - t0) / n
+
+
+def benchmark(a) -> None:
+    mesh_shape, backend, label, workdir, spec, run_fp, analysis, sec = start(a)
+    import jax
+    import numpy as np
+    from cfp.execute import real_inputs
+    from cfp.sharding import collectives
+    from cfp.workloads import make_mesh, trace_step
+    n_dev = math.prod(mesh_shape)
+    t_an, t_pr, t_se = sec["analysis"], sec["profile"], sec["search"]
+    t_model = run_cfp(cfp_flags(a) + ["--workdir", str(workdir), "--cost", "model",
+                                      "--device-preset", "here"], "profile")
+    from passes.profile import ProfileOptions, load_profiles
+    prof, _ = load_profiles(workdir, run_fp, analysis,
+                            ProfileOptions(max_combinations=a.max_combinations))
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{a.date}-{backend}"
+    # A rerun over finished profiles (nothing compiled) keeps the first run's pass overheads.
+    if prof.compiled or not _has_row(out / f"{stem}-overheads.csv", label, a.mesh):
+        append_rows(out / f"{stem}-overheads.csv", OVERHEAD_FIELDS, [dict(
+            workload=label, mesh=a.mesh, analysis_s=f"{t_an:.2f}", profile_s=f"{t_pr:.2f}",
+            search_s=f"{t_se:.2f}", compiled=prof.compiled, model_profile_s=f"{t_model:.2f}",
+            backend=backend, devices=n_dev)])
+
+    workload = spec.build()
+    mesh = make_mesh(mesh_shape)
+    program = trace_step(workload)
+    plans = build_plans(a, workdir, mesh, analysis, program, run_fp)
+    plans["single_device"] = SingleDevice(workload)
+    host = real_inputs(workload)
+    for name, ps in plans.items():
+        t0 = time.perf_counter()
+        ps.compile()
+        ps.compile_s = time.perf_counter() - t0
+        ps.args = ps.place(host)
+        jax.block_until_ready(ps.compiled(*ps.args))
+    hlo = {name: normalized_hlo(ps.compiled) for name, ps in plans.items()}
+    names = list(plans)
+    times = {n: [] for n in names}
+    for r in range(a.rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for n in order:
+            times[n].append(time_plan(plans[n], a.min_seconds))
+    rows = [dict(workload=label, mesh=a.mesh, plan=n, round=r, step_s=f"{t:.6e}",
+                 backend=backend, devices=n_dev) for n in names for r, t in enumerate(times[n])]
+    append_rows(out / f"{stem}.csv", FIELDS, rows)
+    source = {"cfp": json.loads((workdir / "plan.json").read_text()).get("source", ""),
+              "analytic": "cost model", "single_device": "unsharded"}
+    plan_rows = []
+    for n in names:
+        cs = collectives(plans[n].compiled.as_text(), mesh_shape)
+        kinds: dict = {}
+        for c in cs:
+            kinds[c.kind] = kinds.get(c.kind, 0) + 1
+        plan_rows.append(dict(workload=label, mesh=a.mesh, plan=n, source=source.get(n, ""),
+                              collectives=" ".join(f"{k}:{v}" for k, v in sorted(kinds.items())),
+                              comm_bytes=sum(c.bytes for c in cs),
+                              compile_s=f"{plans[n].compile_s:.2f}",
+                              same_program_as_cfp=hlo[n] == hlo["cfp"], backend=backend,
+                              devices=n_dev))
+    append_rows(out / f"{stem}-plans.csv", PLAN_FIELDS, plan_rows)
+
+    print(f"\n{label} mesh {a.mesh}, {backend} x{n_dev}, {a.rounds} interleaved rounds")
+    print(f"{'plan':<14}{'median s':>12}  {'cfp / plan (95% CI)':<26} collectives")
+    for row, n in zip(plan_rows, names):
+        med = float(np.median(times[n]))
+        if n == "cfp":
+            rel = "-"
+        elif hlo[n] == hlo["cfp"]:
+            rel = "tie (same program)"
+        else:
+            m, lo, hi = bootstrap_ratio(times["cfp"], times[n])
+            rel = f"{m:.3f} [{lo:.3f}, {hi:.3f}]"
+        print(f"{n:<14}{med:>12.6f}  {rel:<26} {row['collectives']}")
+    print(f"passes: analysis {t_an:.1f} s, profile {t_pr:.1f} s ({prof.compiled} compiled), "
+          f"search {t_se:.1f} s; analytic profile {t_model:.1f} s")
+
+
+def plot(out: Path, date: str) -> None:
+    """One panel per backend: per workload and mesh, each plan's median step time over cfp's,
+    with the bootstrap interval of the per-round ratio."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    for path in sorted(out.glob(f"{date}-*.csv")):
+        if path.stem.count("-") != 3:  # <date>-<backend>.csv only
+            continue
+        df = pd.read_csv(path)
+        cases = list(dict.fromkeys(zip(df.workload, df.mesh)))
+        plans = [p for p in dict.fromkeys(df.plan) if p != "cfp"]
+        fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(cases)), 4.5))
+        width = 0.8 / len(plans)
+        for j, p in enumerate(plans):
+            xs, ys, los, his = [], [], [], []
+            for i, (w, m) in enumerate(cases):
+                sub = df[(df.workload == w) & (df.mesh == m)]
+                c, b = sub[sub.plan == "cfp"].step_s.values, sub[sub.plan == p].step_s.values
+                if len(b) == 0:
+                    continue
+                med, lo, hi = bootstrap_ratio(b, c)
+                xs.append(i + (j - len(plans) / 2 + 0.5) * width)
+                ys.append(med), los.append(med - lo), his.append(hi - med)
+            ax.bar(xs, ys, width, yerr=[los, his], label=p, capsize=2)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(range(len(cases)))
+        ax.set_xticklabels([f"{w}\n{m}" for w, m in cases], fontsize=7)
+        ax.set_ylabel("plan time / cfp time (median of rounds)")
+        ax.set_yscale("log")
+        backend = path.stem.split("-")[-1]
+        ax.set_title(f"cfp against baselines, {backend} x{int(df.devices.iloc[0])} devices, "
+                     f"{date} (above 1: cfp faster)")
+        ax.legend(fontsize=7, ncol=4)
+        fig.tight_layout()
+        fig.savefig(path.with_suffix(".png"), dpi=120)
+        print(f"wrote {path.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    if args.plot:
+        plot(Path(args.out), args.date)
+    else:
+        benchmark(args)
+        plot(Path(args.out), args.date)

@@ -1,0 +1,70 @@
+"""The README's benchmark table, from the CSVs ``scripts/benchmark.py`` wrote.
+
+Per workload and mesh: cfp's median step, then cfp's time over each plan's (median of per-round
+ratios, bootstrap 95% interval; ``tie`` where the compiled programs are the same), and whether
+the done-bar holds against the best mesh baseline (upper end <= 1.05, or a tie).
+
+    python scripts/summarize.py scripts/results/2026-11-22-cpu.csv
+    python scripts/summarize.py scripts/results/2026-11-22-enum-cpu-summary.csv
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchmark import bootstrap_ratio  # noqa: E402
+
+
+def main(path: str) -> None:
+    import pandas as pd
+    df = pd.read_csv(path)
+    plans_csv = Path(path).with_name(Path(path).stem + "-plans.csv")
+    same = {}
+    if plans_csv.exists():
+        p = pd.read_csv(plans_csv)
+        same = {(r.workload, r.mesh, r.plan): bool(r.same_program_as_cfp) for r in p.itertuples()}
+    cols = [c for c in dict.fromkeys(df.plan) if c != "cfp"]
+    print("| workload | mesh | cfp step (ms) | " + " | ".join(cols) + " | best mesh baseline: bar |")
+    print("|---|---|---|" + "---|" * len(cols) + "---|")
+    for (w, m), sub in df.groupby(["workload", "mesh"], sort=False):
+        c = sub[sub.plan == "cfp"].sort_values("round").step_s.values
+        cells, best = [], None
+        for plan in cols:
+            b = sub[sub.plan == plan].sort_values("round").step_s.values
+            if len(b) == 0:
+                cells.append("n/a")
+                continue
+            med, lo, hi = bootstrap_ratio(c, b)
+            tie = same.get((w, m, plan), False)
+            cells.append("tie" if tie else f"{med:.2f} [{lo:.2f}, {hi:.2f}]")
+            if plan != "single_device":
+                t = float(pd.Series(b).median())
+                if best is None or t < best[1]:
+                    best = (plan, t, hi, tie)
+        bar = f"{best[0]}: {'tie' if best[3] else ('met' if best[2] <= 1.05 else 'missed')}"
+        print(f"| {w} | {m} | {1e3 * pd.Series(c).median():.2f} | " + " | ".join(cells)
+              + f" | {bar} |")
+
+
+def enum_table(path: str) -> None:
+    """The exhaustive check's summary CSV as a table."""
+    import pandas as pd
+    df = pd.read_csv(path)
+    print("| workload | mesh | plans | cfp rank | cfp / best (95% CI) | among the best | "
+          "ordering accuracy (pairs) | Spearman | volume model: accuracy, Spearman |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in df.itertuples():
+        print(f"| {r.workload} | {r.mesh} | {r.space} | {r.cfp_rank} of {r.space + 1} | "
+              f"{r.cfp_over_best:.3f} [{r.cfp_over_best_lo:.3f}, {r.cfp_over_best_hi:.3f}] | "
+              f"{'yes' if r.cfp_among_best else 'no'} ({r.tied_with_best} tied) | "
+              f"{r.ordering_accuracy:.0%} ({r.pairs_outside_10pct}) | {r.spearman:.2f} | "
+              f"{r.volume_ordering_accuracy:.0%}, {r.volume_spearman:.2f} |")
+
+
+if __name__ == "__main__":
+    if "-enum-" in Path(sys.argv[1]).name:
+        enum_table(sys.argv[1])
+    else:
+        main(sys.argv[1])
