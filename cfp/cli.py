@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-validate-baselines", dest="validate_baselines", action="store_false",
                    help="validate only the predicted plans, not the rule-file baselines too")
     s.add_argument("--iters", type=int, default=None,
-                   help="steps per measurement (default: at least 10 steps or 2 s)")
+                   help="steps per measurement (default: at least 5 steps and 0.3 s)")
     return p
 
 

@@ -89,22 +89,27 @@ class PlannedStep:
         import jax
         return [jax.device_put(x, s) for x, s in zip(flat_inputs, self.in_shardings)]
 
-    def time_steps(self, args, *, iters: int | None, min_steps: int = 10,
-                   min_seconds: float = 2.0) -> float:
-        """Mean seconds per step over one measurement: ``iters`` steps, or (default) at least
-        ``min_steps`` steps or ``min_seconds``, whichever comes first."""
-        import jax
-        n, t0 = 0, time.perf_counter()
-        out = None
-        while True:
-            out = self.compiled(*args)
-            n += 1
-            if iters is not None and n >= iters:
-                break
-            if iters is None and (n >= min_steps or time.perf_counter() - t0 >= min_seconds):
-                break
-        jax.block_until_ready(out)
-        return (time.perf_counter() - t0) / n
+    def time_steps(self, args, *, iters: int | None, min_seconds: float = 0.3) -> float:
+        return time_steps(self.compiled, args, iters=iters, min_seconds=min_seconds)
+
+
+def time_steps(compiled, args, *, iters: int | None = None, min_steps: int = 5,
+               min_seconds: float = 0.3) -> float:
+    """Mean seconds per step over one measurement: ``iters`` steps, or (default) at least
+    ``min_steps`` steps and ``min_seconds``. Each step is waited for before the next starts:
+    the profile pass times windows the same way, and queueing steps instead measures another
+    thing (dispatch overlapped with the previous step, which ranked mlp plans differently here)
+    and, hundreds deep, starves XLA CPU's collective rendezvous."""
+    import jax
+    n, t0 = 0, time.perf_counter()
+    while True:
+        jax.block_until_ready(compiled(*args))
+        n += 1
+        if iters is not None and n >= iters:
+            break
+        if iters is None and n >= min_steps and time.perf_counter() - t0 >= min_seconds:
+            break
+    return (time.perf_counter() - t0) / n
 
 
 def real_inputs(workload, seed: int = 0) -> list:

@@ -135,6 +135,60 @@ def test_benchmark_statistics():
     assert ordering_accuracy([3, 2, 1], [1.0, 2.0, 3.0]) == (0.0, 3)
 
 
+def test_benchmark_table_and_chart(tmp_path, capsys):
+    """The benchmark's CSVs (one row per round) turn into the README's table and chart."""
+    import csv
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from benchmark import FIELDS, PLAN_FIELDS, append_rows, plot
+    from summarize import main as summarize
+    rows = [dict(workload="w", mesh="2x4", plan=p, round=r, step_s=1e-3 * t * (1 + 0.01 * r),
+                 backend="cpu", devices=8)
+            for p, t in (("cfp", 1.0), ("dp", 2.0), ("megatron", 1.0)) for r in range(5)]
+    append_rows(tmp_path / "2026-01-01-cpu.csv", FIELDS, rows)
+    append_rows(tmp_path / "2026-01-01-cpu-plans.csv", PLAN_FIELDS, [
+        dict(workload="w", mesh="2x4", plan=p, same_program_as_cfp=p != "dp")
+        for p in ("cfp", "dp", "megatron")])
+    append_rows(tmp_path / "2026-01-01-cpu.csv", FIELDS, rows[:5])  # a rerun replaces w, 2x4
+    with open(tmp_path / "2026-01-01-cpu.csv") as f:
+        assert len(list(csv.DictReader(f))) == 5
+    append_rows(tmp_path / "2026-01-01-cpu.csv", FIELDS, rows)
+    summarize(str(tmp_path / "2026-01-01-cpu.csv"))
+    out = capsys.readouterr().out
+    assert "| w | 2x4 | 1.02 | 0.50 [0.50, 0.50] | tie | megatron: tie |" in out
+    assert "| dp | 1 | 0 | 0 |" in out and "| megatron | 0 | 1 | 0 |" in out
+    plot(tmp_path, "2026-01-01")
+    assert (tmp_path / "2026-01-01-cpu.png").stat().st_size > 0
+
+
+def test_enumerated_spaces():
+    """The exhaustive check's two spaces on a toy problem: two instances of window type 0
+    (blocks 0, 1) and one of type 1 (block 2), three options each."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from enum_and_benchmark.enumerate_plans import distinct_plans, plan_space
+    from cfp.solver import Group, Option, Problem
+    from cfp.windows import Window
+    opts = lambda: [Option((s,), 10 + s, memory=s) for s in range(3)]  # noqa: E731
+    problem = Problem([Group((0,), opts()), Group((1,), opts()), Group((2,), opts())], [3] * 3,
+                      memory_budget=4)
+    windows = [Window(0, 1, 0), Window(1, 2, 0), Window(2, 3, 1)]
+    cfp = (1, 0, 2)  # differs between the instances of type 0: outside the uniform space
+    _, counts, picks = plan_space(problem, windows, cfp, "uniform")
+    plans, over = distinct_plans(problem, picks)
+    assert counts == [3, 3] and plans["cfp"] == cfp and "p0-0" in plans
+    assert over == 2  # (2, 2, 1) and (2, 2, 2) hold more than 4 bytes
+    assert len(plans) == 1 + 9 - over
+    _, counts, picks = plan_space(problem, windows, cfp, "around")
+    plans, over = distinct_plans(problem, picks)
+    # type 0 -> o at both instances (3 plans), type 1 -> o with cfp's type-0 choices (3 plans,
+    # one of them cfp's own); over the budget: (2, 2, 2)
+    assert set(plans) == {"cfp", "t0o0", "t0o1", "t1o0", "t1o1"} and over == 1
+    assert plans["t0o1"] == (1, 1, 2) and plans["t1o0"] == (1, 0, 0)
+
+
 def test_cost_model_fitted_here():
     from cfp.measure import fit_cost_model
     cm = fit_cost_model(make_mesh((2, 4)), sizes=(2**12, 2**16))

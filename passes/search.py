@@ -27,8 +27,8 @@ class SearchOptions:
     time_limit_s: float = 60.0
     validate_top: int = 3
     validate_baselines: bool = True  # also run the rule-file baselines that are plans here
-    iters: int | None = None  # steps per measurement; None: at least 10 steps or 2 s
-    rounds: int = 3  # measurements per plan, interleaved across plans
+    iters: int | None = None  # steps per measurement; None: at least 5 steps and 0.3 s
+    rounds: int = 5  # measurements per plan, interleaved across plans
     check_numerics: bool = True
 
 
@@ -145,9 +145,9 @@ def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOpti
         ps.time_steps(ps.args, iters=1)  # warm-up
         steps.append(ps)
     times = [[] for _ in steps]
-    for _ in range(options.rounds):
-        for i, ps in enumerate(steps):
-            times[i].append(ps.time_steps(ps.args, iters=options.iters))
+    for r in range(options.rounds):  # the order rotates, so drift hits every plan alike
+        for i in [(r + k) % len(steps) for k in range(len(steps))]:
+            times[i].append(steps[i].time_steps(steps[i].args, iters=options.iters))
     return steps, times
 
 

@@ -145,13 +145,14 @@ def bootstrap_ratio(a, b, n=2000, seed=0):
     return float(np.median(r)), float(np.quantile(meds, 0.025)), float(np.quantile(meds, 0.975))
 
 
-def append_rows(path: Path, fields, rows) -> None:
-    """Add ``rows``; rows of an earlier run of the same workload and mesh are replaced."""
-    keys = {(r["workload"], r["mesh"]) for r in rows}
+def append_rows(path: Path, fields, rows, keys=("workload", "mesh")) -> None:
+    """Add ``rows``; rows of an earlier run with the same ``keys`` (workload and mesh) are
+    replaced."""
+    new = {tuple(r[k] for k in keys) for r in rows}
     old = []
     if path.exists():
         with path.open(newline="") as f:
-            old = [r for r in csv.DictReader(f) if (r["workload"], r["mesh"]) not in keys]
+            old = [r for r in csv.DictReader(f) if tuple(r.get(k) for k in keys) not in new]
     tmp = path.with_suffix(".tmp")
     with tmp.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
@@ -209,14 +210,10 @@ class SingleDevice:
 
 
 def time_plan(ps, min_seconds: float) -> float:
-    """Mean seconds per step over at least 5 steps or ``min_seconds``, each step waited for
-    (thousands of queued steps starve XLA CPU's collective rendezvous)."""
-    import jax
-    n, t0 = 0, time.perf_counter()
-    while n < 5 or time.perf_counter() - t0 < min_seconds:
-        jax.block_until_ready(ps.compiled(*ps.args))
-        n += 1
-    return (time.perf_counter() - t0) / n
+    """Mean seconds per step: at least 5 steps and ``min_seconds``, each step waited for
+    (``cfp.execute.time_steps``, the timing search validates plans with)."""
+    from cfp.execute import time_steps
+    return time_steps(ps.compiled, ps.args, min_seconds=min_seconds)
 
 
 def benchmark(a) -> None:
@@ -298,42 +295,58 @@ def benchmark(a) -> None:
 
 
 def plot(out: Path, date: str) -> None:
-    """One panel per backend: per workload and mesh, each plan's median step time over cfp's,
-    with the bootstrap interval of the per-round ratio."""
+    """One chart per backend: per workload and mesh, each plan's time over cfp's (median of
+    per-round ratios, bootstrap 95% interval); hatched where the program is cfp's own."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import pandas as pd
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import FuncFormatter
     for path in sorted(out.glob(f"{date}-*.csv")):
         if path.stem.count("-") != 3:  # <date>-<backend>.csv only
             continue
-        df = pd.read_csv(path)
-        cases = list(dict.fromkeys(zip(df.workload, df.mesh)))
+        df = pd.read_csv(path, dtype={"mesh": str})
+        plans_csv = path.with_name(path.stem + "-plans.csv")
+        same = set()
+        if plans_csv.exists():
+            pc = pd.read_csv(plans_csv, dtype={"mesh": str})
+            same = {(r.workload, r.mesh, r.plan) for r in pc.itertuples() if r.same_program_as_cfp}
+        mesh_order = {m: i for i, m in enumerate(("8", "2x4", "4x2"))}
+        cases = sorted(dict.fromkeys(zip(df.workload, df.mesh)),
+                       key=lambda c: (c[0], mesh_order.get(c[1], 9), c[1]))
         plans = [p for p in dict.fromkeys(df.plan) if p != "cfp"]
-        fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(cases)), 4.5))
+        fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(cases)), 4.8))
         width = 0.8 / len(plans)
+        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
         for j, p in enumerate(plans):
-            xs, ys, los, his = [], [], [], []
             for i, (w, m) in enumerate(cases):
                 sub = df[(df.workload == w) & (df.mesh == m)]
                 c, b = sub[sub.plan == "cfp"].step_s.values, sub[sub.plan == p].step_s.values
                 if len(b) == 0:
                     continue
                 med, lo, hi = bootstrap_ratio(b, c)
-                xs.append(i + (j - len(plans) / 2 + 0.5) * width)
-                ys.append(med), los.append(med - lo), his.append(hi - med)
-            ax.bar(xs, ys, width, yerr=[los, his], label=p, capsize=2)
+                x = i + (j - len(plans) / 2 + 0.5) * width
+                ax.bar(x, med, width, yerr=[[med - lo], [hi - med]], capsize=2,
+                       color=colors[j % len(colors)],
+                       hatch="//" if (w, m, p) in same else None, edgecolor="white")
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xticks(range(len(cases)))
         ax.set_xticklabels([f"{w}\n{m}" for w, m in cases], fontsize=7)
-        ax.set_ylabel("plan time / cfp time (median of rounds)")
+        ax.set_ylabel("plan step time / cfp step time")
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if v in (
+            0.2, 0.5, 2, 3) else ""))
         backend = path.stem.split("-")[-1]
-        ax.set_title(f"cfp against baselines, {backend} x{int(df.devices.iloc[0])} devices, "
-                     f"{date} (above 1: cfp faster)")
-        ax.legend(fontsize=7, ncol=4)
+        ax.set_title(f"cfp against baselines, {backend}, {int(df.devices.iloc[0])} devices, "
+                     f"{date}: above 1, cfp is faster; hatched, the same program as cfp's",
+                     fontsize=9)
+        handles = [Patch(color=colors[j % len(colors)], label=p) for j, p in enumerate(plans)]
+        ax.legend(handles=handles, fontsize=7, ncol=8, loc="upper center",
+                  bbox_to_anchor=(0.5, -0.13))
         fig.tight_layout()
-        fig.savefig(path.with_suffix(".png"), dpi=120)
+        fig.savefig(path.with_suffix(".png"), dpi=120, bbox_inches="tight")
         print(f"wrote {path.with_suffix('.png')}")
 
 

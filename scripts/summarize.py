@@ -26,6 +26,7 @@ def main(path: str) -> None:
         p = pd.read_csv(plans_csv)
         same = {(r.workload, r.mesh, r.plan): bool(r.same_program_as_cfp) for r in p.itertuples()}
     cols = [c for c in dict.fromkeys(df.plan) if c != "cfp"]
+    tally = {c: [0, 0, 0] for c in cols}  # cfp faster, tie or within noise, slower
     print("| workload | mesh | cfp step (ms) | " + " | ".join(cols) + " | best mesh baseline: bar |")
     print("|---|---|---|" + "---|" * len(cols) + "---|")
     for (w, m), sub in df.groupby(["workload", "mesh"], sort=False):
@@ -39,6 +40,7 @@ def main(path: str) -> None:
             med, lo, hi = bootstrap_ratio(c, b)
             tie = same.get((w, m, plan), False)
             cells.append("tie" if tie else f"{med:.2f} [{lo:.2f}, {hi:.2f}]")
+            tally[plan][0 if hi < 1 and not tie else 2 if lo > 1 and not tie else 1] += 1
             if plan != "single_device":
                 t = float(pd.Series(b).median())
                 if best is None or t < best[1]:
@@ -46,22 +48,28 @@ def main(path: str) -> None:
         bar = f"{best[0]}: {'tie' if best[3] else ('met' if best[2] <= 1.05 else 'missed')}"
         print(f"| {w} | {m} | {1e3 * pd.Series(c).median():.2f} | " + " | ".join(cells)
               + f" | {bar} |")
+    print("\n| against | cfp faster | tie or within noise | cfp slower |\n|---|---|---|---|")
+    for plan, (f, t, sl) in tally.items():
+        print(f"| {plan} | {f} | {t} | {sl} |")
 
 
 def enum_table(path: str) -> None:
     """The exhaustive check's summary CSV as a table."""
     import pandas as pd
-    df = pd.read_csv(path)
-    print("| workload | mesh | plans | cfp rank | cfp / best (95% CI) | among the best | "
-          "ordering accuracy (pairs) | Spearman | volume model: accuracy, Spearman |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    df = pd.read_csv(path, dtype={"mesh": str})
+    print("| workload | mesh | space | plans | cfp rank | cfp / best (95% CI) | among the best "
+          "| ordering accuracy (pairs) | Spearman | volume model: accuracy, Spearman "
+          "| fitted weights: windows, reshardings |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in df.itertuples():
-        print(f"| {r.workload} | {r.mesh} | {r.space} | {r.cfp_rank} of {r.space + 1} | "
+        weights = (f"{r.fit_windows_weight:.2f}, {r.fit_reshard_weight:.2f}"
+                   if "fit_windows_weight" in df and r.fit_windows_weight == r.fit_windows_weight
+                   else "n/a")
+        print(f"| {r.workload} | {r.mesh} | {r.space_def} | {r.space} | {r.cfp_rank} | "
               f"{r.cfp_over_best:.3f} [{r.cfp_over_best_lo:.3f}, {r.cfp_over_best_hi:.3f}] | "
               f"{'yes' if r.cfp_among_best else 'no'} ({r.tied_with_best} tied) | "
               f"{r.ordering_accuracy:.0%} ({r.pairs_outside_10pct}) | {r.spearman:.2f} | "
-              f"{r.volume_ordering_accuracy:.0%}, {r.volume_spearman:.2f} |")
-
+              f"{r.volume_ordering_accuracy:.0%}, {r.volume_spearman:.2f} | {weights} |")
 
 if __name__ == "__main__":
     if "-enum-" in Path(sys.argv[1]).name:

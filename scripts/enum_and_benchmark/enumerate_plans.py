@@ -1,9 +1,19 @@
 """Exhaustive check: run every plan of a small space end to end and see where cfp's pick lands.
 
-The space: one measured combination per *window type*, used by every instance of that type (a
-layer-uniform plan), so its size is the product over window types of their feasible
-combinations. Every plan of it, and cfp's own pick (which may differ between instances, so it
-can lie outside the space), is compiled and timed in interleaved rounds. Reported:
+Two spaces (``--space``), both defined over the profile pass's window types:
+
+- ``uniform``: one measured combination per *window type*, used by every instance of that type
+  (a layer-uniform plan); its size is the product over window types of their feasible
+  combinations. Small enough only for small models (the mlp: 4 plans on mesh 8, 64 on 2-D).
+- ``around``: cfp's plan, and every plan that differs from it in one window type only (that type
+  takes one of its measured combinations at every instance, every other window keeps cfp's
+  choice); its size is the sum over window types of their feasible combinations, so it can be
+  enumerated for a transformer too. It checks that no single change of cfp's plan is faster,
+  and how well the composed predictions order the alternatives search weighed.
+
+Every plan of the space, and cfp's own pick (which may lie outside the uniform space, since its
+choices may differ between instances), is compiled and timed in interleaved rounds. Plans with
+the same block strategies are timed once. Reported:
 
 - where cfp's pick ranks, its time over the measured best (median of per-round ratios, bootstrap
   95% interval), and whether it is among the plans that cannot be told apart from the best (the
@@ -17,6 +27,7 @@ Writes ``scripts/results/<date>-enum-<backend>.csv`` (one row per plan) and
 ``<date>-enum-<backend>-summary.csv``, and a PNG per workload.
 
     python scripts/enum_and_benchmark/enumerate_plans.py --model mlp --mesh 2x4
+    python scripts/enum_and_benchmark/enumerate_plans.py --model gpt --num-heads 8 --space around
 """
 from __future__ import annotations
 
@@ -36,7 +47,11 @@ from benchmark import (append_rows, bootstrap_ratio, normalized_hlo, start,  # n
 
 def parse_args(argv=None):
     p = workload_parser(__doc__, model="mlp", rounds=9, min_seconds=0.1, max_combinations=64)
-    p.add_argument("--max-plans", type=int, default=200, help="refuse larger spaces")
+    p.add_argument("--space", choices=("uniform", "around"), default="uniform")
+    p.add_argument("--max-plans", type=int, default=120,
+                   help="refuse larger spaces: every plan stays compiled for the interleaved "
+                        "rounds, and on this machine XLA's CPU JIT failed (LLVM 'Cannot "
+                        "allocate memory', with RAM free) holding about 200 8-device programs")
     return p.parse_args(argv)
 
 
@@ -51,6 +66,16 @@ def ordering_accuracy(pred, meas, lo=0.9, hi=1.1) -> tuple[float, int]:
         total += 1
         good += (pred[i] < pred[j]) == (meas[i] < meas[j])
     return (good / total if total else float("nan")), total
+
+
+def term_weights(windows, reshards, measured) -> tuple[float, float]:
+    """Least-squares weights of the two terms of cfp's composed prediction (window times,
+    boundary reshardings) that best explain the measured step times, with an intercept. Both 1:
+    the composition adds the terms as they are; far from 1: that term is mispriced end to end."""
+    import numpy as np
+    x = np.c_[windows, reshards, np.ones(len(windows))]
+    coef, *_ = np.linalg.lstsq(x, np.asarray(measured), rcond=None)
+    return float(coef[0]), float(coef[1])
 
 
 def spearman(a, b) -> float:
@@ -68,36 +93,31 @@ def main(a) -> None:
     from cfp.solver import evaluate
     from cfp.workloads import make_mesh, trace_step
     from passes.profile import ProfileOptions, load_profiles
-    from passes.search import build_problem, predicted_seconds
+    from passes.search import SCALE, build_problem, predicted_seconds
     n_dev = math.prod(mesh_shape)
     prof, segs = load_profiles(workdir, run_fp, analysis,
                                ProfileOptions(max_combinations=a.max_combinations))
     budget = int(a.memory_budget * 2**30) if a.memory_budget else None
     problem, _ = build_problem(analysis, prof, segs, budget)
-    types = sorted({w.type for w in prof.windows})
-    first = {t: next(i for i, w in enumerate(prof.windows) if w.type == t) for t in types}
-    counts = [len(problem.groups[first[t]].options) for t in types]
-    size = math.prod(counts)
-    print(f"space: one combination per window type, {' x '.join(map(str, counts))} = {size}")
-    if size > a.max_plans:
-        raise SystemExit(f"enumerate: {size} plans is over --max-plans {a.max_plans}")
-    plans = {}
-    for pick in itertools.product(*[range(c) for c in counts]):
-        choices = tuple(pick[types.index(w.type)] for w in prof.windows)
-        plans["p" + "-".join(map(str, pick))] = choices
     cfp_strats = tuple(b["strategy_index"] for b in
                        json.loads((workdir / "plan.json").read_text())["blocks"])
+    space_def, counts, picks = plan_space(problem, prof.windows, _choices_of(problem, cfp_strats),
+                                          a.space)
+    size = math.prod(counts) if a.space == "uniform" else sum(counts)
+    print(f"space: {space_def}; feasible combinations per window type {counts}: {size} plans")
+    if size > a.max_plans:
+        raise SystemExit(f"enumerate: {size} plans is over --max-plans {a.max_plans}")
+    plans, over_budget = distinct_plans(problem, picks)
+    print(f"{len(plans)} distinct plans to run ({over_budget} over the memory budget left out)")
 
     mesh = make_mesh(mesh_shape)
     program = trace_step(spec.build())
     host = real_inputs(spec.build())
-    steps, predicted = {}, {}
+    steps, predicted, windows_s = {}, {}, {}
     for name, choices in plans.items():
         steps[name] = PlannedStep(program, analysis, evaluate(problem, choices)[2], mesh)
         predicted[name] = predicted_seconds(problem, choices, prof.launch_overhead_s)
-    cfp_choices = _choices_of(problem, cfp_strats)
-    steps["cfp"] = PlannedStep(program, analysis, cfp_strats, mesh)
-    predicted["cfp"] = predicted_seconds(problem, cfp_choices, prof.launch_overhead_s)
+        windows_s[name] = sum(g.options[c].cost for g, c in zip(problem.groups, choices)) / SCALE
     t0 = time.perf_counter()
     for ps in steps.values():
         ps.compile()
@@ -115,42 +135,82 @@ def main(a) -> None:
     comm = {n: sum(c.bytes for c in collectives(steps[n].compiled.as_text(), mesh_shape))
             for n in names}
     best = min(names, key=med.get)
-    same_as = {n: next((m for m in plans if hlo[m] == hlo[n]), None) for n in ["cfp"]}
+    same_as = [m for m in names if m != "cfp" and hlo[m] == hlo["cfp"]]
     rows, tied = [], set()
     ranked = sorted(names, key=med.get)
     for n in names:
         m, lo, hi = bootstrap_ratio(times[n], times[best])
         if lo <= 1.0 or hlo[n] == hlo[best]:
             tied.add(n)
-        rows.append(dict(workload=label, mesh=a.mesh, plan=n, predicted_s=f"{predicted[n]:.6e}",
+        rows.append(dict(workload=label, mesh=a.mesh, space_def=space_def, plan=n,
+                         predicted_s=f"{predicted[n]:.6e}", windows_s=f"{windows_s[n]:.6e}",
+                         reshard_s=f"{predicted[n] - windows_s[n] - prof.launch_overhead_s:.6e}",
                          median_s=f"{med[n]:.6e}", over_best=f"{m:.4f}",
                          over_best_lo=f"{lo:.4f}", over_best_hi=f"{hi:.4f}",
                          indistinguishable_from_best=n in tied, comm_bytes=comm[n],
                          rank=ranked.index(n) + 1, backend=backend, devices=n_dev))
-    enum = list(plans)
+    enum = names
     acc, pairs = ordering_accuracy([predicted[n] for n in enum], [med[n] for n in enum])
     vacc, _ = ordering_accuracy([comm[n] for n in enum], [med[n] for n in enum])
     rho = spearman([predicted[n] for n in enum], [med[n] for n in enum])
     vrho = spearman([comm[n] for n in enum], [med[n] for n in enum])
+    w_win, w_resh = term_weights([windows_s[n] for n in enum],
+                                 [predicted[n] - windows_s[n] for n in enum],
+                                 [med[n] for n in enum])
     gap, glo, ghi = bootstrap_ratio(times["cfp"], times[best])
-    summary = dict(workload=label, mesh=a.mesh, space=len(enum),
-                   space_def="one combination per window type", cfp_rank=ranked.index("cfp") + 1,
+    summary = dict(workload=label, mesh=a.mesh, space=len(enum), space_def=space_def,
+                   cfp_rank=ranked.index("cfp") + 1,
                    cfp_over_best=f"{gap:.4f}", cfp_over_best_lo=f"{glo:.4f}",
                    cfp_over_best_hi=f"{ghi:.4f}", cfp_among_best="cfp" in tied,
-                   cfp_same_program_as=same_as["cfp"] or "", tied_with_best=len(tied),
+                   cfp_same_program_as=" ".join(same_as), tied_with_best=len(tied),
                    ordering_accuracy=f"{acc:.4f}", pairs_outside_10pct=pairs,
                    spearman=f"{rho:.4f}", volume_ordering_accuracy=f"{vacc:.4f}",
-                   volume_spearman=f"{vrho:.4f}", rounds=a.rounds, backend=backend,
+                   volume_spearman=f"{vrho:.4f}", fit_windows_weight=f"{w_win:.3f}",
+                   fit_reshard_weight=f"{w_resh:.3f}", rounds=a.rounds, backend=backend,
                    devices=n_dev)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{a.date}-enum-{backend}"
-    append_rows(out / f"{stem}.csv", list(rows[0]), rows)
-    append_rows(out / f"{stem}-summary.csv", list(summary), [summary])
+    keys = ("workload", "mesh", "space_def")
+    append_rows(out / f"{stem}.csv", list(rows[0]), rows, keys)
+    append_rows(out / f"{stem}-summary.csv", list(summary), [summary], keys)
     for k, v in summary.items():
         print(f"{k:>26}: {v}")
-    _plot(out / f"{stem}-{label}-{a.mesh}.png", names, predicted, med, comm, label, a.mesh,
-          backend, n_dev)
+    _plot(out / f"{stem}-{label}-{a.mesh}-{a.space}.png", names, predicted, med, comm, label,
+          a.mesh, space_def, backend, n_dev)
+
+
+def plan_space(problem, windows, cfp_choices, space: str):
+    """(its definition, feasible combinations per window type, iterator of (name, option index
+    per window instance)) of ``space``; cfp's own plan comes first, named ``cfp``."""
+    types = sorted({w.type for w in windows})
+    first = {t: next(i for i, w in enumerate(windows) if w.type == t) for t in types}
+    counts = [len(problem.groups[first[t]].options) for t in types]
+    if space == "uniform":
+        picks = (("p" + "-".join(map(str, pick)),
+                  tuple(pick[types.index(w.type)] for w in windows))
+                 for pick in itertools.product(*[range(c) for c in counts]))
+        return ("one combination per window type", counts,
+                itertools.chain([("cfp", cfp_choices)], picks))
+    picks = ((f"t{t}o{o}", tuple(o if w.type == t else c for w, c in zip(windows, cfp_choices)))
+             for t, n in zip(types, counts) for o in range(n))
+    return ("cfp's plan with one window type changed", counts,
+            itertools.chain([("cfp", cfp_choices)], picks))
+
+
+def distinct_plans(problem, picks) -> tuple[dict, int]:
+    """{name: choices} of the plans within the memory budget, each set of block strategies
+    once (the first name wins), and how many were over the budget."""
+    from cfp.solver import evaluate
+    plans, seen, over = {}, set(), 0
+    for name, choices in picks:
+        _, mem, strategies = evaluate(problem, choices)
+        if problem.memory_budget is not None and mem > problem.memory_budget:
+            over += 1
+        elif strategies not in seen:
+            seen.add(strategies)
+            plans[name] = choices
+    return plans, over
 
 
 def _choices_of(problem, strategies):
@@ -162,7 +222,7 @@ def _choices_of(problem, strategies):
     return tuple(out)
 
 
-def _plot(path, names, predicted, med, comm, label, mesh, backend, n_dev):
+def _plot(path, names, predicted, med, comm, label, mesh, space_def, backend, n_dev):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -175,7 +235,8 @@ def _plot(path, names, predicted, med, comm, label, mesh, backend, n_dev):
         ax.set_xlabel(xl)
         ax.set_ylabel("measured step (s), median")
         ax.legend(fontsize=7)
-    fig.suptitle(f"{label} mesh {mesh}: every plan of the space ({backend}, {n_dev} devices)")
+    fig.suptitle(f"{label} mesh {mesh}, every plan of the space '{space_def}' "
+                 f"({backend}, {n_dev} devices)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
