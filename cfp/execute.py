@@ -89,8 +89,6 @@ class PlannedStep:
         import jax
         return [jax.device_put(x, s) for x, s in zip(flat_inputs, self.in_shardings)]
 
-    def time_steps(self, args, *, iters: int | None, min_seconds: float = 0.3) -> float:
-        return time_steps(self.compiled, args, iters=iters, min_seconds=min_seconds)
 
 
 def time_steps(compiled, args, *, iters: int | None = None, min_steps: int = 5,

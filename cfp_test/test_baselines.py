@@ -176,16 +176,16 @@ def test_enumerated_spaces():
                       memory_budget=4)
     windows = [Window(0, 1, 0), Window(1, 2, 0), Window(2, 3, 1)]
     cfp = (1, 0, 2)  # differs between the instances of type 0: outside the uniform space
-    _, counts, picks = plan_space(problem, windows, cfp, "uniform")
+    _, counts, size, picks = plan_space(problem, windows, cfp, "uniform")
     plans, over = distinct_plans(problem, picks)
-    assert counts == [3, 3] and plans["cfp"] == cfp and "p0-0" in plans
+    assert counts == [3, 3] and size == 9 and plans["cfp"] == cfp and "p0-0" in plans
     assert over == 2  # (2, 2, 1) and (2, 2, 2) hold more than 4 bytes
     assert len(plans) == 1 + 9 - over
-    _, counts, picks = plan_space(problem, windows, cfp, "around")
+    _, counts, size, picks = plan_space(problem, windows, cfp, "around")
     plans, over = distinct_plans(problem, picks)
     # type 0 -> o at both instances (3 plans), type 1 -> o with cfp's type-0 choices (3 plans,
     # one of them cfp's own); over the budget: (2, 2, 2)
-    assert set(plans) == {"cfp", "t0o0", "t0o1", "t1o0", "t1o1"} and over == 1
+    assert size == 6 and set(plans) == {"cfp", "t0o0", "t0o1", "t1o0", "t1o1"} and over == 1
     assert plans["t0o1"] == (1, 1, 2) and plans["t1o0"] == (1, 0, 0)
 
 

@@ -134,7 +134,7 @@ def predicted_seconds(problem: Problem, choices, launch_overhead_s: float) -> fl
 def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOptions):
     """Compile every plan, then time them in interleaved rounds; per plan the list of
     measured seconds per step and the compiled executable."""
-    from cfp.execute import PlannedStep
+    from cfp.execute import PlannedStep, time_steps
     steps = []
     for strategies in plans:
         ps = PlannedStep(program, analysis, strategies, mesh)
@@ -142,12 +142,13 @@ def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOpti
         ps.compile()
         ps.compile_s = time.perf_counter() - t0
         ps.args = ps.place(args_host)
-        ps.time_steps(ps.args, iters=1)  # warm-up
+        time_steps(ps.compiled, ps.args, iters=1)  # warm-up
         steps.append(ps)
     times = [[] for _ in steps]
     for r in range(options.rounds):  # the order rotates, so drift hits every plan alike
         for i in [(r + k) % len(steps) for k in range(len(steps))]:
-            times[i].append(steps[i].time_steps(steps[i].args, iters=options.iters))
+            ps = steps[i]
+            times[i].append(time_steps(ps.compiled, ps.args, iters=options.iters))
     return steps, times
 
 

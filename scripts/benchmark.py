@@ -136,6 +136,17 @@ def normalized_hlo(compiled) -> str:
     return text
 
 
+def same_program_as_cfp(results_csv: Path) -> set:
+    """{(workload, mesh, plan)} whose compiled program is cfp's, from the ``-plans.csv`` beside
+    a ``<date>-<backend>.csv``."""
+    import pandas as pd
+    path = Path(results_csv).with_name(Path(results_csv).stem + "-plans.csv")
+    if not path.exists():
+        return set()
+    p = pd.read_csv(path, dtype={"mesh": str})
+    return {(r.workload, r.mesh, r.plan) for r in p.itertuples() if r.same_program_as_cfp}
+
+
 def bootstrap_ratio(a, b, n=2000, seed=0):
     """Median of per-round ratios a/b and its bootstrap 95% interval."""
     import numpy as np
@@ -209,18 +220,11 @@ class SingleDevice:
         return [jax.device_put(x, dev) for x in flat]
 
 
-def time_plan(ps, min_seconds: float) -> float:
-    """Mean seconds per step: at least 5 steps and ``min_seconds``, each step waited for
-    (``cfp.execute.time_steps``, the timing search validates plans with)."""
-    from cfp.execute import time_steps
-    return time_steps(ps.compiled, ps.args, min_seconds=min_seconds)
-
-
 def benchmark(a) -> None:
     mesh_shape, backend, label, workdir, spec, run_fp, analysis, sec = start(a)
     import jax
     import numpy as np
-    from cfp.execute import real_inputs
+    from cfp.execute import real_inputs, time_steps
     from cfp.sharding import collectives
     from cfp.workloads import make_mesh, trace_step
     n_dev = math.prod(mesh_shape)
@@ -258,7 +262,8 @@ def benchmark(a) -> None:
     for r in range(a.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for n in order:
-            times[n].append(time_plan(plans[n], a.min_seconds))
+            times[n].append(time_steps(plans[n].compiled, plans[n].args,
+                                       min_seconds=a.min_seconds))
     rows = [dict(workload=label, mesh=a.mesh, plan=n, round=r, step_s=f"{t:.6e}",
                  backend=backend, devices=n_dev) for n in names for r, t in enumerate(times[n])]
     append_rows(out / f"{stem}.csv", FIELDS, rows)
@@ -307,11 +312,7 @@ def plot(out: Path, date: str) -> None:
         if path.stem.count("-") != 3:  # <date>-<backend>.csv only
             continue
         df = pd.read_csv(path, dtype={"mesh": str})
-        plans_csv = path.with_name(path.stem + "-plans.csv")
-        same = set()
-        if plans_csv.exists():
-            pc = pd.read_csv(plans_csv, dtype={"mesh": str})
-            same = {(r.workload, r.mesh, r.plan) for r in pc.itertuples() if r.same_program_as_cfp}
+        same = same_program_as_cfp(path)
         mesh_order = {m: i for i, m in enumerate(("8", "2x4", "4x2"))}
         cases = sorted(dict.fromkeys(zip(df.workload, df.mesh)),
                        key=lambda c: (c[0], mesh_order.get(c[1], 9), c[1]))

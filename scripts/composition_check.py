@@ -49,7 +49,7 @@ def main() -> None:
         assert cli(base + ["--mode", "profile"]) == 0
 
     import jax
-    from cfp.execute import PlannedStep, real_inputs
+    from cfp.execute import PlannedStep, real_inputs, time_steps
     from cfp.measure import memory_of
     from cfp.records import read_record
     from cfp.solver import evaluate
@@ -75,7 +75,7 @@ def main() -> None:
         ps = PlannedStep(program, analysis, strategies, mesh)
         ps.compile()
         ps.args = ps.place(host)
-        ps.time_steps(ps.args, iters=2)
+        time_steps(ps.compiled, ps.args, iters=2)
         ps.predicted_s = cost / SCALE + profile.launch_overhead_s
         ps.predicted_mem = mem
         ps.compiled_mem = memory_of(ps.compiled)["peak_bytes"]
@@ -83,7 +83,7 @@ def main() -> None:
     times = [[] for _ in steps]
     for _ in range(args.rounds):
         for i, ps in enumerate(steps):
-            times[i].append(ps.time_steps(ps.args, iters=args.iters))
+            times[i].append(time_steps(ps.compiled, ps.args, iters=args.iters))
     backend = jax.devices()[0].platform
     date = datetime.date.today().isoformat()
     out = ROOT / "scripts" / "results" / f"{date}-composition-{backend}.csv"

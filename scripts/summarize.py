@@ -14,17 +14,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmark import bootstrap_ratio  # noqa: E402
+from benchmark import bootstrap_ratio, same_program_as_cfp  # noqa: E402
 
 
 def main(path: str) -> None:
     import pandas as pd
-    df = pd.read_csv(path)
-    plans_csv = Path(path).with_name(Path(path).stem + "-plans.csv")
-    same = {}
-    if plans_csv.exists():
-        p = pd.read_csv(plans_csv)
-        same = {(r.workload, r.mesh, r.plan): bool(r.same_program_as_cfp) for r in p.itertuples()}
+    df = pd.read_csv(path, dtype={"mesh": str})
+    same = same_program_as_cfp(path)
     cols = [c for c in dict.fromkeys(df.plan) if c != "cfp"]
     tally = {c: [0, 0, 0] for c in cols}  # cfp faster, tie or within noise, slower
     print("| workload | mesh | cfp step (ms) | " + " | ".join(cols) + " | best mesh baseline: bar |")
@@ -38,7 +34,7 @@ def main(path: str) -> None:
                 cells.append("n/a")
                 continue
             med, lo, hi = bootstrap_ratio(c, b)
-            tie = same.get((w, m, plan), False)
+            tie = (w, m, plan) in same
             cells.append("tie" if tie else f"{med:.2f} [{lo:.2f}, {hi:.2f}]")
             tally[plan][0 if hi < 1 and not tie else 2 if lo > 1 and not tie else 1] += 1
             if plan != "single_device":
@@ -63,13 +59,13 @@ def enum_table(path: str) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in df.itertuples():
         weights = (f"{r.fit_windows_weight:.2f}, {r.fit_reshard_weight:.2f}"
-                   if "fit_windows_weight" in df and r.fit_windows_weight == r.fit_windows_weight
-                   else "n/a")
+                   if "fit_windows_weight" in df and pd.notna(r.fit_windows_weight) else "n/a")
         print(f"| {r.workload} | {r.mesh} | {r.space_def} | {r.space} | {r.cfp_rank} | "
               f"{r.cfp_over_best:.3f} [{r.cfp_over_best_lo:.3f}, {r.cfp_over_best_hi:.3f}] | "
               f"{'yes' if r.cfp_among_best else 'no'} ({r.tied_with_best} tied) | "
               f"{r.ordering_accuracy:.0%} ({r.pairs_outside_10pct}) | {r.spearman:.2f} | "
               f"{r.volume_ordering_accuracy:.0%}, {r.volume_spearman:.2f} | {weights} |")
+
 
 if __name__ == "__main__":
     if "-enum-" in Path(sys.argv[1]).name:

@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from benchmark import (append_rows, bootstrap_ratio, normalized_hlo, start,  # noqa: E402
-                       time_plan, workload_parser)
+                       workload_parser)
 
 
 def parse_args(argv=None):
@@ -88,7 +88,7 @@ def main(a) -> None:
     mesh_shape, backend, label, workdir, spec, run_fp, analysis, _ = start(a)
     import jax
     import numpy as np
-    from cfp.execute import PlannedStep, real_inputs
+    from cfp.execute import PlannedStep, real_inputs, time_steps
     from cfp.sharding import collectives
     from cfp.solver import evaluate
     from cfp.workloads import make_mesh, trace_step
@@ -101,9 +101,8 @@ def main(a) -> None:
     problem, _ = build_problem(analysis, prof, segs, budget)
     cfp_strats = tuple(b["strategy_index"] for b in
                        json.loads((workdir / "plan.json").read_text())["blocks"])
-    space_def, counts, picks = plan_space(problem, prof.windows, _choices_of(problem, cfp_strats),
-                                          a.space)
-    size = math.prod(counts) if a.space == "uniform" else sum(counts)
+    space_def, counts, size, picks = plan_space(problem, prof.windows,
+                                                _choices_of(problem, cfp_strats), a.space)
     print(f"space: {space_def}; feasible combinations per window type {counts}: {size} plans")
     if size > a.max_plans:
         raise SystemExit(f"enumerate: {size} plans is over --max-plans {a.max_plans}")
@@ -129,7 +128,8 @@ def main(a) -> None:
     for r in range(a.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for n in order:
-            times[n].append(time_plan(steps[n], a.min_seconds))
+            times[n].append(time_steps(steps[n].compiled, steps[n].args,
+                                       min_seconds=a.min_seconds))
     med = {n: float(np.median(times[n])) for n in names}
     hlo = {n: normalized_hlo(steps[n].compiled) for n in names}
     comm = {n: sum(c.bytes for c in collectives(steps[n].compiled.as_text(), mesh_shape))
@@ -181,8 +181,9 @@ def main(a) -> None:
 
 
 def plan_space(problem, windows, cfp_choices, space: str):
-    """(its definition, feasible combinations per window type, iterator of (name, option index
-    per window instance)) of ``space``; cfp's own plan comes first, named ``cfp``."""
+    """(its definition, feasible combinations per window type, its size, iterator of (name,
+    option index per window instance)) of ``space``; cfp's own plan comes first, named
+    ``cfp``."""
     types = sorted({w.type for w in windows})
     first = {t: next(i for i, w in enumerate(windows) if w.type == t) for t in types}
     counts = [len(problem.groups[first[t]].options) for t in types]
@@ -190,11 +191,11 @@ def plan_space(problem, windows, cfp_choices, space: str):
         picks = (("p" + "-".join(map(str, pick)),
                   tuple(pick[types.index(w.type)] for w in windows))
                  for pick in itertools.product(*[range(c) for c in counts]))
-        return ("one combination per window type", counts,
+        return ("one combination per window type", counts, math.prod(counts),
                 itertools.chain([("cfp", cfp_choices)], picks))
     picks = ((f"t{t}o{o}", tuple(o if w.type == t else c for w, c in zip(windows, cfp_choices)))
              for t, n in zip(types, counts) for o in range(n))
-    return ("cfp's plan with one window type changed", counts,
+    return ("cfp's plan with one window type changed", counts, sum(counts),
             itertools.chain([("cfp", cfp_choices)], picks))
 
 
