@@ -19,7 +19,7 @@ from cfp.errors import CfpError
 
 def autoshard(factory: str, *, mesh: str = "8", workdir: str | Path, batch_size: int | None = None,
               dtype: str = "float32", memory_budget_gb: float | None = None,
-              max_combinations: int = 128, validate_top: int = 3, extra_args=()) -> dict:
+              max_combinations: int = 32, validate_top: int = 3, extra_args=()) -> dict:
     """Run analysis, profile and search on ``factory``'s step; return the plan."""
     from cfp.cli import main
     from cfp.plan import load_plan

@@ -1,8 +1,9 @@
 """``python -m cfp``: the three passes from the command line.
 
-The CLI parses and checks the options, sets up the devices before JAX starts, runs the
-requested pass (or all of them in order when ``--mode`` is left out), and does the file I/O.
-A ``CfpError`` becomes one line on stderr and exit status 2.
+The CLI parses and checks the options, sets up the devices before JAX starts, and for the
+requested pass (or all of them in order when ``--mode`` is left out) reads the previous pass's
+record from the work dir (``cfp.workdir``), runs the pass, writes its record and prints it
+(``cfp.report``). A ``CfpError`` becomes one line on stderr and exit status 2.
 """
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ import argparse
 import dataclasses
 import os
 import sys
-import time
 from pathlib import Path
 
 from cfp.errors import CfpError
 
 MODES = ("analysis", "profile", "search")
+DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cfp" / "jax"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -42,11 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--mesh", default=None, help="mesh shape, e.g. 8 or 2x4 (axes m0, m1)")
     p.add_argument("--workdir", default=None,
                    help="where the passes read and write (default profiles/<model>-<config>-<mesh>/)")
+    p.add_argument("--compilation-cache", default=str(DEFAULT_CACHE),
+                   help="JAX's persistent compilation cache, so reruns and resumed profiles "
+                        f"do not compile again ('none' to turn it off; default {DEFAULT_CACHE})")
     f = p.add_argument_group("profile")
     f.add_argument("--cost", choices=("measure", "model"), default="measure",
                    help="measure on the devices, or price compiled programs analytically")
-    f.add_argument("--max-combinations", type=int, default=128,
-                   help="largest strategy space profiled as one window (default 128)")
+    f.add_argument("--max-combinations", type=int, default=32,
+                   help="largest strategy space profiled as one window (default 32)")
     f.add_argument("--profile-budget", type=float, default=None,
                    help="seconds for the whole profile pass; what is left is pruned")
     f.add_argument("--memory-budget", type=float, default=None,
@@ -83,7 +87,8 @@ def _options(args) -> RunOptions:
     overrides = tuple((k, getattr(args, k)) for k in (
         "num_layers", "seq_len", "hidden_size", "num_heads", "vocab_size", "num_experts")
         if getattr(args, k) is not None)
-    for k, v in overrides + (("batch_size", args.batch_size or 1),):
+    for k, v in overrides + (("batch_size", args.batch_size or 1),
+                             ("max_combinations", args.max_combinations)):
         if v < 1:
             raise CfpError(f"--{k.replace('_', '-')} must be positive, got {v}")
     spec = WorkloadSpec(args.model, args.config, args.batch_size, args.dtype, overrides)
@@ -142,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
             opts = dataclasses.replace(opts, workdir=_default_workdir(opts))
         opts = dataclasses.replace(opts, spec=opts.spec.resolved())
         _check_workdir(opts.workdir)
+        from cfp.jax_compat import enable_compilation_cache
+        enable_compilation_cache(_cache_dir(args))  # before anything compiles
         for mode in opts.modes:
             _RUNNERS[mode](opts, args)
     except CfpError as e:
@@ -154,20 +161,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _workdir(opts: RunOptions):
+    from cfp.workdir import WorkDir
+    from cfp.workloads import run_fingerprint
+    return WorkDir(opts.workdir, run_fingerprint(opts.spec, opts.mesh_shape))
+
+
+def _cache_dir(args) -> str | None:
+    return None if args.compilation_cache.lower() == "none" else args.compilation_cache
+
+
 def _run_analysis(opts: RunOptions, args) -> None:
     from cfp import report
-    from cfp.records import write_record
-    from cfp.workloads import make_mesh, run_fingerprint
-    from passes.analysis import FORMAT, run_analysis
+    from cfp.workloads import make_mesh
+    from passes.analysis import run_analysis
 
     make_mesh(opts.mesh_shape)  # fails early, with one line, when the devices do not fit
     report.say("***********Analysis Pass****************")
     rec = run_analysis(opts.spec, opts.mesh_shape)
     report.analysis_console(rec)
-    write_record(opts.workdir / "analysis.pkl", FORMAT,
-                 run_fingerprint(opts.spec, opts.mesh_shape), rec)
-    report.write_analysis_dumps(rec, opts.workdir / "debug_analysis_global")
-    report.say(f"wrote {opts.workdir / 'analysis.pkl'} and {opts.workdir / 'debug_analysis_global'}/")
+    wd = _workdir(opts)
+    path = wd.write_analysis(rec)
+    report.write_analysis_dumps(rec, wd.path / "debug_analysis_global")
+    report.say(f"wrote {path} and {wd.path / 'debug_analysis_global'}/")
 
 
 def _memory_budget_bytes(args, *, required: bool) -> int:
@@ -218,93 +234,43 @@ def _cost_model(args, mesh_shape):
 
 def _profile_options(opts: RunOptions, args):
     from passes.profile import ProfileOptions
-    if args.max_combinations < 1:
-        raise CfpError(f"--max-combinations must be positive, got {args.max_combinations}")
     return ProfileOptions(
         cost=args.cost, max_combinations=args.max_combinations, budget_s=args.profile_budget,
         memory_budget_bytes=_memory_budget_bytes(args, required=False),
-        cost_model=_cost_model(args, opts.mesh_shape) if args.cost == "model" else None)
-
-
-def _load_analysis(opts: RunOptions):
-    from cfp.records import read_record
-    from cfp.workloads import run_fingerprint
-    from passes.analysis import FORMAT
-    run_fp = run_fingerprint(opts.spec, opts.mesh_shape)
-    path = opts.workdir / "analysis.pkl"
-    rec = read_record(path, FORMAT, run_fp,
-                      hint="run python -m cfp --mode analysis with the same flags first")
-    return rec, path, run_fp
+        cost_model=_cost_model(args, opts.mesh_shape) if args.cost == "model" else None,
+        compilation_cache=_cache_dir(args))
 
 
 def _run_profile(opts: RunOptions, args) -> None:
     from cfp import report
-    from passes.profile import plan_space, run_profile, load_profiles
-    analysis, path, run_fp = _load_analysis(opts)
+    from passes.profile import run_profile
+    wd = _workdir(opts)
+    analysis = wd.read_analysis()
     options = _profile_options(opts, args)
     report.say("***********Profiling Pass****************")
-    rec = run_profile(analysis, path, run_fp, options, opts.workdir, report.say)
-    _, segs = load_profiles(opts.workdir, run_fp, analysis, options)
-    report.profile_console(rec, segs, plan_space(rec.windows, segs),
-                           analysis.plan_space_log10())
+    checkpoint = wd.profile_checkpoint(analysis, options.cost, options.max_combinations)
+    rec = run_profile(analysis, options, checkpoint, report.ProfileProgress())
+    out = wd.write_profile(rec, analysis)
+    report.profile_console(rec, analysis.plan_space_log10())
+    report.say(f"wrote {out / 'profile.pkl'} and {out / 'profile.csv'}")
 
 
 def _run_search(opts: RunOptions, args) -> None:
     from cfp import report
-    from cfp.execute import check_numerics, real_inputs
-    from cfp.workloads import make_mesh, trace_step
-    from passes.profile import load_profiles
-    from passes.search import (SearchOptions, baseline_candidates, build_problem,
-                               measure_plans, plan_flops, predicted_seconds, top_plans)
-    analysis, _, run_fp = _load_analysis(opts)
-    popts = _profile_options(opts, args)
-    profile, segs = load_profiles(opts.workdir, run_fp, analysis, popts)
+    from passes.search import SearchOptions, run_search
+    wd = _workdir(opts)
+    analysis = wd.read_analysis()
+    profile = wd.read_profile(analysis, args.cost, args.max_combinations)
     budget = _memory_budget_bytes(args, required=True)
-    sopts = SearchOptions(budget, args.time_limit, args.validate_top, args.validate_baselines,
-                          args.iters)
+    options = SearchOptions(budget, args.time_limit, args.validate_top,
+                            args.validate_baselines, args.iters)
     report.say("***********Search Pass****************")
-    t0 = time.perf_counter()
-    problem, _ = build_problem(analysis, profile, segs, budget)
-    sols = top_plans(problem, sopts.validate_top, sopts.time_limit_s)
-    solve_s = time.perf_counter() - t0
-    report.say(f"solver: {sols[0].status} in {sols[0].solve_s:.2f} s; {len(sols)} candidate plans")
-    if sopts.validate_baselines:
-        extra = baseline_candidates(analysis, problem, [s.strategies for s in sols])
-        sols += [sol for _, sol in extra]
-        if extra:
-            report.say(f"also validating the baselines {', '.join(n for n, _ in extra)}")
-    workload = analysis.spec.build()
-    mesh = make_mesh(opts.mesh_shape)
-    program = trace_step(workload)
-    steps, times = measure_plans(program, analysis, [s.strategies for s in sols], mesh,
-                                 real_inputs(workload), sopts)
-    medians = [sorted(t)[len(t) // 2] for t in times]
-    best = min(range(len(sols)), key=lambda i: medians[i])
-    for i, sol in enumerate(sols):
-        pred = predicted_seconds(problem, sol.choices, profile.launch_overhead_s)
-        src = sol.status if sol.status.startswith("baseline") else "predicted"
-        report.say(f"candidate {i} ({src}): predicted {pred:.6f} s, "
-                   f"measured {medians[i]:.6f} s" + ("  <- kept" if i == best else ""))
-    numerics = None
-    if _small(analysis):
-        loss_err, grad_excess = check_numerics(workload, analysis, sols[best].strategies, mesh)
-        numerics = {"loss_rel_err": loss_err, "grad_excess_over_tol": grad_excess}
-        report.say(f"numerical check against one device: loss rel. error {loss_err:.2e}, "
-                   f"gradients {'match' if grad_excess == 0 else f'off by {grad_excess:.2e}'}")
-        if loss_err > 1e-4 or grad_excess > 0:
-            raise CfpError("the sharded step does not match the single-device step (see above);"
-                           " this is a cfp bug: please report it with the work dir")
-    flops = plan_flops(analysis)
-    report.search_console(sols[best], times[best], steps[best], flops, opts.num_devices)
-    report.write_search_dumps(opts.workdir, analysis, workload, problem, sols, best, steps,
-                              times, flops, numerics, solve_s, mesh, popts.cost,
-                              profile.launch_overhead_s)
-
-
-def _small(analysis) -> bool:
-    """Configurations small enough for the single-device numerical check."""
-    g = analysis.graph
-    return sum(g.values[v].nbytes for v in g.inputs) < 2**29
+    rec = run_search(analysis, profile, options)
+    wd.write_search(rec)
+    report.search_console(rec, opts.num_devices)
+    report.write_search_dumps(wd.path, analysis, rec)
+    report.say(f"wrote {wd.path / 'plan.json'}, {wd.path / 'search.pkl'} and "
+               f"{wd.path / 'debug_search'}/")
 
 
 _RUNNERS = {"analysis": _run_analysis, "profile": _run_profile, "search": _run_search}

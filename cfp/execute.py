@@ -110,13 +110,21 @@ def time_steps(compiled, args, *, iters: int | None = None, min_steps: int = 5,
     return (time.perf_counter() - t0) / n
 
 
+def example_inputs(workload, seed: int = 0):
+    """Concrete ``(params, batch)`` for the workload (seeds ``seed`` and ``seed + 1``), made by
+    one jitted program each rather than op by op."""
+    import jax
+    params = jax.jit(workload.init_params)(jax.random.key(seed))
+    batch = jax.jit(workload.make_batch)(jax.random.key(seed + 1))
+    return params, batch
+
+
 def real_inputs(workload, seed: int = 0) -> list:
     """Concrete (params, opt_state, batch) leaves for the workload, on the host."""
     import jax
     from cfp.models import adam_init
-    params = workload.init_params(jax.random.key(seed))
-    opt = (workload.opt_init or adam_init)(params)
-    batch = workload.make_batch(jax.random.key(seed + 1))
+    params, batch = example_inputs(workload, seed)
+    opt = jax.jit(workload.opt_init or adam_init)(params)
     return [np.asarray(x) for x in jax.tree_util.tree_leaves((params, opt, batch))]
 
 
@@ -129,8 +137,7 @@ def sharded_loss_and_grads(workload, analysis, strategies, mesh, storage=None):
     import jax
     from cfp.graph import trace_program
     from jax.sharding import NamedSharding, PartitionSpec
-    params = workload.init_params(jax.random.key(0))
-    batch = workload.make_batch(jax.random.key(1))
+    params, batch = example_inputs(workload)
     prog = trace_program(workload.grad_fn(), params, batch)
     g = prog.graph()
     ins, _, constraints = plan_specs(analysis, strategies, mesh.axis_names, storage)
@@ -156,8 +163,7 @@ def sharded_loss_and_grads(workload, analysis, strategies, mesh, storage=None):
 def reference_loss_and_grads(workload):
     """Loss and gradients of the unsharded step on one device (real data, seed 0)."""
     import jax
-    params = workload.init_params(jax.random.key(0))
-    batch = workload.make_batch(jax.random.key(1))
+    params, batch = example_inputs(workload)
     loss, grads = jax.jit(workload.grad_fn())(params, batch)  # uncommitted: one device
     return loss, jax.tree_util.tree_leaves(grads)
 

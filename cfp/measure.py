@@ -185,10 +185,15 @@ def _index_bound(graph, v: int, depth: int = 0) -> int | None:
     return bound
 
 
-def time_runs(fn, args, *, best_s: float | None, warmup: int = 2, min_runs: int = 5,
-              max_runs: int = 30, min_total_s: float = 0.05) -> tuple[list[float], bool]:
+def time_runs(fn, args, *, best_s: float | None, warmup: int = 1, min_runs: int = 3,
+              max_runs: int = 30, rel_error: float = 0.02) -> tuple[list[float], bool]:
     """Timed runs of ``fn(*args)`` (seconds each) and whether it stopped early because it was
-    already 1.5x slower than ``best_s``."""
+    already 1.5x slower than ``best_s``.
+
+    The number of runs follows the measured spread: after ``min_runs``, runs stop once the
+    median's standard error (1.253 sigma / sqrt(n), sigma estimated as 1.4826 times the median
+    absolute deviation) is within ``rel_error`` of the median, or at ``max_runs``. A steady
+    program needs ``min_runs``; a noisy one gets more."""
     import jax
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
@@ -199,9 +204,16 @@ def time_runs(fn, args, *, best_s: float | None, warmup: int = 2, min_runs: int 
         times.append(time.perf_counter() - t0)
         if best_s and len(times) >= 3 and statistics.median(times) > 1.5 * best_s:
             return times, True
-        if len(times) >= min_runs and sum(times) >= min_total_s:
+        if len(times) >= min_runs and median_rel_error(times) <= rel_error:
             break
     return times, False
+
+
+def median_rel_error(times: Sequence[float]) -> float:
+    """Standard error of the median of ``times``, relative to the median."""
+    med = statistics.median(times)
+    mad = statistics.median(abs(t - med) for t in times)
+    return 1.253 * 1.4826 * mad / math.sqrt(len(times)) / med if med > 0 else 0.0
 
 
 def launch_overhead(mesh, repeats: int = 50) -> float:

@@ -106,116 +106,172 @@ def _reqs_text(reqs) -> str:
 # profile
 
 
-def profile_console(rec, segs, window_space_log10: float, model_space_log10: float) -> None:
-    counts = collections.Counter(m.status for seg in segs.values() for m in seg.results.values())
+class ProfileProgress:
+    """The profile pass's ``on_result``: a bar with an ETA on a terminal, one line per
+    combination otherwise."""
+
+    def __init__(self):
+        self.total = self.n = 0
+        self.t0 = 0.0
+
+    def __call__(self, event: str, **f) -> None:
+        import sys
+        import time
+        if event == "start":
+            say(f"NUM SEGMENT is {f['num_types']}")
+        elif event == "window":
+            w = f["window"]
+            say(f"RUN AutoSharding FOR SEGMENT {f['k']} segment_{f['k']} "
+                f"(blocks {w.start}..{w.end - 1})")
+            say(f"segment PB search space: {list(f['space'])}")
+            if f["known"]:
+                say(f"resuming: {f['known']} combinations already measured")
+            self.total, self.n, self.t0 = f["todo"], 0, time.perf_counter()
+        elif event == "result":
+            self.n += 1
+            k, combo, m = f["k"], f["combo"], f["measurement"]
+            line = (f"SegmentIdx: {k} ParallelBlock Strategy: {list(combo)} "
+                    + (f"avgcost: {m.time_s:.6g} mem_cost(GB): {m.peak_bytes / 2**30:.4g}"
+                       if m.status == "ok" else f"status: {m.status} {m.note}"))
+            if sys.stdout.isatty():
+                eta = (time.perf_counter() - self.t0) / self.n * (self.total - self.n)
+                bar = "#" * int(30 * self.n / max(1, self.total))
+                print(f"\r[{bar:<30}] {self.n}/{self.total} ETA {eta:5.0f}s  {line[:60]}",
+                      end="" if self.n < self.total else "\n", flush=True)
+            else:
+                say(line)
+        elif event == "pruned":
+            say(f"profile budget spent: {f['count']} combinations of segment {f['k']} pruned")
+        elif event == "reshards":
+            say(f"boundaries between windows: {f['boundaries']}; distinct reshardings to "
+                f"time: {f['needed']} ({f['known']} already known)")
+
+
+def profile_console(rec, model_space_log10: float) -> None:
+    counts = collections.Counter(m.status for seg in rec.segments.values()
+                                 for m in seg.results.values())
+    say(f"overlapped_profiling overall time: {rec.time_s:.1f}")
     say(f"combinations: {sum(counts.values())} ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}); "
         f"compiled in this run: {rec.compiled}")
     say(f"launch overhead subtracted: {rec.launch_overhead_s * 1e3:.3f} ms per program")
     say(f"whole-model plan space: 10^{model_space_log10:.1f} plans, covered by "
-        f"{len(rec.windows)} window instances of {len(segs)} types")
+        f"{len(rec.windows)} window instances of {len(rec.segments)} types")
+    phases_console("profile", rec.time_s, rec.phase_s)
+
+
+def phases_console(name: str, total_s: float, phase_s: dict) -> None:
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted(phase_s.items(), key=lambda kv: -kv[1]))
+    say(f"{name} pass: {total_s:.1f} s ({parts})")
 
 
 # ---------------------------------------------------------------------------------------------
 # search
 
 
-def search_console(sol, times, step, flops: float, devices: int) -> None:
-    import numpy as np
-    from cfp.execute import memory_gb
-    say(f"searched ParallelBlock Strategies solution: {list(sol.strategies)}")
-    say(f"searched training cost: {np.array(times)}, memory_cost: {memory_gb(step.compiled):.4f}")
-    say(f"TFLOP_COUNT: {flops / 1e12:.6g}")
-    say(f"tflops (per device): {[flops / t / devices / 1e12 for t in times]}")
+def search_console(rec, devices: int) -> None:
+    say(f"solver: {rec.solver_status} in {rec.solve_s:.2f} s; {len(rec.candidates)} "
+        f"candidate plans")
+    for i, c in enumerate(rec.candidates):
+        say(f"candidate {i} ({c.source}): predicted {c.predicted_s:.6f} s, "
+            f"measured {c.median_s:.6f} s" + ("  <- kept" if i == rec.kept else ""))
+    if rec.numerics is not None:
+        n = rec.numerics
+        say(f"numerical check against one device: loss rel. error {n['loss_rel_err']:.2e}, "
+            f"gradients match")
+    plan = rec.plan
+    say(f"searched ParallelBlock Strategies solution: {list(plan.strategies)}")
+    say(f"searched training cost: {list(plan.measured_s)}, memory_cost: "
+        f"{rec.memory['peak_bytes'] / 2**30:.4f}")
+    say(f"TFLOP_COUNT: {rec.step_flops / 1e12:.6g}")
+    say(f"tflops (per device): {[rec.step_flops / t / devices / 1e12 for t in plan.measured_s]}")
+    phases_console("search", rec.time_s, rec.phase_s)
 
 
-def write_search_dumps(workdir, analysis, workload, problem, sols, best, steps, times, flops,
-                       numerics, solve_s, mesh, cost, overhead_s: float) -> None:
+def write_search_dumps(workdir, analysis, rec) -> None:
     """debug_search/: after_ir.txt, input/output_placement_specs.txt, mem_usage.txt,
     report.json, strategy.png, predicted_vs_measured.png; and plan.json in the work dir."""
     import json
+    import math
     import jax
-    from cfp.execute import memory_gb
-    from cfp.measure import memory_of
+    from cfp.dims import spec_axes
     from cfp.plan import write_plan
     from cfp.sharding import collectives
-    from passes.search import predicted_seconds
+    from cfp.workloads import AXIS_NAMES
     out = Path(workdir) / "debug_search"
     out.mkdir(parents=True, exist_ok=True)
+    axis_names = AXIS_NAMES[:len(analysis.mesh_shape)]
     g, blocks = analysis.graph, analysis.blocks.blocks
-    sol, step = sols[best], steps[best]
-    text = step.compiled.as_text()
-    from cfp.dims import spec_axes
+    plan = rec.plan
     rows = []
     member = {m.op: (b, m) for b in blocks for m in b.members}
     for op in g.ops:
         if op.index in member:
             b, m = member[op.index]
-            st = b.strategies[sol.strategies[b.index]]
-            specs = [spec_axes(l, st.axes, mesh.axis_names) for l in m.outs]
+            st = b.strategies[plan.strategies[b.index]]
+            specs = [spec_axes(l, st.axes, axis_names) for l in m.outs]
             where = f"block {b.index} ({m.role})"
         else:
             specs, where = ["(XLA decides)"], "unclaimed"
         rows.append(f"{op.index:6d} {where:28s} {specs}  {op.hlo}")
     (out / "after_ir.txt").write_text(
         "# Per operator: block, sharding of its result(s) under the plan, HLO line\n"
-        + "\n".join(rows) + "\n\n# Compiled HLO after partitioning\n" + text)
+        + "\n".join(rows) + "\n\n# Compiled HLO after partitioning\n" + rec.compiled_text)
+    workload = analysis.spec.build()
     params_abs = workload.abstract_params()
     leaves = jax.tree_util.tree_flatten_with_path(
         (params_abs, workload.abstract_opt_state(), workload.abstract_batch()))[0]
-    in_lines = [f"{jax.tree_util.keystr(p)}: {s}" for (p, _), s in zip(leaves, step.in_specs)]
+    in_lines = [f"{jax.tree_util.keystr(p)}: {s}" for (p, _), s in zip(leaves, rec.in_specs)]
     (out / "input_placement_specs.txt").write_text("\n".join(in_lines) + "\n")
     (out / "output_placement_specs.txt").write_text(
-        "\n".join(f"output {i}: {s}" for i, s in enumerate(step.out_specs)) + "\n")
-    mem = memory_of(step.compiled)
-    predicted_mem = sol.memory
+        "\n".join(f"output {i}: {s}" for i, s in enumerate(rec.out_specs)) + "\n")
+    mem = rec.memory
     (out / "mem_usage.txt").write_text("\n".join(
         [f"{k}: {v} B ({v / 2**30:.4f} GB)" for k, v in mem.items()]
-        + [f"composed from the profiles: {predicted_mem} B ({predicted_mem / 2**30:.4f} GB)"])
-        + "\n")
+        + [f"composed from the profiles: {plan.composed_memory_bytes} B "
+           f"({plan.composed_memory_bytes / 2**30:.4f} GB)"]) + "\n")
     n_params = len(jax.tree_util.tree_leaves(params_abs))
     param_specs = {jax.tree_util.keystr(p): s for (p, _), s in
-                   zip(leaves[:n_params], step.in_specs[:n_params])}
-    block_rows = [{"block": b.index, "strategy_index": sol.strategies[b.index],
-                   "strategy": b.strategies[sol.strategies[b.index]].name,
+                   zip(leaves[:n_params], rec.in_specs[:n_params])}
+    block_rows = [{"block": b.index, "strategy_index": plan.strategies[b.index],
+                   "strategy": b.strategies[plan.strategies[b.index]].name,
                    "seed": g.ops[b.seed].hlo} for b in blocks]
     write_plan(Path(workdir) / "plan.json", mesh_shape=analysis.mesh_shape,
-               axis_names=mesh.axis_names, blocks=block_rows, params=param_specs,
-               extra={"source": sol.status if sol.status.startswith("baseline")
-                      else "predicted"})
-    colls = collectives(text, analysis.mesh_shape)
+               axis_names=axis_names, blocks=block_rows, params=param_specs,
+               extra={"source": plan.source})
     by_kind: dict = {}
-    for c in colls:
+    for c in collectives(rec.compiled_text, analysis.mesh_shape):
         k = by_kind.setdefault(c.kind, {"count": 0, "bytes": 0})
         k["count"] += 1
         k["bytes"] += c.bytes
-    med = sorted(times[best])[len(times[best]) // 2]
+    devices = math.prod(analysis.mesh_shape)
     report = {
-        "backend": jax.devices()[0].platform, "devices": int(__import__("math").prod(
-            analysis.mesh_shape)), "mesh": list(analysis.mesh_shape), "cost": cost,
-        "solution": list(sol.strategies), "solver_status": sol.status,
-        "solve_s": solve_s, "predicted_step_s": predicted_seconds(problem, sol.choices, overhead_s),
-        "measured_step_s": times[best], "measured_median_s": med,
-        "memory_gb": memory_gb(step.compiled), "composed_memory_gb": predicted_mem / 2**30,
-        "tflop_count": flops / 1e12,
-        "tflops_per_device": [flops / t / len(mesh.devices.flat) / 1e12 for t in times[best]],
-        "collectives": by_kind, "numerics": numerics,
-        "candidates": [{"solution": list(s.strategies),
-                        "predicted_s": predicted_seconds(problem, s.choices, overhead_s),
-                        "measured_s": sorted(t)[len(t) // 2]} for s, t in zip(sols, times)],
-        "pass_times_s": {"analysis": analysis.stats.time_s, "search": solve_s},
-        "blocks": [dict(r, predicted_s=None) for r in block_rows],
+        "backend": jax.devices()[0].platform, "devices": devices,
+        "mesh": list(analysis.mesh_shape),
+        "solution": list(plan.strategies), "source": plan.source,
+        "solver_status": rec.solver_status, "solve_s": rec.solve_s,
+        "predicted_step_s": plan.predicted_s, "measured_step_s": list(plan.measured_s),
+        "measured_median_s": plan.median_s, "memory_gb": mem["peak_bytes"] / 2**30,
+        "composed_memory_gb": plan.composed_memory_bytes / 2**30,
+        "tflop_count": rec.step_flops / 1e12,
+        "tflops_per_device": [rec.step_flops / t / devices / 1e12 for t in plan.measured_s],
+        "collectives": by_kind, "numerics": rec.numerics,
+        "candidates": [{"source": c.source, "solution": list(c.strategies),
+                        "predicted_s": c.predicted_s, "measured_s": c.median_s}
+                       for c in rec.candidates],
+        "pass_times_s": {"analysis": analysis.stats.time_s, "search": rec.time_s},
+        "search_phase_s": rec.phase_s,
     }
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
-    _plots(out, sol, sols, times, problem, overhead_s)
+    _plots(out, rec)
 
 
-def _plots(out, sol, sols, times, problem, overhead_s: float) -> None:
+def _plots(out, rec) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from passes.search import predicted_seconds
-    fig, ax = plt.subplots(figsize=(max(6, len(sol.strategies) * 0.15), 3))
-    ax.bar(range(len(sol.strategies)), sol.strategies)
+    strategies = rec.plan.strategies
+    fig, ax = plt.subplots(figsize=(max(6, len(strategies) * 0.15), 3))
+    ax.bar(range(len(strategies)), strategies)
     ax.set_xlabel("ParallelBlock")
     ax.set_ylabel("strategy index")
     ax.set_title("chosen strategy per block")
@@ -223,8 +279,8 @@ def _plots(out, sol, sols, times, problem, overhead_s: float) -> None:
     fig.savefig(out / "strategy.png", dpi=100)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(4, 4))
-    pred = [predicted_seconds(problem, s.choices, overhead_s) for s in sols]
-    meas = [sorted(t)[len(t) // 2] for t in times]
+    pred = [c.predicted_s for c in rec.candidates]
+    meas = [c.median_s for c in rec.candidates]
     ax.scatter(pred, meas)
     for i, (p, m) in enumerate(zip(pred, meas)):
         ax.annotate(str(i), (p, m))

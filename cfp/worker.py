@@ -1,21 +1,24 @@
 """A measurement worker process, so that an XLA abort or an OOM kill ends it, not the pass.
 
-The parent sends jobs over a pipe; the worker re-traces the step (checking it against the
-analysis), compiles a batch of combinations first and then times them with nothing else
+The parent sends jobs over a pipe, the analysis record among the start-up arguments; the worker
+re-traces the step (checking it against the analysis), compiles a batch of combinations first and then times them with nothing else
 running (a compile beside a timing corrupts it on a machine with few cores), streaming one
 result per combination. When the worker dies, the combination in flight is recorded as
-``worker_died`` and a fresh worker takes the rest.
+``worker_died`` and a fresh worker takes the rest. The worker reports its wall seconds per
+phase (tracing, compiling, running, resharding timing) with each reply.
 """
 from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
 import statistics
+import time
 import traceback
 from typing import Iterator
 
 from cfp.errors import CfpError
 from cfp.measure import Measurement
+from cfp.phases import Phases
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,18 +27,21 @@ class WorkerOptions:
     memory_budget_bytes: int  # per device; a combination whose compiled peak exceeds it is oom
     batch: int  # combinations compiled before timing
     cost_model: object | None = None  # cfp.measure.CostModel for cost == "model"
+    compilation_cache: str | None = None  # JAX's persistent compilation cache directory
 
 
 class Worker:
     """The parent's handle on a worker process; restarted after a death."""
 
-    def __init__(self, analysis_path: str, fingerprint: tuple, options: WorkerOptions):
-        self.args = (analysis_path, fingerprint, options)
+    def __init__(self, analysis, options: WorkerOptions, phases: Phases | None = None):
+        self.args = (analysis, options)
         self.options = options
+        self.phases = phases or Phases()
         self.proc = None
         self.overhead_s = 0.0
 
     def _start(self):
+        t0 = time.perf_counter()
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_main, args=(child,) + self.args, daemon=True)
@@ -44,7 +50,10 @@ class Worker:
         kind, payload = self._recv()
         if kind != "ready":
             raise CfpError(f"the measurement worker could not start: {payload}")
-        self.overhead_s = payload
+        self.overhead_s, setup_phases = payload
+        self.phases.add(setup_phases)
+        self.phases.add({"worker start": time.perf_counter() - t0
+                         - sum(setup_phases.values())})
 
     def _recv(self):
         try:
@@ -85,6 +94,7 @@ class Worker:
                         best_s = m.time_s
                     yield combo, m
                 elif kind == "done":
+                    self.phases.add(payload)
                     break
                 elif kind == "error":
                     raise CfpError(payload)
@@ -104,13 +114,19 @@ class Worker:
         kind, payload = self._recv()
         if kind != "reshards":
             raise CfpError(f"the measurement worker failed while timing reshardings: {payload}")
-        return payload
+        known, phases = payload
+        self.phases.add(phases)
+        return known
 
 
-def _main(conn, analysis_path, fingerprint, options: WorkerOptions):
+def _main(conn, analysis, options: WorkerOptions):
+    phases = Phases()
     try:
-        state = _setup(analysis_path, fingerprint)
-        conn.send(("ready", state["overhead"]))
+        from cfp.jax_compat import enable_compilation_cache
+        enable_compilation_cache(options.compilation_cache)
+        state = _setup(analysis, phases)
+        state["phases"] = phases
+        conn.send(("ready", (state["overhead"], phases.take())))
     except Exception as e:  # noqa: BLE001 - reported to the parent as one line
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
@@ -121,25 +137,28 @@ def _main(conn, analysis_path, fingerprint, options: WorkerOptions):
         try:
             if msg[0] == "window":
                 _measure_window(conn, state, options, *msg[1:])
-                conn.send(("done", None))
+                conn.send(("done", phases.take()))
             elif msg[0] == "reshard":
-                conn.send(("reshards", _measure_reshards(state, options, msg[1])))
+                with phases("resharding timing"):
+                    known = _measure_reshards(state, options, msg[1])
+                conn.send(("reshards", (known, phases.take())))
         except Exception:  # noqa: BLE001
             conn.send(("error", traceback.format_exc(limit=3).strip().splitlines()[-1]))
 
 
-def _setup(analysis_path, fingerprint):
+def _setup(analysis, phases: Phases):
     from cfp.measure import launch_overhead
-    from cfp.records import read_record
     from cfp.workloads import make_mesh, trace_step
-    from passes.analysis import FORMAT
-    analysis = read_record(analysis_path, FORMAT, fingerprint, hint="rerun --mode analysis")
-    program = trace_step(analysis.spec.build())
-    if program.graph().fingerprint() != analysis.graph.fingerprint():
-        raise CfpError("the step traced now differs from the one analysed: rerun --mode analysis")
-    mesh = make_mesh(analysis.mesh_shape)
-    return {"analysis": analysis, "program": program, "mesh": mesh,
-            "overhead": launch_overhead(mesh), "inputs": {}}
+    with phases("tracing"):
+        program = trace_step(analysis.spec.build())
+        if program.graph().fingerprint() != analysis.graph.fingerprint():
+            raise CfpError("the step traced now differs from the one analysed: rerun "
+                           "--mode analysis")
+    with phases("running"):
+        mesh = make_mesh(analysis.mesh_shape)
+        overhead = launch_overhead(mesh)
+    return {"analysis": analysis, "program": program, "mesh": mesh, "overhead": overhead,
+            "inputs": {}}
 
 
 def _measure_window(conn, state, options: WorkerOptions, window, combos, best_s):
@@ -149,9 +168,11 @@ def _measure_window(conn, state, options: WorkerOptions, window, combos, best_s)
     import os
     from concurrent.futures import ThreadPoolExecutor
     from cfp.measure import WindowProgram, valid_inputs
-    wp = WindowProgram(state["program"], state["analysis"], window, state["mesh"])
-    if window.type not in state["inputs"]:
-        state["inputs"] = {window.type: valid_inputs(wp.graph, wp.sub, seed=window.type)}
+    phases = state["phases"]
+    with phases("tracing"):
+        wp = WindowProgram(state["program"], state["analysis"], window, state["mesh"])
+        if window.type not in state["inputs"]:
+            state["inputs"] = {window.type: valid_inputs(wp.graph, wp.sub, seed=window.type)}
     host_inputs = state["inputs"][window.type]
     cores = os.cpu_count() or 1
     overlap = cores >= 8
@@ -162,9 +183,11 @@ def _measure_window(conn, state, options: WorkerOptions, window, combos, best_s)
         for i in range(len(batches)):
             for combo, _ in pending:
                 conn.send(("start", combo))
-            ready = [(c, f.result()) for c, f in pending]
+            with phases("compiling"):
+                ready = [(c, f.result()) for c, f in pending]
             pending = submit(batches[i + 1]) if overlap and i + 1 < len(batches) else []
-            best_s = _time_batch(conn, state, options, wp, ready, host_inputs, best_s)
+            with phases("running"):
+                best_s = _time_batch(conn, state, options, wp, ready, host_inputs, best_s)
             if not overlap and i + 1 < len(batches):
                 pending = submit(batches[i + 1])
 

@@ -1,10 +1,17 @@
-"""Test set-up: 8 virtual CPU devices, configured once before JAX starts."""
+"""Test set-up: 8 virtual CPU devices, configured once before JAX starts, and a fresh
+compilation cache."""
 import os
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import tempfile
+
+# One persistent compilation cache for the whole run, empty at its start: the CLI's passes
+# and their workers share compiled programs within the run, and no run sees another's.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="cfp-test-cache-")
 
 import sys
 from pathlib import Path

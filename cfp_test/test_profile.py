@@ -10,7 +10,7 @@ from cfp.sharding import collectives, sub_function
 from cfp.windows import Window, split_windows
 from cfp.workloads import WorkloadSpec, make_mesh, trace_step
 from passes.analysis import run_analysis
-from passes.profile import SEGMENT_FORMAT
+from cfp.workdir import SEGMENT_FORMAT
 
 
 def _analysis(model, mesh_shape, **over):

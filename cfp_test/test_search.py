@@ -48,8 +48,9 @@ def test_three_passes_plan_json_and_user_jit(tmp_path, capsys):
     out = capsys.readouterr().out
     for line in ("searched ParallelBlock Strategies solution:", "searched training cost:",
                  "memory_cost:", "TFLOP_COUNT:", "tflops", "numerical check", "solver: OPTIMAL",
-                 "also validating the baselines dp", "(baseline dp)", "(predicted)"):
+                 "(baseline dp)", "(predicted)", "search pass:", "plan.json"):
         assert line in out
+    assert (tmp_path / "search.pkl").exists()
     dbg = tmp_path / "debug_search"
     for f in ("after_ir.txt", "input_placement_specs.txt", "output_placement_specs.txt",
               "mem_usage.txt", "report.json", "strategy.png", "predicted_vs_measured.png"):
@@ -90,3 +91,21 @@ def test_search_errors(tmp_path, capsys):
     assert main(base + ["--mode", "analysis", "--batch-size", "16"]) == 0
     assert main(base + ["--mode", "search", "--memory-budget", "1", "--batch-size", "16"]) == 2
     assert "another run" in capsys.readouterr().err
+
+
+def test_passes_chain_records_in_memory():
+    """Each pass takes the previous pass's record and returns its own; no work dir."""
+    from passes.profile import ProfileOptions, run_profile
+    from passes.search import SearchOptions, SearchRecord, run_search
+    analysis = run_analysis(WorkloadSpec("mlp", "tiny", None, "float32", ()).resolved(), (4,))
+    profile = run_profile(analysis, ProfileOptions())
+    assert profile.compiled == sum(len(s.results) for s in profile.segments.values())
+    assert {"worker start", "tracing", "compiling", "running"} <= set(profile.phase_s)
+    assert sum(profile.phase_s.values()) <= profile.time_s * 1.01
+    rec = run_search(analysis, profile, SearchOptions(2**30, validate_top=2, iters=2))
+    assert isinstance(rec, SearchRecord)
+    assert rec.plan.median_s == min(c.median_s for c in rec.candidates)
+    assert rec.numerics["grad_excess_over_tol"] == 0
+    assert {"solving", "compiling", "running"} <= set(rec.phase_s)
+    assert 3 <= len(rec.plan.measured_s) <= 5  # rounds stop once the plans separate
+    assert "dot" in rec.compiled_text and rec.memory["peak_bytes"] > 0

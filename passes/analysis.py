@@ -3,7 +3,7 @@
 ``run_analysis(spec, mesh_shape)`` traces the workload's step with abstract inputs (a 13B
 configuration is analysed without allocating it), builds the operator graph, groups it into
 ParallelBlocks with their strategies on the mesh, finds the repeated segments, and returns an
-``AnalysisRecord``. The CLI writes it to ``analysis.pkl`` and the text dumps next to it.
+``AnalysisRecord``.
 """
 from __future__ import annotations
 
@@ -15,9 +15,6 @@ from cfp.blocks import BlockAnalysis, build_blocks
 from cfp.graph import Graph
 from cfp.segments import SegmentAnalysis, find_segments
 from cfp.workloads import WorkloadSpec, trace_step
-
-FORMAT = "cfp-analysis"
-
 
 @dataclasses.dataclass(frozen=True)
 class AnalysisStats:

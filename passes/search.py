@@ -1,22 +1,28 @@
 """The search pass: one plan for the whole model, run across the mesh and laid open.
 
-``build_problem`` turns the profiles into a CP-SAT problem (``cfp.solver``): one group per
-window instance, whose options are its measured combinations (time, memory), and one edge per
-pair of blocks that a boundary tensor joins, priced from the resharding table. The search pass
-solves it, asks for the next-best plans too (``validate_top``), adds the baseline plans that
-are plans of the problem (``baseline_candidates``), runs each end to end on the mesh,
-interleaved, keeps the measured fastest, and reports.
+``run_search(analysis, profile, options)`` turns the profiles into a CP-SAT problem
+(``build_problem``, ``cfp.solver``): one group per window instance, whose options are its
+measured combinations (time, memory), and one edge per pair of blocks that a boundary tensor
+joins, priced from the resharding table. It solves it, asks for the next-best plans too
+(``validate_top``), adds the baseline plans that are plans of the problem
+(``baseline_candidates``), runs each end to end on the mesh in interleaved rounds, keeps the
+measured fastest, checks it against the single-device step, and returns a ``SearchRecord``.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
+import statistics
 import time
 
 import numpy as np
 
 from cfp.errors import CfpError
+from cfp.phases import Phases
 from cfp.solver import Group, Option, Problem, Solution, evaluate, solve
 from cfp.windows import boundary_specs, option_memory
+
+log = logging.getLogger(__name__)
 
 SCALE = 1e7  # integer cost units per second: 0.1 microsecond, finer than any timing here
 
@@ -28,11 +34,106 @@ class SearchOptions:
     validate_top: int = 3
     validate_baselines: bool = True  # also run the rule-file baselines that are plans here
     iters: int | None = None  # steps per measurement; None: at least 5 steps and 0.3 s
-    rounds: int = 5  # measurements per plan, interleaved across plans
-    check_numerics: bool = True
+    rounds: int = 5  # most measurements per plan, interleaved across plans
+    min_rounds: int = 3  # fewest; more only while the kept plan's range overlaps another's
+    check_numerics: bool = True  # on configurations small enough for one device
 
 
-def build_problem(analysis, profile, segs, memory_budget_bytes: int | None
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A plan search ran end to end."""
+
+    source: str  # "predicted" or "baseline <name>"
+    strategies: tuple[int, ...]  # per block
+    choices: tuple[int, ...]  # combination index per window instance
+    predicted_s: float  # composed from the profiles
+    composed_memory_bytes: int
+    measured_s: tuple[float, ...]  # seconds per step, one per round
+    compile_s: float
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.measured_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchRecord:
+    """What the search pass found, as plain data: every candidate with its predicted and
+    measured times, the kept one's compiled program and layouts, the numerical check."""
+
+    candidates: tuple[Candidate, ...]
+    kept: int
+    solver_status: str
+    solve_s: float
+    step_flops: float
+    numerics: dict | None  # loss_rel_err, grad_excess_over_tol; None when not checked
+    compiled_text: str  # the kept plan's compiled HLO
+    memory: dict  # the kept plan's compiled memory (cfp.measure.memory_of)
+    in_specs: tuple  # per step input, its PartitionSpec entries
+    out_specs: tuple
+    time_s: float
+    phase_s: dict
+
+    @property
+    def plan(self) -> Candidate:
+        return self.candidates[self.kept]
+
+
+def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
+    """Search, validate and check a plan for ``analysis`` from ``profile``; see the module
+    docstring."""
+    from cfp.execute import check_numerics, real_inputs
+    from cfp.measure import memory_of
+    from cfp.workloads import make_mesh, trace_step
+    start = time.perf_counter()
+    phases = Phases()
+    with phases("solving"):
+        problem, _ = build_problem(analysis, profile, options.memory_budget_bytes)
+        sols = top_plans(problem, options.validate_top, options.time_limit_s)
+        solve_s = time.perf_counter() - start
+        status = sols[0].status
+        if options.validate_baselines:
+            sols += [sol for _, sol in baseline_candidates(analysis, problem,
+                                                           [s.strategies for s in sols])]
+    with phases("tracing"):
+        workload = analysis.spec.build()
+        mesh = make_mesh(analysis.mesh_shape)
+        program = trace_step(workload)
+        args_host = real_inputs(workload)
+    steps, times = measure_plans(program, analysis, [s.strategies for s in sols], mesh,
+                                 args_host, options, phases)
+    candidates = tuple(Candidate(
+        s.status if s.status.startswith("baseline") else "predicted", tuple(s.strategies),
+        tuple(s.choices), predicted_seconds(problem, s.choices, profile.launch_overhead_s),
+        s.memory, tuple(t), ps.compile_s) for s, t, ps in zip(sols, times, steps))
+    kept = min(range(len(candidates)), key=lambda i: candidates[i].median_s)
+    numerics = None
+    if options.check_numerics and _small(analysis):
+        with phases("numerical check"):
+            loss_err, grad_excess = check_numerics(workload, analysis,
+                                                   candidates[kept].strategies, mesh)
+        numerics = {"loss_rel_err": loss_err, "grad_excess_over_tol": grad_excess}
+        if loss_err > 1e-4 or grad_excess > 0:
+            raise RuntimeError(f"the sharded step does not match the single-device step "
+                               f"(loss rel. error {loss_err:.2e}, gradients off by "
+                               f"{grad_excess:.2e} beyond tolerance) under the plan "
+                               f"{list(candidates[kept].strategies)}")
+    step = steps[kept]
+    rec = SearchRecord(candidates, kept, status, solve_s, plan_flops(analysis), numerics,
+                       step.compiled.as_text(), memory_of(step.compiled),
+                       tuple(map(tuple, step.in_specs)), tuple(map(tuple, step.out_specs)),
+                       time.perf_counter() - start, dict(phases.seconds))
+    log.info("search pass: %.1f s, phases %s", rec.time_s, rec.phase_s)
+    return rec
+
+
+def _small(analysis) -> bool:
+    """Configurations small enough for the single-device numerical check."""
+    g = analysis.graph
+    return sum(g.values[v].nbytes for v in g.inputs) < 2**29
+
+
+def build_problem(analysis, profile, memory_budget_bytes: int | None
                   ) -> tuple[Problem, dict]:
     """The CP-SAT problem and, per group, the option -> combination table."""
     names = ("m0", "m1", "m2")[:len(analysis.mesh_shape)]
@@ -40,7 +141,7 @@ def build_problem(analysis, profile, segs, memory_budget_bytes: int | None
     groups, combos = [], {}
     mem_cache: dict = {}
     for gi, w in enumerate(profile.windows):
-        seg = segs[w.type]
+        seg = profile.segments[w.type]
         rep = profile.windows[profile.representatives[w.type]]
         opts, table = [], []
         for combo, m in sorted(seg.results.items()):
@@ -131,25 +232,38 @@ def predicted_seconds(problem: Problem, choices, launch_overhead_s: float) -> fl
     return evaluate(problem, choices)[0] / SCALE + launch_overhead_s
 
 
-def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOptions):
-    """Compile every plan, then time them in interleaved rounds; per plan the list of
-    measured seconds per step and the compiled executable."""
+def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOptions,
+                  phases: Phases | None = None):
+    """Compile every plan, then time them in interleaved rounds; per plan the compiled step
+    and the measured seconds per step of each round. Rounds stop after ``min_rounds`` once
+    the fastest plan's slowest round beats every other plan's fastest."""
     from cfp.execute import PlannedStep, time_steps
+    phases = phases or Phases()
     steps = []
-    for strategies in plans:
-        ps = PlannedStep(program, analysis, strategies, mesh)
-        t0 = time.perf_counter()
-        ps.compile()
-        ps.compile_s = time.perf_counter() - t0
-        ps.args = ps.place(args_host)
-        time_steps(ps.compiled, ps.args, iters=1)  # warm-up
-        steps.append(ps)
+    with phases("compiling"):
+        for strategies in plans:
+            ps = PlannedStep(program, analysis, strategies, mesh)
+            t0 = time.perf_counter()
+            ps.compile()
+            ps.compile_s = time.perf_counter() - t0
+            ps.args = ps.place(args_host)
+            steps.append(ps)
     times = [[] for _ in steps]
-    for r in range(options.rounds):  # the order rotates, so drift hits every plan alike
-        for i in [(r + k) % len(steps) for k in range(len(steps))]:
-            ps = steps[i]
-            times[i].append(time_steps(ps.compiled, ps.args, iters=options.iters))
+    with phases("running"):
+        for ps in steps:
+            time_steps(ps.compiled, ps.args, iters=1)  # warm-up
+        for r in range(options.rounds):  # the order rotates, so drift hits every plan alike
+            for i in [(r + k) % len(steps) for k in range(len(steps))]:
+                ps = steps[i]
+                times[i].append(time_steps(ps.compiled, ps.args, iters=options.iters))
+            if r + 1 >= options.min_rounds and _separated(times):
+                break
     return steps, times
+
+
+def _separated(times) -> bool:
+    best = min(range(len(times)), key=lambda i: statistics.median(times[i]))
+    return all(max(times[best]) < min(t) for i, t in enumerate(times) if i != best)
 
 
 def plan_flops(analysis) -> float:

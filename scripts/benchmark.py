@@ -72,9 +72,8 @@ def start(a):
                                f" --xla_force_host_platform_device_count="
                                f"{math.prod(mesh_shape)}").strip()
     import jax
-    from cfp.records import read_record
+    from cfp.workdir import WorkDir
     from cfp.workloads import WorkloadSpec, run_fingerprint
-    from passes.analysis import FORMAT
     backend = jax.devices()[0].platform
     label = workload_label(a)
     workdir = ROOT / "profiles" / f"bench-{label}-{a.mesh}"
@@ -86,7 +85,7 @@ def start(a):
                                      "vocab_size", "num_experts") if getattr(a, k) is not None)
     ).resolved()
     run_fp = run_fingerprint(spec, mesh_shape)
-    analysis = read_record(workdir / "analysis.pkl", FORMAT, run_fp, hint="")
+    analysis = WorkDir(workdir, run_fp).read_analysis()
     return mesh_shape, backend, label, workdir, spec, run_fp, analysis, seconds
 
 
@@ -189,12 +188,11 @@ def build_plans(a, workdir: Path, mesh, analysis, program, run_fp):
 
 def analytic_plan(a, workdir: Path, analysis, run_fp):
     """The plan CP-SAT picks from the ``--cost model`` profiles, taken without measuring."""
-    from passes.profile import ProfileOptions, load_profiles
+    from cfp.workdir import WorkDir
     from passes.search import build_problem, top_plans
-    profile, segs = load_profiles(workdir, run_fp, analysis, ProfileOptions(
-        cost="model", max_combinations=a.max_combinations))
+    profile = WorkDir(workdir, run_fp).read_profile(analysis, "model", a.max_combinations)
     budget = int(a.memory_budget * 2**30) if a.memory_budget else None
-    problem, _ = build_problem(analysis, profile, segs, budget)
+    problem, _ = build_problem(analysis, profile, budget)
     return top_plans(problem, 1, 60.0)[0].strategies
 
 
@@ -231,9 +229,8 @@ def benchmark(a) -> None:
     t_an, t_pr, t_se = sec["analysis"], sec["profile"], sec["search"]
     t_model = run_cfp(cfp_flags(a) + ["--workdir", str(workdir), "--cost", "model",
                                       "--device-preset", "here"], "profile")
-    from passes.profile import ProfileOptions, load_profiles
-    prof, _ = load_profiles(workdir, run_fp, analysis,
-                            ProfileOptions(max_combinations=a.max_combinations))
+    from cfp.workdir import WorkDir
+    prof = WorkDir(workdir, run_fp).read_profile(analysis, "measure", a.max_combinations)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{a.date}-{backend}"

@@ -54,14 +54,13 @@ def main() -> None:
     from cfp.records import read_record
     from cfp.solver import evaluate
     from cfp.workloads import make_mesh, run_fingerprint, trace_step
-    from passes.analysis import FORMAT
-    from passes.profile import ProfileOptions, load_profiles
+    from cfp.workdir import ANALYSIS_FORMAT, WorkDir
     from passes.search import SCALE, build_problem
 
-    analysis = read_record(workdir / "analysis.pkl", FORMAT, None, hint="")
+    analysis = read_record(workdir / "analysis.pkl", ANALYSIS_FORMAT, None, hint="")
     run_fp = run_fingerprint(analysis.spec, mesh_shape)
-    profile, segs = load_profiles(workdir, run_fp, analysis, ProfileOptions())
-    problem, _ = build_problem(analysis, profile, segs, None)
+    profile = WorkDir(workdir, run_fp).read_profile(analysis)
+    problem, _ = build_problem(analysis, profile, None)
     rng = random.Random(args.seed)
     plans = [tuple(rng.randrange(len(g.options)) for g in problem.groups)
              for _ in range(args.plans)]

@@ -92,13 +92,12 @@ def main(a) -> None:
     from cfp.sharding import collectives
     from cfp.solver import evaluate
     from cfp.workloads import make_mesh, trace_step
-    from passes.profile import ProfileOptions, load_profiles
+    from cfp.workdir import WorkDir
     from passes.search import SCALE, build_problem, predicted_seconds
     n_dev = math.prod(mesh_shape)
-    prof, segs = load_profiles(workdir, run_fp, analysis,
-                               ProfileOptions(max_combinations=a.max_combinations))
+    prof = WorkDir(workdir, run_fp).read_profile(analysis, "measure", a.max_combinations)
     budget = int(a.memory_budget * 2**30) if a.memory_budget else None
-    problem, _ = build_problem(analysis, prof, segs, budget)
+    problem, _ = build_problem(analysis, prof, budget)
     cfp_strats = tuple(b["strategy_index"] for b in
                        json.loads((workdir / "plan.json").read_text())["blocks"])
     space_def, counts, size, picks = plan_space(problem, prof.windows,

@@ -1,0 +1,115 @@
+"""The work dir: the files each pass's record lives in.
+
+Passes take records and return records; reading and writing them is done here, for the CLI,
+the Python API and the scripts. The profile pass saves every result as it comes through the
+``ProfileCheckpoint`` it is given (``WorkDir.profile_checkpoint``: ``segment_<k>.pkl`` per
+window type and ``reshard.pkl``, rewritten atomically), so an interrupted run resumes and
+measures nothing twice.
+
+Layout of ``<workdir>``: ``analysis.pkl``; ``segment_<k>.pkl``, ``reshard.pkl``,
+``profile.pkl`` and ``profile.csv`` (in ``model/`` for ``--cost model``); ``search.pkl``,
+``plan.json`` and ``debug_*/`` text dumps.
+"""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from cfp.records import read_record, write_record
+
+ANALYSIS_FORMAT = "cfp-analysis"
+SEGMENT_FORMAT = "cfp-segment-profile"
+PROFILE_FORMAT = "cfp-profile"
+RESHARD_FORMAT = "cfp-reshard-profile"
+SEARCH_FORMAT = "cfp-search"
+
+
+class WorkDir:
+    """``path`` for the run identified by ``run_fp`` (``cfp.workloads.run_fingerprint``)."""
+
+    def __init__(self, path, run_fp: tuple):
+        self.path, self.run_fp = Path(path), run_fp
+
+    # analysis
+    def write_analysis(self, rec) -> Path:
+        write_record(self.path / "analysis.pkl", ANALYSIS_FORMAT, self.run_fp, rec)
+        return self.path / "analysis.pkl"
+
+    def read_analysis(self):
+        return read_record(self.path / "analysis.pkl", ANALYSIS_FORMAT, self.run_fp,
+                           hint="run python -m cfp --mode analysis with the same flags first")
+
+    # profile
+    def profile_dir(self, cost: str) -> Path:
+        return self.path if cost == "measure" else self.path / "model"
+
+    def profile_fingerprint(self, analysis, cost: str, max_combinations: int) -> tuple:
+        return self.run_fp + (("graph", analysis.graph.fingerprint()), ("cost", cost),
+                              ("max_combinations", max_combinations))
+
+    def profile_checkpoint(self, analysis, cost: str, max_combinations: int
+                           ) -> "ProfileCheckpoint":
+        return ProfileCheckpoint(self.profile_dir(cost),
+                                 self.profile_fingerprint(analysis, cost, max_combinations))
+
+    def write_profile(self, rec, analysis) -> Path:
+        out = self.profile_dir(rec.cost)
+        fp = self.profile_fingerprint(analysis, rec.cost, rec.max_combinations)
+        write_record(out / "profile.pkl", PROFILE_FORMAT, fp, rec)
+        write_profile_csv(out / "profile.csv", rec)
+        return out
+
+    def read_profile(self, analysis, cost: str = "measure", max_combinations: int = 32):
+        fp = self.profile_fingerprint(analysis, cost, max_combinations)
+        return read_record(self.profile_dir(cost) / "profile.pkl", PROFILE_FORMAT, fp,
+                           hint="run --mode profile first (with the same flags)")
+
+    # search
+    def write_search(self, rec) -> Path:
+        write_record(self.path / "search.pkl", SEARCH_FORMAT, self.run_fp, rec)
+        return self.path / "search.pkl"
+
+
+class ProfileCheckpoint:
+    """Per-result saves of the profile pass in ``directory``, and what an earlier,
+    interrupted run of the same profile left there."""
+
+    def __init__(self, directory: Path, fingerprint: tuple):
+        self.dir, self.fp = Path(directory), fingerprint
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def load_window(self, k: int) -> dict:
+        path = self.dir / f"segment_{k}.pkl"
+        if not path.exists():
+            return {}
+        return read_record(path, SEGMENT_FORMAT, self.fp,
+                           hint=f"delete {path} to profile afresh").results
+
+    def save_window(self, k: int, window_profile) -> None:
+        write_record(self.dir / f"segment_{k}.pkl", SEGMENT_FORMAT, self.fp, window_profile)
+
+    def load_reshards(self) -> dict:
+        path = self.dir / "reshard.pkl"
+        return (read_record(path, RESHARD_FORMAT, self.fp, hint=f"delete {path}")
+                if path.exists() else {})
+
+    def save_reshards(self, known: dict) -> None:
+        write_record(self.dir / "reshard.pkl", RESHARD_FORMAT, self.fp, known)
+
+
+def write_profile_csv(path: Path, rec) -> None:
+    """One row per measured combination of every window type."""
+    rows = []
+    for k, seg in sorted(rec.segments.items()):
+        for combo, m in sorted(seg.results.items()):
+            rows.append({"segment": k, "combination": " ".join(map(str, combo)),
+                         "status": m.status, "time_median_s": m.time_s,
+                         "time_min_s": m.time_min_s, "time_max_s": m.time_max_s,
+                         "runs": m.runs, "memory_gb": m.peak_bytes / 2**30,
+                         "compile_s": m.compile_s, "note": m.note})
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["segment"])
+        w.writeheader()
+        w.writerows(rows)
+    tmp.replace(path)

@@ -1,0 +1,47 @@
+"""The code follows the data: library modules import no pass; passes do no file I/O."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ENTRY_POINTS = {"cli.py", "api.py"}  # they run the passes, so they may import them
+
+
+def imported_modules(source: str) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+    return out
+
+
+def imports_a_pass(source: str) -> bool:
+    return any(m == "passes" or m.startswith("passes.") for m in imported_modules(source))
+
+
+def test_no_library_module_imports_a_pass():
+    offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "cfp").rglob("*.py")
+                 if p.name not in ENTRY_POINTS or p.parent != ROOT / "cfp"
+                 if imports_a_pass(p.read_text())]
+    assert offenders == []
+    # The check finds an import wherever it stands (a planted one, at the top and in a body).
+    assert imports_a_pass("from passes.search import run_search\n")
+    assert imports_a_pass("def f():\n    import passes.profile as p\n")
+    assert not imports_a_pass("from cfp.passes_util import x\nimport passesx\n")
+
+
+def test_passes_do_no_file_io():
+    """The work dir is the CLI's: a pass reads no file and writes none."""
+    io_names = {"open", "write_record", "read_record", "write_text", "read_text",
+                "write_bytes", "read_bytes", "mkdir"}
+
+    def io_calls(source):
+        return sorted({n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id
+                       for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)
+                       and (getattr(n.func, "attr", None) in io_names
+                            or getattr(n.func, "id", None) in io_names)})
+
+    for p in (ROOT / "passes").glob("*.py"):
+        assert io_calls(p.read_text()) == [], p.name
+    assert io_calls("def f(p):\n    p.write_text('x')\n") == ["write_text"]
