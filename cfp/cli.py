@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -19,49 +21,84 @@ MODES = ("analysis", "profile", "search")
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cfp" / "jax"
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, where it has one (the help says what None means)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, status 2, no usage dump
         print(f"cfp: error: {message} (see python -m cfp --help)", file=sys.stderr)
         raise SystemExit(2)
 
+    def format_help(self):  # the presets are listed from the zoo, which imports JAX: only here
+        self.epilog = f"size presets: {_presets_text()}"
+        return super().format_help()
+
+
+def _presets_text() -> str:
+    from cfp.models.registry import PRESETS
+    return "; ".join(f"{m}: {', '.join(p)}" for m, p in PRESETS.items())
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m cfp", description=__doc__.splitlines()[0])
-    p.add_argument("--mode", choices=MODES, help="the pass to run (default: all, in order)")
+    p = _Parser(prog="python -m cfp", description=__doc__.splitlines()[0],
+                formatter_class=_Help)
+    p.add_argument("--mode", choices=MODES, default=None,
+                   help="the pass to run; all three in order when left out")
+    p.add_argument("-v", "--verbose", action="store_true", help="log the library's progress")
     w = p.add_argument_group("workload")
     w.add_argument("--model", default="gpt",
                    help="mlp, gpt, llama, moe, bert, or package.module:factory for your own step")
-    w.add_argument("--config", default=None, help="size preset, e.g. tiny, 125m, 13b (default tiny)")
-    w.add_argument("--batch-size", type=int, default=None)
-    for name in ("num-layers", "seq-len", "hidden-size", "num-heads", "vocab-size",
-                 "num-experts"):
-        w.add_argument(f"--{name}", type=int, default=None)
-    w.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    w.add_argument("--config", default=None,
+                   help="size preset (tiny when left out; all presets listed below)")
+    w.add_argument("--batch-size", type=int, default=None,
+                   help="global batch size (the preset's when left out)")
+    for name, what in (("num-layers", "layers"), ("seq-len", "sequence length"),
+                       ("hidden-size", "hidden size"), ("num-heads", "attention heads"),
+                       ("vocab-size", "vocabulary size"), ("num-experts", "MoE experts")):
+        w.add_argument(f"--{name}", type=int, default=None,
+                       help=f"{what}, overriding the preset's")
+    w.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="parameter and activation type")
     m = p.add_argument_group("devices")
     m.add_argument("--num-devices", type=int, default=None,
-                   help="devices to use; on CPU, this many virtual devices (default 8)")
-    m.add_argument("--mesh", default=None, help="mesh shape, e.g. 8 or 2x4 (axes m0, m1)")
+                   help="devices to use; on CPU, this many virtual devices (the mesh's size, "
+                        "or 8)")
+    m.add_argument("--mesh", default=None,
+                   help="mesh shape, e.g. 8 or 2x4 (axes m0, m1; one axis of all devices "
+                        "when left out)")
     p.add_argument("--workdir", default=None,
-                   help="where the passes read and write (default profiles/<model>-<config>-<mesh>/)")
+                   help="where the passes read and write (profiles/<model>-<config>-<mesh>/ "
+                        "when left out)")
     p.add_argument("--compilation-cache", default=str(DEFAULT_CACHE),
                    help="JAX's persistent compilation cache, so reruns and resumed profiles "
-                        f"do not compile again ('none' to turn it off; default {DEFAULT_CACHE})")
+                        "do not compile again ('none' turns it off)")
     f = p.add_argument_group("profile")
     f.add_argument("--cost", choices=("measure", "model"), default="measure",
                    help="measure on the devices, or price compiled programs analytically")
     f.add_argument("--max-combinations", type=int, default=32,
-                   help="largest strategy space profiled as one window (default 32)")
+                   help="largest strategy space profiled as one window")
     f.add_argument("--profile-budget", type=float, default=None,
-                   help="seconds for the whole profile pass; what is left is pruned")
+                   help="seconds for the whole profile pass; what it does not reach is "
+                        "not_measured, and profiling again measures it")
     f.add_argument("--memory-budget", type=float, default=None,
-                   help="GB per device (default: the GPU's memory; required on CPU for search)")
+                   help="GB per device (the GPU's memory when left out; required on CPU)")
     f.add_argument("--device-preset", choices=("a100", "h100", "here"), default=None,
-                   help="--cost model: documented device and network figures, or 'here': "
-                        "alpha-beta and roofline fitted from microbenchmarks on these devices")
-    f.add_argument("--alpha", default=None, help="--cost model: seconds per collective, per axis")
-    f.add_argument("--beta", default=None, help="--cost model: seconds per byte, per axis")
-    f.add_argument("--device-flops", type=float, default=None)
-    f.add_argument("--device-bandwidth", type=float, default=None)
+                   help="--cost model: documented device and network figures (a100 when left "
+                        "out), or 'here': alpha-beta and roofline fitted on these devices")
+    f.add_argument("--alpha", default=None,
+                   help="--cost model: seconds per collective, one per mesh axis, e.g. 5e-6,3e-6")
+    f.add_argument("--beta", default=None,
+                   help="--cost model: seconds per byte, one per mesh axis")
+    f.add_argument("--device-flops", type=float, default=None,
+                   help="--cost model: FLOP/s of one device (the preset's when left out)")
+    f.add_argument("--device-bandwidth", type=float, default=None,
+                   help="--cost model: memory bytes/s of one device (the preset's)")
     s = p.add_argument_group("search")
     s.add_argument("--time-limit", type=float, default=60.0, help="CP-SAT seconds per solve")
     s.add_argument("--validate-top", type=int, default=3,
@@ -69,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-validate-baselines", dest="validate_baselines", action="store_false",
                    help="validate only the predicted plans, not the rule-file baselines too")
     s.add_argument("--iters", type=int, default=None,
-                   help="steps per measurement (default: at least 5 steps and 0.3 s)")
+                   help="steps per measurement (at least 5 steps and 0.3 s when left out)")
     return p
 
 
@@ -83,27 +120,41 @@ class RunOptions:
 
 
 def _options(args) -> RunOptions:
+    """Every check that needs no device: sizes, mesh against device count, budgets."""
     from cfp.workloads import WorkloadSpec, check_mesh, parse_mesh
     overrides = tuple((k, getattr(args, k)) for k in (
         "num_layers", "seq_len", "hidden_size", "num_heads", "vocab_size", "num_experts")
         if getattr(args, k) is not None)
-    for k, v in overrides + (("batch_size", args.batch_size or 1),
-                             ("max_combinations", args.max_combinations)):
-        if v < 1:
+    positive = overrides + tuple((k, getattr(args, k)) for k in (
+        "batch_size", "num_devices", "max_combinations", "validate_top", "iters",
+        "memory_budget", "profile_budget", "time_limit", "device_flops", "device_bandwidth")
+        if getattr(args, k) is not None)
+    for k, v in positive:
+        if v <= 0:
             raise CfpError(f"--{k.replace('_', '-')} must be positive, got {v}")
     spec = WorkloadSpec(args.model, args.config, args.batch_size, args.dtype, overrides)
     if args.mesh is None:
-        num = args.num_devices or 8
+        num = 8 if args.num_devices is None else args.num_devices
         mesh_shape = (num,)
     else:
         mesh_shape = parse_mesh(args.mesh)
-        num = args.num_devices or int(__import__("math").prod(mesh_shape))
-    if num < 1:
-        raise CfpError(f"--num-devices must be positive, got {num}")
+        num = math.prod(mesh_shape) if args.num_devices is None else args.num_devices
     check_mesh(mesh_shape, num)
     workdir = Path(args.workdir) if args.workdir else None
     modes = (args.mode,) if args.mode else MODES
     return RunOptions(spec, mesh_shape, num, workdir, modes)
+
+
+def _check_devices(opts: RunOptions, args) -> None:
+    """The checks that need JAX's devices (none compiles anything): the mesh fits them, and
+    search on CPU has a memory budget."""
+    import jax
+    from cfp.workloads import make_mesh
+    make_mesh(opts.mesh_shape)
+    if ("search" in opts.modes and args.memory_budget is None
+            and jax.devices()[0].platform == "cpu"):
+        raise CfpError("on CPU the virtual devices share host memory: give --memory-budget GB "
+                       "(per device)")
 
 
 def _default_workdir(opts: RunOptions) -> Path:
@@ -140,6 +191,8 @@ def _check_workdir(workdir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(name)s: %(message)s")
     try:
         opts = _options(args)
         _setup_devices(opts.num_devices)
@@ -147,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             opts = dataclasses.replace(opts, workdir=_default_workdir(opts))
         opts = dataclasses.replace(opts, spec=opts.spec.resolved())
         _check_workdir(opts.workdir)
+        _check_devices(opts, args)
         from cfp.jax_compat import enable_compilation_cache
         enable_compilation_cache(_cache_dir(args))  # before anything compiles
         for mode in opts.modes:
@@ -173,10 +227,8 @@ def _cache_dir(args) -> str | None:
 
 def _run_analysis(opts: RunOptions, args) -> None:
     from cfp import report
-    from cfp.workloads import make_mesh
-    from passes.analysis import run_analysis
+    from cfp.passes.analysis import run_analysis
 
-    make_mesh(opts.mesh_shape)  # fails early, with one line, when the devices do not fit
     report.say("***********Analysis Pass****************")
     rec = run_analysis(opts.spec, opts.mesh_shape)
     report.analysis_console(rec)
@@ -189,8 +241,6 @@ def _run_analysis(opts: RunOptions, args) -> None:
 def _memory_budget_bytes(args, *, required: bool) -> int:
     import jax
     if args.memory_budget is not None:
-        if args.memory_budget <= 0:
-            raise CfpError(f"--memory-budget must be positive, got {args.memory_budget}")
         return int(args.memory_budget * 2**30)
     dev = jax.devices()[0]
     if dev.platform == "gpu":
@@ -233,7 +283,7 @@ def _cost_model(args, mesh_shape):
 
 
 def _profile_options(opts: RunOptions, args):
-    from passes.profile import ProfileOptions
+    from cfp.passes.profile import ProfileOptions
     return ProfileOptions(
         cost=args.cost, max_combinations=args.max_combinations, budget_s=args.profile_budget,
         memory_budget_bytes=_memory_budget_bytes(args, required=False),
@@ -243,13 +293,17 @@ def _profile_options(opts: RunOptions, args):
 
 def _run_profile(opts: RunOptions, args) -> None:
     from cfp import report
-    from passes.profile import run_profile
+    from cfp.passes.profile import run_profile
     wd = _workdir(opts)
     analysis = wd.read_analysis()
     options = _profile_options(opts, args)
     report.say("***********Profiling Pass****************")
     checkpoint = wd.profile_checkpoint(analysis, options.cost, options.max_combinations)
-    rec = run_profile(analysis, options, checkpoint, report.ProfileProgress())
+    progress = report.ProfileProgress()
+    try:
+        rec = run_profile(analysis, options, checkpoint, progress)
+    finally:
+        progress.close()
     out = wd.write_profile(rec, analysis)
     report.profile_console(rec, analysis.plan_space_log10())
     report.say(f"wrote {out / 'profile.pkl'} and {out / 'profile.csv'}")
@@ -257,7 +311,7 @@ def _run_profile(opts: RunOptions, args) -> None:
 
 def _run_search(opts: RunOptions, args) -> None:
     from cfp import report
-    from passes.search import SearchOptions, run_search
+    from cfp.passes.search import SearchOptions, run_search
     wd = _workdir(opts)
     analysis = wd.read_analysis()
     profile = wd.read_profile(analysis, args.cost, args.max_combinations)
@@ -268,7 +322,7 @@ def _run_search(opts: RunOptions, args) -> None:
     rec = run_search(analysis, profile, options)
     wd.write_search(rec)
     report.search_console(rec, opts.num_devices)
-    report.write_search_dumps(wd.path, analysis, rec)
+    report.write_search_dumps(wd.path, analysis, profile, rec)
     report.say(f"wrote {wd.path / 'plan.json'}, {wd.path / 'search.pkl'} and "
                f"{wd.path / 'debug_search'}/")
 

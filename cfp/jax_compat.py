@@ -7,7 +7,13 @@ from __future__ import annotations
 
 import logging
 
+import jax
+
 log = logging.getLogger(__name__)
+
+# What JAX raises when XLA fails to compile or run a program (out of memory, an unsupported
+# layout): the failure of the item measured, not of cfp. 0.10 and 0.11 name it alike.
+JAX_ERRORS = (jax.errors.JaxRuntimeError,)
 
 
 def enable_compilation_cache(directory: str | None) -> None:
@@ -16,7 +22,6 @@ def enable_compilation_cache(directory: str | None) -> None:
     compiled before instead of compiling it again. ``None`` leaves JAX's setting alone."""
     if not directory:
         return
-    import jax
     jax.config.update("jax_compilation_cache_dir", str(directory))
     for name, value in (("jax_persistent_cache_min_compile_time_secs", 0.0),
                         ("jax_persistent_cache_min_entry_size_bytes", 0)):

@@ -33,7 +33,7 @@ _FLOAT_LOW, _FLOAT_HIGH = 0.5, 1.5  # positive, away from zero: safe for log, sq
 class Measurement:
     """One combination of one window (or one resharding) as measured."""
 
-    status: str  # ok | oom | compile_error | mismatch | worker_died | pruned
+    status: str  # ok | oom | compile_error | run_error | mismatch | worker_died | not_measured
     time_s: float = float("nan")  # median, launch overhead subtracted
     time_min_s: float = float("nan")
     time_max_s: float = float("nan")

@@ -37,8 +37,8 @@ _ALLOWED_NUMPY = {("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiar
                   ("numpy", "int64"), ("numpy", "int32")}
 _ALLOWED_CFP_MODULES = {"cfp.records", "cfp.graph", "cfp.strategies", "cfp.blocks",
                         "cfp.segments", "cfp.workloads", "cfp.measure", "cfp.windows",
-                        "passes.analysis", "passes.profile",
-                        "passes.search"}
+                        "cfp.passes.analysis", "cfp.passes.profile",
+                        "cfp.passes.search"}
 
 
 class _RestrictedUnpickler(pickle.Unpickler):

@@ -58,12 +58,13 @@ def write_analysis_dumps(rec, directory: Path) -> None:
     """``parallel_blocks.txt``, ``strategy_map.txt`` and ``segments.txt``."""
     directory.mkdir(parents=True, exist_ok=True)
     g, ba = rec.graph, rec.blocks
+    paths = input_paths(rec.spec)
     lines = []
     for b in ba.blocks:
         lines.append(f"Parallel Block {b.index}:")
         for m in b.members:
             op = g.ops[m.op]
-            lines.append(f"    {m.op} {op.hlo}")
+            lines.append(f"    {m.op} {_with_paths(op.hlo, paths)}")
             lines.append(f"    role: {m.role}; plan: {_plan_text(m.outs)}"
                          + (f"; collective-free unless split: {_reqs_text(m.reqs)}"
                             if m.reqs else ""))
@@ -74,7 +75,7 @@ def write_analysis_dumps(rec, directory: Path) -> None:
 
     lines = []
     for b in ba.blocks:
-        lines.append(f"Instruction {b.seed}: {g.ops[b.seed].hlo}")
+        lines.append(f"Instruction {b.seed}: {_with_paths(g.ops[b.seed].hlo, paths)}")
         lines += [f"Strategy {s.name}" for s in b.strategies]
         lines.append(f"({b.strategies_before_pruning} valid before pruning, "
                      f"{len(b.strategies)} kept)")
@@ -107,55 +108,107 @@ def _reqs_text(reqs) -> str:
 
 
 class ProfileProgress:
-    """The profile pass's ``on_result``: a bar with an ETA on a terminal, one line per
-    combination otherwise."""
+    """The profile pass's ``on_result``: one progress line for the whole pass (combinations
+    done of all window types, the current one, an ETA from the measured rate), redrawn at
+    least every 5 s on a terminal; elsewhere one line per combination, and a line every 5 s
+    while none comes. ``close()`` when the pass ends."""
 
-    def __init__(self):
+    def __init__(self, interval_s: float = 5.0):
+        import sys
+        import threading
+        self.tty = sys.stdout.isatty()
         self.total = self.n = 0
-        self.t0 = 0.0
+        self.where = "starting the worker"
+        self.t0 = self.t_first = None
+        self.last_line_s = 0.0
+        self.interval_s = interval_s
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._tick, daemon=True)
+        self.thread.start()
 
     def __call__(self, event: str, **f) -> None:
-        import sys
         import time
-        if event == "start":
-            say(f"NUM SEGMENT is {f['num_types']}")
-        elif event == "window":
-            w = f["window"]
-            say(f"RUN AutoSharding FOR SEGMENT {f['k']} segment_{f['k']} "
-                f"(blocks {w.start}..{w.end - 1})")
-            say(f"segment PB search space: {list(f['space'])}")
-            if f["known"]:
-                say(f"resuming: {f['known']} combinations already measured")
-            self.total, self.n, self.t0 = f["todo"], 0, time.perf_counter()
-        elif event == "result":
-            self.n += 1
-            k, combo, m = f["k"], f["combo"], f["measurement"]
-            line = (f"SegmentIdx: {k} ParallelBlock Strategy: {list(combo)} "
-                    + (f"avgcost: {m.time_s:.6g} mem_cost(GB): {m.peak_bytes / 2**30:.4g}"
-                       if m.status == "ok" else f"status: {m.status} {m.note}"))
-            if sys.stdout.isatty():
-                eta = (time.perf_counter() - self.t0) / self.n * (self.total - self.n)
-                bar = "#" * int(30 * self.n / max(1, self.total))
-                print(f"\r[{bar:<30}] {self.n}/{self.total} ETA {eta:5.0f}s  {line[:60]}",
-                      end="" if self.n < self.total else "\n", flush=True)
-            else:
-                say(line)
-        elif event == "pruned":
-            say(f"profile budget spent: {f['count']} combinations of segment {f['k']} pruned")
-        elif event == "reshards":
-            say(f"boundaries between windows: {f['boundaries']}; distinct reshardings to "
-                f"time: {f['needed']} ({f['known']} already known)")
+        with self.lock:
+            if event == "start":
+                self.total, self.t0 = f["total"], time.perf_counter()
+                self._line(f"window types to profile: {f['num_types']}; combinations to "
+                           f"measure: {f['total']} ({f['known']} measured before)")
+            elif event == "window":
+                w = f["window"]
+                self.where = f"window type {f['k']}"
+                self._line(f"window type {f['k']} (blocks {w.start}..{w.end - 1}): search "
+                           f"space {list(f['space'])}, {f['todo']} to measure"
+                           + (f", {f['known']} measured before" if f["known"] else ""))
+            elif event == "result":
+                self.n += 1
+                if self.t_first is None:
+                    self.t_first = time.perf_counter()
+                m = f["measurement"]
+                text = (f"window type {f['k']} combination {list(f['combo'])}: "
+                        + (f"{m.time_s * 1e3:.4g} ms, {m.peak_bytes / 2**30:.4g} GB"
+                           if m.status == "ok" else f"{m.status} {m.note}"))
+                if self.tty:
+                    self._bar()
+                else:
+                    self._line(f"[{self.n}/{self.total}] {text}")
+            elif event == "not_measured":
+                what = ("reshardings" if f["k"] is None
+                        else f"combinations of window type {f['k']}")
+                self._line(f"profile budget spent: {f['count']} {what} not measured "
+                           f"(profile again to measure them)")
+            elif event == "reshards":
+                self.where = "timing reshardings"
+                self._line(f"boundaries between window instances: {f['boundaries']}; distinct "
+                           f"reshardings to time: {f['needed']} ({f['known']} known)")
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=1)
+        if self.tty and self.total:
+            print(flush=True)
+
+    def _eta(self) -> str:
+        import time
+        if self.t_first is None or self.n < 2:
+            return "ETA --"
+        rate = (self.n - 1) / max(1e-9, time.perf_counter() - self.t_first)
+        return f"ETA {(self.total - self.n) / rate:.0f} s"
+
+    def _bar(self) -> None:
+        import time
+        bar = "#" * int(30 * self.n / max(1, self.total))
+        print(f"\r[{bar:<30}] {self.n}/{self.total} combinations, {self.where}, "
+              f"{self._eta()}   ", end="", flush=True)
+        self.last_line_s = time.perf_counter()
+
+    def _line(self, text: str) -> None:
+        import time
+        if self.tty and self.total:
+            print("\r" + " " * 100 + "\r", end="")
+        say(text)
+        self.last_line_s = time.perf_counter()
+
+    def _tick(self) -> None:
+        import time
+        while not self.stop.wait(self.interval_s / 5):
+            with self.lock:
+                if time.perf_counter() - self.last_line_s < self.interval_s or not self.total:
+                    continue
+                if self.tty:
+                    self._bar()
+                else:
+                    self._line(f"[{self.n}/{self.total}] {self.where}, {self._eta()}")
 
 
 def profile_console(rec, model_space_log10: float) -> None:
-    counts = collections.Counter(m.status for seg in rec.segments.values()
+    counts = collections.Counter(m.status for seg in rec.window_profiles.values()
                                  for m in seg.results.values())
-    say(f"overlapped_profiling overall time: {rec.time_s:.1f}")
     say(f"combinations: {sum(counts.values())} ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}); "
         f"compiled in this run: {rec.compiled}")
     say(f"launch overhead subtracted: {rec.launch_overhead_s * 1e3:.3f} ms per program")
     say(f"whole-model plan space: 10^{model_space_log10:.1f} plans, covered by "
-        f"{len(rec.windows)} window instances of {len(rec.segments)} types")
+        f"{len(rec.windows)} window instances of {len(rec.window_profiles)} types")
     phases_console("profile", rec.time_s, rec.phase_s)
 
 
@@ -170,24 +223,53 @@ def phases_console(name: str, total_s: float, phase_s: dict) -> None:
 
 def search_console(rec, devices: int) -> None:
     say(f"solver: {rec.solver_status} in {rec.solve_s:.2f} s; {len(rec.candidates)} "
-        f"candidate plans")
+        f"candidate plans run end to end")
     for i, c in enumerate(rec.candidates):
         say(f"candidate {i} ({c.source}): predicted {c.predicted_s:.6f} s, "
             f"measured {c.median_s:.6f} s" + ("  <- kept" if i == rec.kept else ""))
     if rec.numerics is not None:
-        n = rec.numerics
-        say(f"numerical check against one device: loss rel. error {n['loss_rel_err']:.2e}, "
-            f"gradients match")
+        say(f"numerical check against one device: loss rel. error "
+            f"{rec.numerics['loss_rel_err']:.2e}, gradients match")
     plan = rec.plan
-    say(f"searched ParallelBlock Strategies solution: {list(plan.strategies)}")
-    say(f"searched training cost: {list(plan.measured_s)}, memory_cost: "
+    source = ("cfp's own prediction" if plan.source == "predicted"
+              else f"the {plan.source.split()[-1]} baseline")
+    say(f"searched ParallelBlock Strategies solution ({source}): {list(plan.strategies)}")
+    say(f"searched training cost (s per step, one per round): "
+        f"{[round(t, 6) for t in plan.measured_s]}, memory_cost (GB per device): "
         f"{rec.memory['peak_bytes'] / 2**30:.4f}")
     say(f"TFLOP_COUNT: {rec.step_flops / 1e12:.6g}")
-    say(f"tflops (per device): {[rec.step_flops / t / devices / 1e12 for t in plan.measured_s]}")
     phases_console("search", rec.time_s, rec.phase_s)
+    say(f"plan kept: {source}, the measured fastest of {len(rec.candidates)} candidates")
+    say(f"step time: median {plan.median_s * 1e3:.3f} ms (min {min(plan.measured_s) * 1e3:.3f},"
+        f" max {max(plan.measured_s) * 1e3:.3f}) over {len(plan.measured_s)} rounds; "
+        f"predicted {plan.predicted_s * 1e3:.3f} ms; "
+        f"{rec.step_flops / plan.median_s / devices / 1e12:.4g} TFLOP/s per device")
+    say(f"memory per device: {rec.memory['peak_bytes'] / 2**30:.4f} GB compiled, "
+        f"{plan.composed_memory_bytes / 2**30:.4f} GB composed from the profiles")
 
 
-def write_search_dumps(workdir, analysis, rec) -> None:
+def input_paths(spec) -> list[str]:
+    """The pytree path of every step input, ``Arg_<k>`` in the dumps' HLO lines: parameters,
+    optimizer state and batch, as ``jax.tree_util.keystr`` writes them."""
+    import jax
+    w = spec.build()
+    leaves = jax.tree_util.tree_flatten_with_path(
+        {"params": w.abstract_params(), "opt_state": w.abstract_opt_state(),
+         "batch": w.abstract_batch()})[0]
+    order = {"params": 0, "opt_state": 1, "batch": 2}  # the step's argument order
+    leaves.sort(key=lambda pl: order[pl[0][0].key])
+    return [jax.tree_util.keystr(p) for p, _ in leaves]
+
+
+def _with_paths(hlo: str, paths: list[str]) -> str:
+    """``hlo`` followed by the path of every step input it reads."""
+    import re
+    args = sorted({int(k) for k in re.findall(r"%Arg_(\d+)\.", hlo)})
+    return hlo + ("  # " + ", ".join(f"Arg_{k} = {paths[k]}" for k in args if k < len(paths))
+                  if args else "")
+
+
+def write_search_dumps(workdir, analysis, profile, rec) -> None:
     """debug_search/: after_ir.txt, input/output_placement_specs.txt, mem_usage.txt,
     report.json, strategy.png, predicted_vs_measured.png; and plan.json in the work dir."""
     import json
@@ -202,6 +284,7 @@ def write_search_dumps(workdir, analysis, rec) -> None:
     axis_names = AXIS_NAMES[:len(analysis.mesh_shape)]
     g, blocks = analysis.graph, analysis.blocks.blocks
     plan = rec.plan
+    paths = input_paths(analysis.spec)
     rows = []
     member = {m.op: (b, m) for b in blocks for m in b.members}
     for op in g.ops:
@@ -212,7 +295,7 @@ def write_search_dumps(workdir, analysis, rec) -> None:
             where = f"block {b.index} ({m.role})"
         else:
             specs, where = ["(XLA decides)"], "unclaimed"
-        rows.append(f"{op.index:6d} {where:28s} {specs}  {op.hlo}")
+        rows.append(f"{op.index:6d} {where:28s} {specs}  {_with_paths(op.hlo, paths)}")
     (out / "after_ir.txt").write_text(
         "# Per operator: block, sharding of its result(s) under the plan, HLO line\n"
         + "\n".join(rows) + "\n\n# Compiled HLO after partitioning\n" + rec.compiled_text)
@@ -258,26 +341,40 @@ def write_search_dumps(workdir, analysis, rec) -> None:
         "candidates": [{"source": c.source, "solution": list(c.strategies),
                         "predicted_s": c.predicted_s, "measured_s": c.median_s}
                        for c in rec.candidates],
-        "pass_times_s": {"analysis": analysis.stats.time_s, "search": rec.time_s},
-        "search_phase_s": rec.phase_s,
+        "pass_times_s": {"analysis": analysis.stats.time_s, "profile": profile.time_s,
+                         "search": rec.time_s},
+        "phase_times_s": {"profile": profile.phase_s, "search": rec.phase_s},
     }
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    names = [b.strategies[i].name for b, i in zip(blocks, plan.strategies)]
+    strategy_figure(names, plan.source).savefig(out / "strategy.png", dpi=100)
     _plots(out, rec)
+
+
+def strategy_figure(names: list[str], source: str):
+    """One labelled row per block: its index and the name of its strategy under the plan
+    (a replicated block too), coloured by the mesh axes it splits."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    kinds = sorted(set(names))
+    fig, ax = plt.subplots(figsize=(7, 0.8 + 0.28 * len(names)))
+    for i, name in enumerate(names):
+        ax.barh(i, 1, color=plt.cm.tab20(kinds.index(name) % 20), edgecolor="white")
+        ax.text(0.02, i, f"block {i}: {name}", va="center", fontsize=8)
+    ax.set_ylim(len(names) - 0.5, -0.5)
+    ax.set_xlim(0, 1)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_title(f"strategy per ParallelBlock ({source})", fontsize=9)
+    fig.tight_layout()
+    return fig
 
 
 def _plots(out, rec) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    strategies = rec.plan.strategies
-    fig, ax = plt.subplots(figsize=(max(6, len(strategies) * 0.15), 3))
-    ax.bar(range(len(strategies)), strategies)
-    ax.set_xlabel("ParallelBlock")
-    ax.set_ylabel("strategy index")
-    ax.set_title("chosen strategy per block")
-    fig.tight_layout()
-    fig.savefig(out / "strategy.png", dpi=100)
-    plt.close(fig)
     fig, ax = plt.subplots(figsize=(4, 4))
     pred = [c.predicted_s for c in rec.candidates]
     meas = [c.median_s for c in rec.candidates]

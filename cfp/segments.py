@@ -1,4 +1,4 @@
-"""Find repeated windows of blocks (segments), so that each is profiled once.
+"""Find repeated sequences of blocks (segments), so that each is profiled once.
 
 1. **Cuts.** Between consecutive blocks ``c-1 | c`` of the global sequence, the *cut width* is
    the number of independent tensors that cross it: results of one block read by a block on the
@@ -30,7 +30,7 @@ from cfp.graph import Graph
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
-    """A window ``[start, end)`` of the global block sequence and its type."""
+    """A range ``[start, end)`` of the global block sequence and its segment type."""
 
     start: int
     end: int
@@ -59,7 +59,7 @@ def find_segments(graph: Graph, ba: BlockAnalysis) -> SegmentAnalysis:
         narrow = min(widths)
         starts = [0] + [c for c in range(1, n) if widths[c - 1] == narrow]
     pieces = list(zip(starts, starts[1:] + [n]))
-    piece_fp = [_window_fingerprint(graph, ba, s, e) for s, e in pieces]
+    piece_fp = [_range_fingerprint(graph, ba, s, e) for s, e in pieces]
     counts = collections.Counter(piece_fp)
     opener = max(counts, key=lambda fp: (counts[fp], -piece_fp.index(fp)))
     opens = [k for k, fp in enumerate(piece_fp) if fp == opener]
@@ -177,17 +177,17 @@ def block_fingerprint(graph: Graph, ba: BlockAnalysis, b: int) -> tuple:
             len(block.strategies))
 
 
-def _window_fingerprint(graph: Graph, ba: BlockAnalysis, start: int, end: int) -> tuple:
+def _range_fingerprint(graph: Graph, ba: BlockAnalysis, start: int, end: int) -> tuple:
     fp = []
     for b in range(start, end):
         seed = graph.ops[ba.blocks[b].seed]
-        links = tuple(_sources_in_window(graph, ba, v, start, end) for v in seed.inputs[:2])
+        links = tuple(_sources_in_range(graph, ba, v, start, end) for v in seed.inputs[:2])
         fp.append((block_fingerprint(graph, ba, b), links))
     return tuple(fp)
 
 
-def _sources_in_window(graph: Graph, ba: BlockAnalysis, value: int, start: int, end: int):
-    """Nearest contractions feeding ``value``: as offsets of blocks inside the window, or
+def _sources_in_range(graph: Graph, ba: BlockAnalysis, value: int, start: int, end: int):
+    """Nearest contractions feeding ``value``: as offsets of blocks inside the range, or
     'out' for anything outside it."""
     found: set = set()
     stack, seen = [value], set()

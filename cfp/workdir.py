@@ -2,11 +2,11 @@
 
 Passes take records and return records; reading and writing them is done here, for the CLI,
 the Python API and the scripts. The profile pass saves every result as it comes through the
-``ProfileCheckpoint`` it is given (``WorkDir.profile_checkpoint``: ``segment_<k>.pkl`` per
+``ProfileCheckpoint`` it is given (``WorkDir.profile_checkpoint``: ``window_<k>.pkl`` per
 window type and ``reshard.pkl``, rewritten atomically), so an interrupted run resumes and
 measures nothing twice.
 
-Layout of ``<workdir>``: ``analysis.pkl``; ``segment_<k>.pkl``, ``reshard.pkl``,
+Layout of ``<workdir>``: ``analysis.pkl``; ``window_<k>.pkl``, ``reshard.pkl``,
 ``profile.pkl`` and ``profile.csv`` (in ``model/`` for ``--cost model``); ``search.pkl``,
 ``plan.json`` and ``debug_*/`` text dumps.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 from cfp.records import read_record, write_record
 
 ANALYSIS_FORMAT = "cfp-analysis"
-SEGMENT_FORMAT = "cfp-segment-profile"
+WINDOW_FORMAT = "cfp-window-profile"
 PROFILE_FORMAT = "cfp-profile"
 RESHARD_FORMAT = "cfp-reshard-profile"
 SEARCH_FORMAT = "cfp-search"
@@ -79,14 +79,14 @@ class ProfileCheckpoint:
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def load_window(self, k: int) -> dict:
-        path = self.dir / f"segment_{k}.pkl"
+        path = self.dir / f"window_{k}.pkl"
         if not path.exists():
             return {}
-        return read_record(path, SEGMENT_FORMAT, self.fp,
+        return read_record(path, WINDOW_FORMAT, self.fp,
                            hint=f"delete {path} to profile afresh").results
 
     def save_window(self, k: int, window_profile) -> None:
-        write_record(self.dir / f"segment_{k}.pkl", SEGMENT_FORMAT, self.fp, window_profile)
+        write_record(self.dir / f"window_{k}.pkl", WINDOW_FORMAT, self.fp, window_profile)
 
     def load_reshards(self) -> dict:
         path = self.dir / "reshard.pkl"
@@ -100,16 +100,16 @@ class ProfileCheckpoint:
 def write_profile_csv(path: Path, rec) -> None:
     """One row per measured combination of every window type."""
     rows = []
-    for k, seg in sorted(rec.segments.items()):
+    for k, seg in sorted(rec.window_profiles.items()):
         for combo, m in sorted(seg.results.items()):
-            rows.append({"segment": k, "combination": " ".join(map(str, combo)),
+            rows.append({"window_type": k, "combination": " ".join(map(str, combo)),
                          "status": m.status, "time_median_s": m.time_s,
                          "time_min_s": m.time_min_s, "time_max_s": m.time_max_s,
                          "runs": m.runs, "memory_gb": m.peak_bytes / 2**30,
                          "compile_s": m.compile_s, "note": m.note})
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["segment"])
+        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["window_type"])
         w.writeheader()
         w.writerows(rows)
     tmp.replace(path)

@@ -3,22 +3,33 @@
 The parent sends jobs over a pipe, the analysis record among the start-up arguments; the worker
 re-traces the step (checking it against the analysis), compiles a batch of combinations first and then times them with nothing else
 running (a compile beside a timing corrupts it on a machine with few cores), streaming one
-result per combination. When the worker dies, the combination in flight is recorded as
-``worker_died`` and a fresh worker takes the rest. The worker reports its wall seconds per
+result per combination.
+
+Failures: a JAX/XLA error raised while compiling or running a combination is that
+combination's ``compile_error`` or ``run_error``, with XLA's message; a worker killed by a
+signal or out of memory is charged to the combination in flight (``worker_died``): when it died
+compiling a batch, the rest is sent again one combination at a time until the culprit is found.
+Any other exception is a bug in cfp and is raised in the parent with the worker's traceback.
+The worker ignores SIGINT: Ctrl-C reaches the parent, which stops it. The worker reports its wall seconds per
 phase (tracing, compiling, running, resharding timing) with each reply.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 import multiprocessing as mp
+import signal
 import statistics
 import time
 import traceback
 from typing import Iterator
 
 from cfp.errors import CfpError
+from cfp.jax_compat import JAX_ERRORS
 from cfp.measure import Measurement
 from cfp.phases import Phases
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +39,10 @@ class WorkerOptions:
     batch: int  # combinations compiled before timing
     cost_model: object | None = None  # cfp.measure.CostModel for cost == "model"
     compilation_cache: str | None = None  # JAX's persistent compilation cache directory
+
+
+class WorkerBug(RuntimeError):
+    """An exception in the worker that is not a JAX/XLA failure of the item measured."""
 
 
 class Worker:
@@ -51,6 +66,8 @@ class Worker:
         if kind != "ready":
             raise CfpError(f"the measurement worker could not start: {payload}")
         self.overhead_s, setup_phases = payload
+        log.info("worker %d ready in %.1f s; launch overhead %.3f ms", self.proc.pid,
+                 time.perf_counter() - t0, self.overhead_s * 1e3)
         self.phases.add(setup_phases)
         self.phases.add({"worker start": time.perf_counter() - t0
                          - sum(setup_phases.values())})
@@ -64,6 +81,12 @@ class Worker:
     def ensure(self):
         if self.proc is None or not self.proc.is_alive():
             self._start()
+
+    def kill(self):
+        """Stop the worker now (an interrupted pass does not wait for its compiles)."""
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=5)
 
     def close(self):
         if self.proc is not None and self.proc.is_alive():
@@ -79,14 +102,15 @@ class Worker:
                        ) -> Iterator[tuple[tuple, Measurement]]:
         """Measurements of ``combos`` of ``window``, one by one, surviving worker deaths."""
         pending = list(combos)
+        one_at_a_time = False
         while pending:
             self.ensure()
-            self.conn.send(("window", window, pending, best_s))
-            in_flight = None
+            self.conn.send(("window", window, pending, best_s, one_at_a_time))
+            in_flight: list = []
             while True:
                 kind, payload = self._recv()
-                if kind == "start":
-                    in_flight = payload
+                if kind in ("compiling", "start"):
+                    in_flight = list(payload) if kind == "compiling" else [payload]
                 elif kind == "result":
                     combo, m = payload
                     pending.remove(combo)
@@ -96,15 +120,21 @@ class Worker:
                 elif kind == "done":
                     self.phases.add(payload)
                     break
-                elif kind == "error":
-                    raise CfpError(payload)
+                elif kind == "bug":
+                    raise WorkerBug(f"the measurement worker failed:\n{payload}")
                 else:  # died
                     self.proc.join(timeout=5)
-                    victim = in_flight if in_flight in pending else pending[0]
-                    pending.remove(victim)
                     code = self.proc.exitcode
-                    yield victim, Measurement("worker_died", note=f"worker exit code {code}")
                     self.proc = None
+                    suspects = [c for c in in_flight if c in pending]
+                    log.warning("the measurement worker died (exit code %s) with %d "
+                                "combinations in flight", code, len(suspects))
+                    if len(suspects) == 1:
+                        pending.remove(suspects[0])
+                        yield suspects[0], Measurement(
+                            "worker_died", note=f"worker exit code {code}")
+                    else:  # died compiling a batch: find the culprit one by one
+                        one_at_a_time = True
                     break
 
     def measure_reshards(self, items: list[tuple]) -> dict[tuple, float]:
@@ -112,14 +142,18 @@ class Worker:
         self.ensure()
         self.conn.send(("reshard", items))
         kind, payload = self._recv()
+        if kind == "bug":
+            raise WorkerBug(f"the measurement worker failed:\n{payload}")
         if kind != "reshards":
-            raise CfpError(f"the measurement worker failed while timing reshardings: {payload}")
+            raise CfpError(f"the measurement worker died while timing reshardings (exit code "
+                           f"{self.proc.exitcode}); profile again to retry them")
         known, phases = payload
         self.phases.add(phases)
         return known
 
 
 def _main(conn, analysis, options: WorkerOptions):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     phases = Phases()
     try:
         from cfp.jax_compat import enable_compilation_cache
@@ -127,8 +161,11 @@ def _main(conn, analysis, options: WorkerOptions):
         state = _setup(analysis, phases)
         state["phases"] = phases
         conn.send(("ready", (state["overhead"], phases.take())))
-    except Exception as e:  # noqa: BLE001 - reported to the parent as one line
-        conn.send(("error", f"{type(e).__name__}: {e}"))
+    except CfpError as e:  # the step cannot be measured as analysed: the user's to fix
+        conn.send(("error", str(e)))
+        return
+    except Exception:  # noqa: BLE001 - a bug: the parent raises it with this traceback
+        conn.send(("bug", traceback.format_exc()))
         return
     while True:
         msg = conn.recv()
@@ -142,8 +179,8 @@ def _main(conn, analysis, options: WorkerOptions):
                 with phases("resharding timing"):
                     known = _measure_reshards(state, options, msg[1])
                 conn.send(("reshards", (known, phases.take())))
-        except Exception:  # noqa: BLE001
-            conn.send(("error", traceback.format_exc(limit=3).strip().splitlines()[-1]))
+        except Exception:  # noqa: BLE001 - a bug: the parent raises it with this traceback
+            conn.send(("bug", traceback.format_exc()))
 
 
 def _setup(analysis, phases: Phases):
@@ -161,7 +198,8 @@ def _setup(analysis, phases: Phases):
             "inputs": {}}
 
 
-def _measure_window(conn, state, options: WorkerOptions, window, combos, best_s):
+def _measure_window(conn, state, options: WorkerOptions, window, combos, best_s,
+                    one_at_a_time=False):
     """Compile a batch of combinations (in threads: XLA releases the GIL), then time them with
     nothing else running; on a host with cores to spare (8 or more) the next batch compiles
     while this one is timed."""
@@ -176,13 +214,13 @@ def _measure_window(conn, state, options: WorkerOptions, window, combos, best_s)
     host_inputs = state["inputs"][window.type]
     cores = os.cpu_count() or 1
     overlap = cores >= 8
-    batches = [combos[i:i + options.batch] for i in range(0, len(combos), options.batch)]
+    size = 1 if one_at_a_time else options.batch
+    batches = [combos[i:i + size] for i in range(0, len(combos), size)]
     with ThreadPoolExecutor(max_workers=max(1, min(cores - (1 if overlap else 0), 8))) as pool:
         submit = lambda batch: [(c, pool.submit(_compile_one, wp, c)) for c in batch]  # noqa
         pending = submit(batches[0]) if batches else []
         for i in range(len(batches)):
-            for combo, _ in pending:
-                conn.send(("start", combo))
+            conn.send(("compiling", [c for c, _ in pending]))
             with phases("compiling"):
                 ready = [(c, f.result()) for c, f in pending]
             pending = submit(batches[i + 1]) if overlap and i + 1 < len(batches) else []
@@ -199,8 +237,8 @@ def _compile_one(wp, combo):
     t0 = _time.perf_counter()
     try:
         exe, shardings = wp.compile(combo)
-    except Exception as e:  # noqa: BLE001 - a strategy XLA cannot compile
-        return Measurement("compile_error", note=f"{type(e).__name__}: {str(e)[:200]}")
+    except JAX_ERRORS as e:  # a strategy XLA cannot compile; anything else is cfp's bug
+        return Measurement("compile_error", note=f"{type(e).__name__}: {str(e)[:300]}")
     colls = tuple((c.kind, c.axes, c.bytes) for c in collectives(exe.as_text(), wp.mesh_shape))
     return (exe, shardings, _time.perf_counter() - t0, memory_of(exe), colls,
             wp.check_compiled(exe, combo))
@@ -225,7 +263,14 @@ def _time_batch(conn, state, options, wp, ready, host_inputs, best_s):
             m = Measurement("ok", t, t, t, 0, compile_s, collectives=colls, **mem)
         else:
             args = [jax.device_put(x, s) for x, s in zip(host_inputs, shardings)]
-            times, early = time_runs(exe, args, best_s=best_s)
+            try:
+                times, early = time_runs(exe, args, best_s=best_s)
+            except JAX_ERRORS as e:  # XLA failed running it (out of device memory, say)
+                status = "oom" if "RESOURCE_EXHAUSTED" in str(e) else "run_error"
+                conn.send(("result", (combo, Measurement(
+                    status, compile_s=compile_s, collectives=colls,
+                    note=f"{type(e).__name__}: {str(e)[:300]}", **mem))))
+                continue
             times = [max(0.0, t - state["overhead"]) for t in times]
             med = statistics.median(times)
             m = Measurement("ok", med, min(times), max(times), len(times), compile_s,
@@ -240,7 +285,7 @@ def _time_batch(conn, state, options, wp, ready, host_inputs, best_s):
 
 def _measure_reshards(state, options, items):
     """Seconds per resharding: timed, or with ``cost == "model"`` priced from its compiled
-    collectives."""
+    collectives; ``None`` where XLA could not compile or run it."""
     import jax
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
@@ -253,11 +298,15 @@ def _measure_reshards(state, options, items):
         x = jax.device_put(np.ones(shape, dtype=np.float32).astype(dtype)
                            if dtype != "bfloat16" else jax.numpy.ones(shape, dtype), s_src)
         f = jax.jit(lambda a: a, in_shardings=s_src, out_shardings=s_dst)
-        if options.cost == "model":
-            out[(shape, dtype, src, dst)] = model_cost(f.lower(x).compile(),
-                                                       tuple(mesh.devices.shape),
-                                                       options.cost_model)[0]
+        key = (shape, dtype, src, dst)
+        try:
+            if options.cost == "model":
+                out[key] = model_cost(f.lower(x).compile(), tuple(mesh.devices.shape),
+                                      options.cost_model)[0]
+                continue
+            times, _ = time_runs(f, (x,), best_s=None)
+        except JAX_ERRORS:
+            out[key] = None
             continue
-        times, _ = time_runs(f, (x,), best_s=None)
-        out[(shape, dtype, src, dst)] = max(0.0, statistics.median(times) - state["overhead"])
+        out[key] = max(0.0, statistics.median(times) - state["overhead"])
     return out

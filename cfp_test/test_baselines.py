@@ -11,7 +11,7 @@ from cfp.errors import CfpError
 from cfp.execute import PlannedStep, check_numerics
 from cfp.sharding import collectives
 from cfp.workloads import WorkloadSpec, make_mesh, trace_step
-from passes.analysis import run_analysis
+from cfp.passes.analysis import run_analysis
 
 GPT = (("num_layers", 2), ("num_heads", 8))  # 8 heads: Megatron splits them 8 ways
 

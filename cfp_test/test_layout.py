@@ -17,7 +17,8 @@ def imported_modules(source: str) -> set[str]:
 
 
 def imports_a_pass(source: str) -> bool:
-    return any(m == "passes" or m.startswith("passes.") for m in imported_modules(source))
+    return any(m in ("passes", "cfp.passes") or m.startswith(("passes.", "cfp.passes."))
+               for m in imported_modules(source))
 
 
 def test_no_library_module_imports_a_pass():
@@ -26,8 +27,9 @@ def test_no_library_module_imports_a_pass():
                  if imports_a_pass(p.read_text())]
     assert offenders == []
     # The check finds an import wherever it stands (a planted one, at the top and in a body).
-    assert imports_a_pass("from passes.search import run_search\n")
+    assert imports_a_pass("from cfp.passes.search import run_search\n")
     assert imports_a_pass("def f():\n    import passes.profile as p\n")
+    assert imports_a_pass("import passes.search\n")
     assert not imports_a_pass("from cfp.passes_util import x\nimport passesx\n")
 
 
@@ -45,3 +47,17 @@ def test_passes_do_no_file_io():
     for p in (ROOT / "passes").glob("*.py"):
         assert io_calls(p.read_text()) == [], p.name
     assert io_calls("def f(p):\n    p.write_text('x')\n") == ["write_text"]
+
+
+def test_install_adds_no_top_level_passes_module(tmp_path):
+    """The passes are installed as cfp.passes; outside the source tree ``passes`` is no
+    module (run against the installed package, as CI does)."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = lambda code: subprocess.run([sys.executable, "-c", code], cwd=tmp_path,  # noqa
+                                      env=env, capture_output=True, text=True)
+    assert run("import cfp.passes.search").returncode == 0
+    missing = run("import passes")
+    assert missing.returncode != 0 and "No module named 'passes'" in missing.stderr

@@ -10,7 +10,7 @@ from cfp.execute import (check_numerics, numerics_error, reference_loss_and_grad
                          sharded_loss_and_grads)
 from cfp.plan import load_plan, shardings
 from cfp.workloads import WorkloadSpec, make_mesh
-from passes.analysis import run_analysis
+from cfp.passes.analysis import run_analysis
 
 MODELS = [("mlp", {}), ("gpt", {"num_layers": 1}), ("llama", {"num_layers": 1}),
           ("moe", {"num_layers": 2}), ("bert", {"num_layers": 1})]
@@ -46,8 +46,9 @@ def test_three_passes_plan_json_and_user_jit(tmp_path, capsys):
     base = ["--model", "mlp", "--mesh", "2x2", "--workdir", str(tmp_path)]
     assert main(base + ["--memory-budget", "1", "--validate-top", "2", "--iters", "2"]) == 0
     out = capsys.readouterr().out
-    for line in ("searched ParallelBlock Strategies solution:", "searched training cost:",
-                 "memory_cost:", "TFLOP_COUNT:", "tflops", "numerical check", "solver: OPTIMAL",
+    for line in ("searched ParallelBlock Strategies solution (", "searched training cost",
+                 "memory_cost (GB per device):", "TFLOP_COUNT:", "TFLOP/s per device", "numerical check",
+                 "solver: OPTIMAL", "plan kept:", "step time: median", "memory per device:",
                  "(baseline dp)", "(predicted)", "search pass:", "plan.json"):
         assert line in out
     assert (tmp_path / "search.pkl").exists()
@@ -95,11 +96,11 @@ def test_search_errors(tmp_path, capsys):
 
 def test_passes_chain_records_in_memory():
     """Each pass takes the previous pass's record and returns its own; no work dir."""
-    from passes.profile import ProfileOptions, run_profile
-    from passes.search import SearchOptions, SearchRecord, run_search
+    from cfp.passes.profile import ProfileOptions, run_profile
+    from cfp.passes.search import SearchOptions, SearchRecord, run_search
     analysis = run_analysis(WorkloadSpec("mlp", "tiny", None, "float32", ()).resolved(), (4,))
     profile = run_profile(analysis, ProfileOptions())
-    assert profile.compiled == sum(len(s.results) for s in profile.segments.values())
+    assert profile.compiled == sum(len(s.results) for s in profile.window_profiles.values())
     assert {"worker start", "tracing", "compiling", "running"} <= set(profile.phase_s)
     assert sum(profile.phase_s.values()) <= profile.time_s * 1.01
     rec = run_search(analysis, profile, SearchOptions(2**30, validate_top=2, iters=2))
@@ -109,3 +110,14 @@ def test_passes_chain_records_in_memory():
     assert {"solving", "compiling", "running"} <= set(rec.phase_s)
     assert 3 <= len(rec.plan.measured_s) <= 5  # rounds stop once the plans separate
     assert "dot" in rec.compiled_text and rec.memory["peak_bytes"] > 0
+
+
+def test_strategy_figure_labels_every_block_replicated_ones_too():
+    from cfp.report import strategy_figure
+    names = ["RR = RR x RR @ {0}"] * 3 + ["SR = SR x RR @ {0}"]
+    fig = strategy_figure(names, "baseline dp")
+    assert [t.get_text() for t in fig.axes[0].texts] == [
+        f"block {i}: {n}" for i, n in enumerate(names)]
+    fig.canvas.draw()
+    pixels = np.asarray(fig.canvas.buffer_rgba())[..., :3]
+    assert pixels.std() > 10  # drawn, not blank

@@ -1,0 +1,1 @@
+"""The three passes: analysis, profile, search (installed as ``cfp.passes``)."""

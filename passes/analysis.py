@@ -12,6 +12,7 @@ import math
 import time
 
 from cfp.blocks import BlockAnalysis, build_blocks
+from cfp.errors import CfpError
 from cfp.graph import Graph
 from cfp.segments import SegmentAnalysis, find_segments
 from cfp.workloads import WorkloadSpec, trace_step
@@ -56,6 +57,11 @@ def run_analysis(spec: WorkloadSpec, mesh_shape: tuple[int, ...]) -> AnalysisRec
     program = trace_step(workload)
     graph = program.graph()
     blocks = build_blocks(graph, mesh_shape)
+    if math.prod(mesh_shape) > 1 and all(
+            all(a is None for a in st.axes) for b in blocks.blocks for st in b.strategies):
+        raise CfpError(f"no contraction of the step has a dim that mesh "
+                       f"{'x'.join(map(str, mesh_shape))} divides, so every block would stay "
+                       f"replicated: choose mesh axes that divide the batch or model sizes")
     segments = find_segments(graph, blocks)
     total = sum(op.flops for op in graph.ops)
     inside = sum(graph.ops[i].flops for i in blocks.owner)

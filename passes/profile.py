@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 class ProfileOptions:
     cost: Literal["measure", "model"] = "measure"
     max_combinations: int = 32  # per window; larger segments are split into windows
-    budget_s: float | None = None  # wall-clock budget of the whole pass; the rest is pruned
+    budget_s: float | None = None  # wall-clock budget of the whole pass; the rest not_measured
     memory_budget_bytes: int = 2**62  # per device; over it a combination is recorded oom
     batch: int = 16  # combinations compiled before timing them
     cost_model: CostModel | None = None  # for cost == "model"
@@ -53,7 +53,7 @@ class ProfileRecord:
 
     windows: tuple[Window, ...]
     representatives: tuple[int, ...]
-    segments: dict  # window type -> WindowProfile
+    window_profiles: dict  # window type -> WindowProfile
     boundaries: tuple[Boundary, ...]
     reshard_s: dict  # (shape, dtype, src spec, dst spec) -> seconds
     launch_overhead_s: float
@@ -65,7 +65,7 @@ class ProfileRecord:
 
     def plan_space_log10(self) -> float:
         """log10 of the number of whole-model combinations the windows span."""
-        return sum(math.log10(max(1, math.prod(self.segments[w.type].space)))
+        return sum(math.log10(max(1, math.prod(self.window_profiles[w.type].space)))
                    for w in self.windows)
 
 
@@ -97,46 +97,57 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
     notify = on_result or (lambda event, **fields: None)
     phases = Phases()
     windows, reps = split_windows(analysis, options.max_combinations)
+    known = [_known(k, windows[rep], analysis, checkpoint) for k, rep in enumerate(reps)]
+    notify("start", num_types=len(reps), total=sum(len(todo) for _, todo in known),
+           known=sum(len(results) for results, _ in known))
     worker = Worker(analysis, WorkerOptions(
         options.cost, options.memory_budget_bytes, options.batch, options.cost_model,
         options.compilation_cache), phases)
-    notify("start", num_types=len(reps), windows=windows, reps=reps)
-    compiled, segments = 0, {}
+    compiled, window_profiles = 0, {}
     try:
         for k, rep in enumerate(reps):
-            segments[k], n = _profile_window(k, windows[rep], analysis, worker, options,
-                                             checkpoint, start, notify)
+            window_profiles[k], n = _profile_window(k, windows[rep], *known[k], analysis,
+                                                    worker, options, checkpoint, start, notify)
             compiled += n
         bounds = boundaries(analysis, windows)
-        reshard = _profile_reshards(analysis, bounds, worker, checkpoint, notify)
+        reshard = _profile_reshards(analysis, bounds, worker, checkpoint, options, start,
+                                    notify)
         worker.ensure()
         overhead = worker.overhead_s
+    except BaseException:  # Ctrl-C included: what was measured is in the checkpoint
+        worker.kill()
+        raise
     finally:
         worker.close()
-    rec = ProfileRecord(tuple(windows), tuple(reps), segments, tuple(bounds), reshard,
+    rec = ProfileRecord(tuple(windows), tuple(reps), window_profiles, tuple(bounds), reshard,
                         overhead, options.cost, options.max_combinations,
                         time.perf_counter() - start, compiled, dict(phases.seconds))
     log.info("profile pass: %.1f s, phases %s", rec.time_s, rec.phase_s)
     return rec
 
 
-def _profile_window(k, window: Window, analysis, worker: Worker, options, checkpoint,
-                    start, notify) -> tuple[WindowProfile, int]:
+def _known(k, window: Window, analysis, checkpoint) -> tuple[dict, list]:
+    """(results an earlier run measured, combinations still to measure) of window type k;
+    what a budget cut off is measured now."""
+    space = [len(analysis.blocks.blocks[b].strategies) for b in range(window.start, window.end)]
+    results = {c: m for c, m in checkpoint.load_window(k).items() if m.status != "not_measured"}
+    return results, [c for c in itertools.product(*map(range, space)) if c not in results]
+
+
+def _profile_window(k, window: Window, results, todo, analysis, worker: Worker, options,
+                    checkpoint, start, notify) -> tuple[WindowProfile, int]:
     blocks = tuple(range(window.start, window.end))
     space = tuple(len(analysis.blocks.blocks[b].strategies) for b in blocks)
-    results = {c: m for c, m in checkpoint.load_window(k).items()
-               if m.status != "worker_died"}
-    combos = list(itertools.product(*[range(n) for n in space]))
-    todo = [c for c in combos if c not in results]
-    notify("window", k=k, window=window, space=space, todo=len(todo),
-           known=len(combos) - len(todo))
+    notify("window", k=k, window=window, space=space, todo=len(todo), known=len(results))
+    log.info("window type %d (blocks %d..%d): %d combinations to measure, %d known", k,
+             window.start, window.end - 1, len(todo), len(results))
     best = min((m.time_s for m in results.values() if m.status == "ok"), default=None)
     done = 0
     for i in range(0, len(todo), options.batch):
-        if options.budget_s is not None and time.perf_counter() - start > options.budget_s:
+        if _spent(options, start):
             for c in todo[i:]:
-                results[c] = Measurement("pruned", note="--profile-budget spent")
-            notify("pruned", k=k, count=len(todo) - i)
+                results[c] = Measurement("not_measured", note="--profile-budget spent")
+            notify("not_measured", k=k, count=len(todo) - i)
             break
         for combo, m in worker.measure_window(window, todo[i:i + options.batch], best):
             results[combo] = m
@@ -151,7 +162,13 @@ def _profile_window(k, window: Window, analysis, worker: Worker, options, checkp
     return profile, done
 
 
-def _profile_reshards(analysis, bounds, worker, checkpoint, notify) -> dict:
+def _spent(options: ProfileOptions, start: float) -> bool:
+    """Whether ``--profile-budget`` is spent (it covers the whole pass: worker start,
+    compiling, running and resharding timing)."""
+    return options.budget_s is not None and time.perf_counter() - start > options.budget_s
+
+
+def _profile_reshards(analysis, bounds, worker, checkpoint, options, start, notify) -> dict:
     names = ("m0", "m1", "m2")[:len(analysis.mesh_shape)]
     blocks = analysis.blocks.blocks
     needed = set()
@@ -165,8 +182,11 @@ def _profile_reshards(analysis, bounds, worker, checkpoint, notify) -> dict:
     todo = sorted(needed - set(known), key=repr)
     notify("reshards", boundaries=len(bounds), needed=len(needed),
            known=len(needed) - len(todo))
-    for i in range(0, len(todo), 64):
-        known.update(worker.measure_reshards(todo[i:i + 64]))
+    for i in range(0, len(todo), 16):
+        if _spent(options, start):
+            notify("not_measured", k=None, count=len(todo) - i)
+            break
+        known.update(worker.measure_reshards(todo[i:i + 16]))
         checkpoint.save_reshards(known)
     checkpoint.save_reshards(known)
     return known

@@ -25,6 +25,7 @@ from cfp.windows import boundary_specs, option_memory
 log = logging.getLogger(__name__)
 
 SCALE = 1e7  # integer cost units per second: 0.1 microsecond, finer than any timing here
+FAILED_RESHARD_S = 1e6  # a resharding XLA could not compile or run: never worth choosing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +142,7 @@ def build_problem(analysis, profile, memory_budget_bytes: int | None
     groups, combos = [], {}
     mem_cache: dict = {}
     for gi, w in enumerate(profile.windows):
-        seg = profile.segments[w.type]
+        seg = profile.window_profiles[w.type]
         rep = profile.windows[profile.representatives[w.type]]
         opts, table = [], []
         for combo, m in sorted(seg.results.items()):
@@ -154,8 +155,12 @@ def build_problem(analysis, profile, memory_budget_bytes: int | None
             opts.append(Option(combo, int(round(m.time_s * SCALE)), mem, transient))
             table.append(combo)
         if not opts:
-            raise CfpError(f"window type {w.type} has no feasible combination: raise "
-                           f"--memory-budget or --profile-budget and profile again")
+            statuses = {m.status for m in seg.results.values()}
+            fix = ("profile again to measure the combinations the budget did not reach"
+                   if "not_measured" in statuses else "raise --memory-budget and profile again"
+                   if "oom" in statuses else "see profile.csv for why")
+            raise CfpError(f"window type {w.type} has no measured combination that runs "
+                           f"({', '.join(sorted(statuses))}): {fix}")
         groups.append(Group(tuple(range(w.start, w.end)), opts))
         combos[gi] = table
     edges: dict = {}
@@ -166,7 +171,12 @@ def build_problem(analysis, profile, memory_budget_bytes: int | None
             for j, d in enumerate(dst_s):
                 src, dst = boundary_specs(b, s, d, names)
                 if src != dst:
-                    t[i, j] = int(round(profile.reshard_s.get((b.shape, b.dtype, src, dst), 0.0)
+                    key = (b.shape, b.dtype, src, dst)
+                    if key not in profile.reshard_s:
+                        raise CfpError("the profile has reshardings it did not time (its budget "
+                                       "ran out): profile again to time them")
+                    seconds = profile.reshard_s[key]
+                    t[i, j] = int(round((FAILED_RESHARD_S if seconds is None else seconds)
                                         * SCALE))
         key = (b.src, b.dst)
         edges[key] = edges.get(key, 0) + t

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cfp.report import segment_op_count  # noqa: E402
 from cfp.workloads import WorkloadSpec  # noqa: E402
-from passes.analysis import run_analysis  # noqa: E402
+from cfp.passes.analysis import run_analysis  # noqa: E402
 
 TINY = [("mlp", "tiny", ()), ("gpt", "tiny", (("num_layers", 4),)),
         ("llama", "tiny", (("num_layers", 4),)), ("moe", "tiny", ()),

@@ -189,7 +189,7 @@ def build_plans(a, workdir: Path, mesh, analysis, program, run_fp):
 def analytic_plan(a, workdir: Path, analysis, run_fp):
     """The plan CP-SAT picks from the ``--cost model`` profiles, taken without measuring."""
     from cfp.workdir import WorkDir
-    from passes.search import build_problem, top_plans
+    from cfp.passes.search import build_problem, top_plans
     profile = WorkDir(workdir, run_fp).read_profile(analysis, "model", a.max_combinations)
     budget = int(a.memory_budget * 2**30) if a.memory_budget else None
     problem, _ = build_problem(analysis, profile, budget)

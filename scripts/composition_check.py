@@ -55,7 +55,7 @@ def main() -> None:
     from cfp.solver import evaluate
     from cfp.workloads import make_mesh, run_fingerprint, trace_step
     from cfp.workdir import ANALYSIS_FORMAT, WorkDir
-    from passes.search import SCALE, build_problem
+    from cfp.passes.search import SCALE, build_problem
 
     analysis = read_record(workdir / "analysis.pkl", ANALYSIS_FORMAT, None, hint="")
     run_fp = run_fingerprint(analysis.spec, mesh_shape)

@@ -12,7 +12,7 @@ for model in gpt moe; do
       | grep -E "plan space|unique segment|analysis time" | tee -a "$out"
     /usr/bin/time -f "profile wall: %e s" python -m cfp --model "$model" --num-layers 4 \
       --mesh "$mesh" --mode profile 2>&1 \
-      | grep -E "NUM SEGMENT|search space|combinations:|reshardings|overall time|wall|plan space" \
+      | grep -E "window types|search space|combinations:|reshardings|overall time|wall|plan space" \
       | tee -a "$out"
     python scripts/composition_check.py --model "$model" --num-layers 4 --mesh "$mesh" \
       --plans 20 | tee -a "$out"

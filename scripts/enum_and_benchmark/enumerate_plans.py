@@ -93,7 +93,7 @@ def main(a) -> None:
     from cfp.solver import evaluate
     from cfp.workloads import make_mesh, trace_step
     from cfp.workdir import WorkDir
-    from passes.search import SCALE, build_problem, predicted_seconds
+    from cfp.passes.search import SCALE, build_problem, predicted_seconds
     n_dev = math.prod(mesh_shape)
     prof = WorkDir(workdir, run_fp).read_profile(analysis, "measure", a.max_combinations)
     budget = int(a.memory_budget * 2**30) if a.memory_budget else None

@@ -1,0 +1,163 @@
+"""Honest failures: bad input refused before any compile, cfp bugs surface as bugs, worker deaths
+charged to their own combination, Ctrl-C loses nothing, budget-cut work is measured later."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import pytest
+
+from cfp.cli import main
+from cfp.errors import CfpError
+from cfp.passes.analysis import run_analysis
+from cfp.passes.profile import ProfileOptions, run_profile
+from cfp.windows import split_windows
+from cfp.workdir import WorkDir
+from cfp.worker import Worker, WorkerBug, WorkerOptions
+from cfp.workloads import WorkloadSpec, run_fingerprint
+
+ROOT = Path(__file__).resolve().parent.parent
+MLP = WorkloadSpec("mlp", "tiny", None, "float32", ()).resolved()
+
+
+@pytest.fixture
+def compiles():
+    """Names of the XLA compile events JAX reports while the test runs."""
+    seen = []
+
+    def listener(name, *args, **kwargs):
+        if "backend_compile" in name:
+            seen.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    yield seen
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+BAD_INPUTS = [
+    (["--num-devices", "0"], "--num-devices must be positive"),
+    (["--batch-size", "0"], "--batch-size must be positive"),
+    (["--num-layers", "-1"], "--num-layers must be positive"),
+    (["--max-combinations", "0"], "--max-combinations must be positive"),
+    (["--memory-budget", "-2"], "--memory-budget must be positive"),
+    (["--profile-budget", "0"], "--profile-budget must be positive"),
+    (["--iters", "0"], "--iters must be positive"),
+    (["--mesh", "3x3"], "needs 9 devices but JAX sees 8"),
+    (["--mesh", "2x4", "--num-devices", "4"], "has 8 devices but 4 are used"),
+    (["--mesh", "2xx"], "is not a mesh shape"),
+    (["--model", "nosuch"], "unknown model"),
+    (["--config", "huge"], "unknown preset"),
+    (["--num-heads", "3"], "num_heads"),
+    (["--mode", "search"], "give --memory-budget"),
+    (["--model", "nosuch.module:make"], "cannot load the user step"),
+]
+
+
+@pytest.mark.parametrize("argv,expected", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_bad_input_is_one_line_before_any_compile(tmp_path, capsys, compiles, argv, expected):
+    assert main(argv + ["--workdir", str(tmp_path / "w")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("cfp: error:") and expected in err[0], err
+    assert compiles == []
+    assert not (tmp_path / "w" / "analysis.pkl").exists()
+
+
+def test_a_mesh_that_splits_nothing_is_refused_by_analysis(compiles):
+    with pytest.raises(CfpError, match="every block would stay replicated"):
+        run_analysis(MLP, (3, 3))
+    run_analysis(MLP, (4,))  # the control: a mesh that divides the sizes is analysed
+    assert compiles == []
+    jax.jit(lambda x: x * 3 + 1)(2.0)  # and the listener does see a compile
+    assert compiles
+
+
+def test_a_bug_in_the_worker_surfaces_with_its_traceback():
+    """A cost model missing where one is needed fails inside the worker's pricing code: that
+    is cfp's bug, not a combination XLA cannot compile."""
+    analysis = run_analysis(MLP, (4,))
+    with pytest.raises(WorkerBug, match="(?s)Traceback.*AttributeError"):
+        run_profile(analysis, ProfileOptions(cost="model", cost_model=None))
+
+
+class _KillingWorker(Worker):
+    """The real worker, killed (SIGKILL) whenever the planted combination is in flight."""
+
+    culprit = None
+
+    def _recv(self):
+        msg = super()._recv()
+        if msg[0] in ("compiling", "start"):
+            flight = msg[1] if msg[0] == "compiling" else [msg[1]]
+            if self.culprit in flight:
+                os.kill(self.proc.pid, signal.SIGKILL)
+        return msg
+
+
+def test_a_worker_death_is_charged_to_its_own_combination():
+    analysis = run_analysis(MLP, (4,))
+    windows, reps = split_windows(analysis, 32)
+    window = windows[reps[0]]
+    combos = [(0,), (1,), (2,)]
+    worker = _KillingWorker(analysis, WorkerOptions("measure", 2**62, 16))
+    worker.culprit = (1,)
+    try:
+        got = dict(worker.measure_window(window, combos, None))
+    finally:
+        worker.close()
+    assert got[(1,)].status == "worker_died"
+    assert got[(0,)].status == "ok" and got[(2,)].status == "ok"
+
+
+def test_ctrl_c_prints_one_line_and_a_rerun_repeats_nothing(tmp_path):
+    workdir = tmp_path / "w"
+    base = [sys.executable, "-m", "cfp", "--model", "gpt", "--mesh", "4", "--workdir",
+            str(workdir), "--max-combinations", "4", "--compilation-cache", "none"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    subprocess.run(base + ["--mode", "analysis"], check=True, capture_output=True, env=env)
+    proc = subprocess.Popen(base + ["--mode", "profile"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    deadline = time.time() + 120
+    while not (workdir / "window_1.pkl").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal sends it: to the whole group
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert err.strip().splitlines() == [
+        "cfp: interrupted; everything measured so far is kept in the work dir"]
+    saved = _saved_results(workdir)
+    assert saved, "nothing was measured before the interrupt"
+    # The rerun, with a budget too small to measure anything new, keeps every saved result.
+    out = subprocess.run(base + ["--mode", "profile", "--profile-budget", "1e-9"],
+                         capture_output=True, text=True, env=env).stdout
+    assert "compiled in this run: 0" in out
+    after = _saved_results(workdir)
+    assert {k: v for k, v in after.items() if k in saved} == saved
+
+
+def _saved_results(workdir) -> dict:
+    from cfp.records import read_record
+    from cfp.workdir import WINDOW_FORMAT
+    out = {}
+    for path in sorted(Path(workdir).glob("window_*.pkl")):
+        rec = read_record(path, WINDOW_FORMAT, None, hint="")
+        out.update({(path.name, c): (m.status, m.time_s) for c, m in rec.results.items()
+                    if m.status != "not_measured"})
+    return out
+
+
+def test_a_budget_cut_profile_is_finished_by_the_next_run(tmp_path):
+    analysis = run_analysis(MLP, (4,))
+    wd = WorkDir(tmp_path, run_fingerprint(MLP, (4,)))
+    checkpoint = wd.profile_checkpoint(analysis, "measure", 32)
+    cut = run_profile(analysis, ProfileOptions(budget_s=1e-9), checkpoint)
+    statuses = [m.status for p in cut.window_profiles.values() for m in p.results.values()]
+    assert set(statuses) == {"not_measured"} and cut.compiled == 0
+    assert cut.reshard_s == {}
+    full = run_profile(analysis, ProfileOptions(), checkpoint)
+    assert full.compiled == len(statuses)
+    assert all(m.status == "ok" for p in full.window_profiles.values()
+               for m in p.results.values())
+    assert len(full.reshard_s) > 0
