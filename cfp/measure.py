@@ -23,6 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
+from cfp.errors import CfpError
 from cfp.sharding import SubProgram, collectives, sub_function, sub_program
 from cfp.windows import Window, window_layouts, window_ops
 
@@ -45,6 +46,18 @@ class Measurement:
     temp_bytes: int = 0
     collectives: tuple = ()  # ((kind, axes, bytes), ...)
     note: str = ""
+    same_program_as: tuple | None = None  # an earlier combination compiled to this program
+
+
+def normalized_hlo(compiled) -> str:
+    """The compiled program with names, metadata and ids taken out: two programs that differ
+    only there are the same program."""
+    text = compiled.as_text()
+    text = re.sub(r", metadata=\{[^}]*\}", "", text)
+    text = re.sub(r"%[\w.\-]+", "%v", text)
+    text = re.sub(r"^HloModule \S+", "HloModule", text, flags=re.M)
+    text = re.sub(r"\b[\w\-]+\.\d+\b", "n", text)
+    return text
 
 
 class WindowProgram:
@@ -131,6 +144,9 @@ def contraction_sizes(hlo_text: str) -> set[int]:
 
 def memory_of(compiled) -> dict:
     ma = compiled.memory_analysis()
+    if ma is None:
+        raise CfpError("this JAX backend gives no memory analysis of compiled programs, which "
+                       "cfp needs to keep plans within the memory budget")
     get = lambda k: int(getattr(ma, k, 0) or 0)  # noqa: E731
     arg, out, tmp, alias = (get("argument_size_in_bytes"), get("output_size_in_bytes"),
                             get("temp_size_in_bytes"), get("alias_size_in_bytes"))

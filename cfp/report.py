@@ -226,7 +226,9 @@ def search_console(rec, devices: int) -> None:
         f"candidate plans run end to end")
     for i, c in enumerate(rec.candidates):
         say(f"candidate {i} ({c.source}): predicted {c.predicted_s:.6f} s, "
-            f"measured {c.median_s:.6f} s" + ("  <- kept" if i == rec.kept else ""))
+            f"measured {c.median_s:.6f} s; memory {c.composed_memory_bytes / 2**30:.4f} GB "
+            f"composed, {c.compiled_peak_bytes / 2**30:.4f} GB compiled"
+            + ("  <- kept" if i == rec.kept else ""))
     if rec.numerics is not None:
         say(f"numerical check against one device: loss rel. error "
             f"{rec.numerics['loss_rel_err']:.2e}, gradients match")
@@ -339,7 +341,9 @@ def write_search_dumps(workdir, analysis, profile, rec) -> None:
         "tflops_per_device": [rec.step_flops / t / devices / 1e12 for t in plan.measured_s],
         "collectives": by_kind, "numerics": rec.numerics,
         "candidates": [{"source": c.source, "solution": list(c.strategies),
-                        "predicted_s": c.predicted_s, "measured_s": c.median_s}
+                        "predicted_s": c.predicted_s, "measured_s": c.median_s,
+                        "composed_memory_gb": c.composed_memory_bytes / 2**30,
+                        "compiled_memory_gb": c.compiled_peak_bytes / 2**30}
                        for c in rec.candidates],
         "pass_times_s": {"analysis": analysis.stats.time_s, "profile": profile.time_s,
                          "search": rec.time_s},

@@ -106,7 +106,9 @@ def write_profile_csv(path: Path, rec) -> None:
                          "status": m.status, "time_median_s": m.time_s,
                          "time_min_s": m.time_min_s, "time_max_s": m.time_max_s,
                          "runs": m.runs, "memory_gb": m.peak_bytes / 2**30,
-                         "compile_s": m.compile_s, "note": m.note})
+                         "compile_s": m.compile_s,
+                         "same_program_as": " ".join(map(str, m.same_program_as or ())),
+                         "note": m.note})
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["window_type"])

@@ -195,7 +195,7 @@ def _setup(analysis, phases: Phases):
         mesh = make_mesh(analysis.mesh_shape)
         overhead = launch_overhead(mesh)
     return {"analysis": analysis, "program": program, "mesh": mesh, "overhead": overhead,
-            "inputs": {}}
+            "inputs": {}, "programs": {}}
 
 
 def _measure_window(conn, state, options: WorkerOptions, window, combos, best_s,
@@ -211,6 +211,7 @@ def _measure_window(conn, state, options: WorkerOptions, window, combos, best_s,
         wp = WindowProgram(state["program"], state["analysis"], window, state["mesh"])
         if window.type not in state["inputs"]:
             state["inputs"] = {window.type: valid_inputs(wp.graph, wp.sub, seed=window.type)}
+            state["programs"] = {}  # normalised program -> (combination, its measurement)
     host_inputs = state["inputs"][window.type]
     cores = os.cpu_count() or 1
     overlap = cores >= 8
@@ -232,7 +233,7 @@ def _measure_window(conn, state, options: WorkerOptions, window, combos, best_s,
 
 def _compile_one(wp, combo):
     import time as _time
-    from cfp.measure import memory_of
+    from cfp.measure import memory_of, normalized_hlo
     from cfp.sharding import collectives
     t0 = _time.perf_counter()
     try:
@@ -240,8 +241,9 @@ def _compile_one(wp, combo):
     except JAX_ERRORS as e:  # a strategy XLA cannot compile; anything else is cfp's bug
         return Measurement("compile_error", note=f"{type(e).__name__}: {str(e)[:300]}")
     colls = tuple((c.kind, c.axes, c.bytes) for c in collectives(exe.as_text(), wp.mesh_shape))
+    program = (normalized_hlo(exe), repr(shardings), repr(exe.output_shardings))
     return (exe, shardings, _time.perf_counter() - t0, memory_of(exe), colls,
-            wp.check_compiled(exe, combo))
+            wp.check_compiled(exe, combo), program)
 
 
 def _time_batch(conn, state, options, wp, ready, host_inputs, best_s):
@@ -251,8 +253,14 @@ def _time_batch(conn, state, options, wp, ready, host_inputs, best_s):
         if isinstance(got, Measurement):
             conn.send(("result", (combo, got)))
             continue
-        exe, shardings, compile_s, mem, colls, note = got
+        exe, shardings, compile_s, mem, colls, note, program = got
         conn.send(("start", combo))
+        twin = state["programs"].get(program)
+        if twin is not None:  # the same program as a combination measured before: reuse
+            m = dataclasses.replace(twin[1], compile_s=compile_s, same_program_as=twin[0],
+                                    note=f"the same program as {list(twin[0])}, measured once")
+            conn.send(("result", (combo, m)))
+            continue
         if note:
             m = Measurement("mismatch", compile_s=compile_s, collectives=colls, note=note, **mem)
         elif mem["peak_bytes"] > options.memory_budget_bytes:
@@ -279,6 +287,8 @@ def _time_batch(conn, state, options, wp, ready, host_inputs, best_s):
             del args
         if m.status == "ok" and (best_s is None or m.time_s < best_s):
             best_s = m.time_s
+        if m.status in ("ok", "mismatch", "oom") and not m.note.startswith("stopped early"):
+            state["programs"][program] = (combo, m)
         conn.send(("result", (combo, m)))
     return best_s
 

@@ -161,3 +161,18 @@ def test_a_budget_cut_profile_is_finished_by_the_next_run(tmp_path):
     assert all(m.status == "ok" for p in full.window_profiles.values()
                for m in p.results.values())
     assert len(full.reshard_s) > 0
+
+
+def test_identical_programs_are_measured_once():
+    """A combination that compiles to a program measured before shares that measurement (here
+    the same combination sent twice); different programs are measured apart."""
+    analysis = run_analysis(MLP, (4,))
+    windows, reps = split_windows(analysis, 32)
+    worker = Worker(analysis, WorkerOptions("measure", 2**62, 16))
+    try:
+        got = list(worker.measure_window(windows[reps[0]], [(0,), (1,), (0,)], None))
+    finally:
+        worker.close()
+    (c0, m0), (c1, m1), (c2, m2) = got
+    assert m0.same_program_as is None and m1.same_program_as is None
+    assert c2 == (0,) and m2.same_program_as == (0,) and m2.time_s == m0.time_s

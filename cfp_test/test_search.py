@@ -121,3 +121,23 @@ def test_strategy_figure_labels_every_block_replicated_ones_too():
     fig.canvas.draw()
     pixels = np.asarray(fig.canvas.buffer_rgba())[..., :3]
     assert pixels.std() > 10  # drawn, not blank
+
+
+def test_kept_plan_fits_the_budget_once_compiled():
+    """A budget between a plan's composed and compiled memory: the next plan is kept, or the
+    run says none fits."""
+    from cfp.errors import CfpError
+    from cfp.passes.search import Candidate, fastest_within_budget
+    gb = 2**30
+
+    def cand(median_s, composed_gb, compiled_gb):
+        return Candidate("predicted", (0,), (0,), median_s, int(composed_gb * gb),
+                         (median_s,), 0.0, int(compiled_gb * gb))
+
+    cands = [cand(1.0, 1.0, 1.5), cand(1.2, 1.0, 1.1), cand(0.9, 1.0, 2.0)]
+    assert fastest_within_budget(cands, None) == 2
+    assert fastest_within_budget(cands, 3 * gb) == 2
+    assert fastest_within_budget(cands, int(1.6 * gb)) == 0
+    assert fastest_within_budget(cands, int(1.2 * gb)) == 1  # composed 1.0 fits, compiled not
+    with pytest.raises(CfpError, match="no candidate plan fits"):
+        fastest_within_budget(cands, int(1.05 * gb))

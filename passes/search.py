@@ -51,6 +51,7 @@ class Candidate:
     composed_memory_bytes: int
     measured_s: tuple[float, ...]  # seconds per step, one per round
     compile_s: float
+    compiled_peak_bytes: int  # per device, from the compiled step's memory analysis
 
     @property
     def median_s(self) -> float:
@@ -106,8 +107,9 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
     candidates = tuple(Candidate(
         s.status if s.status.startswith("baseline") else "predicted", tuple(s.strategies),
         tuple(s.choices), predicted_seconds(problem, s.choices, profile.launch_overhead_s),
-        s.memory, tuple(t), ps.compile_s) for s, t, ps in zip(sols, times, steps))
-    kept = min(range(len(candidates)), key=lambda i: candidates[i].median_s)
+        s.memory, tuple(t), ps.compile_s, memory_of(ps.compiled)["peak_bytes"])
+        for s, t, ps in zip(sols, times, steps))
+    kept = fastest_within_budget(candidates, options.memory_budget_bytes)
     numerics = None
     if options.check_numerics and _small(analysis):
         with phases("numerical check"):
@@ -126,6 +128,19 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
                        time.perf_counter() - start, dict(phases.seconds))
     log.info("search pass: %.1f s, phases %s", rec.time_s, rec.phase_s)
     return rec
+
+
+def fastest_within_budget(candidates, memory_budget_bytes: int | None) -> int:
+    """Index of the measured fastest candidate whose compiled peak fits the budget (the
+    composed memory that chose them can be off either way)."""
+    fits = [i for i, c in enumerate(candidates)
+            if memory_budget_bytes is None or c.compiled_peak_bytes <= memory_budget_bytes]
+    if not fits:
+        peaks = sorted(c.compiled_peak_bytes / 2**30 for c in candidates)
+        raise CfpError(f"no candidate plan fits {memory_budget_bytes / 2**30:.3f} GB per device "
+                       f"once compiled (compiled peaks {peaks[0]:.3f} to {peaks[-1]:.3f} GB, "
+                       f"though their composed memory fit): raise --memory-budget")
+    return min(fits, key=lambda i: candidates[i].median_s)
 
 
 def _small(analysis) -> bool:
