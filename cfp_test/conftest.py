@@ -9,8 +9,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import tempfile
 
-# One persistent compilation cache for the whole run, empty at its start: the CLI's passes
-# and their workers share compiled programs within the run, and no run sees another's.
+# One persistent compilation cache for the whole run, empty at its start: the measurement
+# workers the tests start (fresh processes) share compiled programs within the run, and no
+# run sees another's.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="cfp-test-cache-")
 
 import sys
