@@ -63,8 +63,13 @@ class Worker:
         self.proc.start()
         child.close()
         kind, payload = self._recv()
+        if kind == "bug":
+            raise WorkerBug(f"the measurement worker failed:\n{payload}")
+        if kind == "error":  # the step cannot be measured as analysed
+            raise CfpError(payload)
         if kind != "ready":
-            raise CfpError(f"the measurement worker could not start: {payload}")
+            raise CfpError(f"the measurement worker died while starting (exit code "
+                           f"{self.proc.exitcode})")
         self.overhead_s, setup_phases = payload
         log.info("worker %d ready in %.1f s; launch overhead %.3f ms", self.proc.pid,
                  time.perf_counter() - t0, self.overhead_s * 1e3)

@@ -7,12 +7,15 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import atexit
+import shutil
 import tempfile
 
 # One persistent compilation cache for the whole run, empty at its start: the measurement
 # workers the tests start (fresh processes) share compiled programs within the run, and no
 # run sees another's.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="cfp-test-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 
 import sys
 from pathlib import Path
