@@ -39,9 +39,12 @@ GPU_SIZES = [
     ("mlp", "wide", {}, 8192),
 ]
 TINY_SIZES = [(m, "tiny", {}, 8) for m in ("gpt", "llama", "moe", "bert", "mlp")]
-# cfp's whole pipeline on the one-device mesh: a size whose profile runs in about a minute.
-GPU_PIPELINE = ("gpt", "125m", {"num_layers": 4}, 16)
-TINY_PIPELINE = ("gpt", "tiny", {}, 8)
+# cfp's whole pipeline on the one-device mesh: sizes whose profile runs in about a minute.
+GPU_PIPELINE = {"gpt": ("gpt", "125m", {"num_layers": 4}, 16),
+                "llama": ("llama", "7b", {"num_layers": 2, "seq_len": 1024}, 4),
+                "moe": ("moe", "380m", {"num_layers": 4}, 16),
+                "bert": ("bert", "base", {"num_layers": 4}, 16)}
+TINY_PIPELINE = {m: (m, "tiny", {}, 8) for m in GPU_PIPELINE}
 
 
 def versions() -> dict:
@@ -121,12 +124,12 @@ def append_row(path: Path, row: dict) -> None:
         w.writerows(rows)
 
 
-def pipeline_rows(case, root: Path, ver, *, cpu: bool, log) -> list[dict]:
-    """cfp's passes on the one-device mesh, measured and with the analytic cost model."""
+def pipeline_rows(case, root: Path, ver, *, cpu: bool, log, cost_model: bool) -> list[dict]:
+    """cfp's passes on the one-device mesh, measured (and with the analytic cost model)."""
     model, preset, overrides, batch = case
     rows = []
     runs = [("measure", [])] + [("model", ["--cost", "model", "--device-preset", p])
-                                for p in ("h100", "a100")]
+                                for p in ("h100", "a100") if cost_model]
     for cost, extra in runs:
         workdir = root / f"pipeline-{model}-{preset}-{cost}{'-' + extra[-1] if extra else ''}"
         cmd = [sys.executable, "-m", "cfp", "--model", model, "--config", preset,
@@ -165,6 +168,9 @@ def main() -> int:
     p.add_argument("--tiny", action="store_true", help="toy sizes, to check the script on CPU")
     p.add_argument("--models", default="gpt,llama,moe,bert,mlp")
     p.add_argument("--skip-pipeline", action="store_true")
+    p.add_argument("--pipeline-models", default=",".join(GPU_PIPELINE),
+                   help="models whose pipeline runs (the first also with --cost model): "
+                        + ",".join(GPU_PIPELINE))
     p.add_argument("--workdirs", default="profiles/gpu-check",
                    help="where cfp's work dirs for the pipeline runs go")
     args = p.parse_args()
@@ -193,10 +199,12 @@ def main() -> int:
         log(f"step: {row}")
         append_row(out / "gpu-steps.csv", row)
     if not args.skip_pipeline:
-        case = TINY_PIPELINE if args.tiny else GPU_PIPELINE
-        for row in pipeline_rows(case, Path(args.workdirs), ver, cpu=args.tiny, log=log):
-            log(f"pipeline: {row}")
-            append_row(out / "gpu-pipeline.csv", row)
+        cases = TINY_PIPELINE if args.tiny else GPU_PIPELINE
+        for i, model in enumerate(args.pipeline_models.split(",")):
+            for row in pipeline_rows(cases[model], Path(args.workdirs), ver, cpu=args.tiny,
+                                     log=log, cost_model=i == 0):
+                log(f"pipeline: {row}")
+                append_row(out / "gpu-pipeline.csv", row)
     return 0
 
 
