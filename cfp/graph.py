@@ -164,11 +164,13 @@ class Program:
                  before: Callable[[int, list], list] | None = None,
                  after: Callable[[int, list], list] | None = None,
                  ops: Sequence[int] | None = None, env: dict[int, Any] | None = None,
-                 ) -> dict[int, Any]:
+                 scopes: dict[int, str] | None = None) -> dict[int, Any]:
         """Evaluate the equations (all, or the indices in ``ops``) and return the environment.
 
         ``before(i, operands)`` may replace an equation's operands and ``after(i, results)``
         its results (e.g. to apply sharding constraints). ``env`` supplies live-in values.
+        ``scopes`` names equations: each is evaluated inside ``jax.named_scope`` of its name,
+        which the compiled program's metadata then carries.
         """
         env = dict(env or {})
         env.update(zip(self.inputs, flat_inputs))
@@ -177,7 +179,11 @@ class Program:
             args = [env[j] if j in env else self.consts[j] for j in eqn.inputs]
             if before is not None:
                 args = before(i, args)
-            out = eqn.primitive.bind(*args, **eqn.params)
+            if scopes and i in scopes:
+                with jax.named_scope(scopes[i]):
+                    out = eqn.primitive.bind(*args, **eqn.params)
+            else:
+                out = eqn.primitive.bind(*args, **eqn.params)
             out = list(out) if eqn.primitive.multiple_results else [out]
             if after is not None:
                 out = after(i, out)

@@ -13,7 +13,6 @@ kernel's OOM killer ends the worker, not the pass.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 import re
@@ -24,7 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from cfp.errors import CfpError
-from cfp.sharding import SubProgram, collectives, sub_function, sub_program
+from cfp.sharding import SubProgram, collectives, op_tag, sub_function, sub_program
 from cfp.windows import Window, window_layouts, window_ops
 
 _FLOAT_LOW, _FLOAT_HIGH = 0.5, 1.5  # positive, away from zero: safe for log, sqrt, division
@@ -84,41 +83,63 @@ class WindowProgram:
         from jax.sharding import NamedSharding, PartitionSpec
         ins, outs, constraints = self.layouts(combo)
         shard = lambda s: NamedSharding(self.mesh, PartitionSpec(*s))  # noqa: E731
-        fn = sub_function(self.program, self.sub, constraints=constraints, mesh=self.mesh)
+        fn = sub_function(self.program, self.sub, constraints=constraints, mesh=self.mesh,
+                          tagged=True)
         args = [jax.ShapeDtypeStruct(self.graph.values[v].shape, self.graph.values[v].dtype,
                                      sharding=shard(s)) for v, s in zip(self.sub.live_ins, ins)]
         jitted = jax.jit(fn, in_shardings=[shard(s) for s in ins],
                          out_shardings=[shard(s) for s in outs])
         return jitted.lower(*args).compile(), [shard(s) for s in ins]
 
-    def expected_contraction_sizes(self, combo) -> list[int]:
-        """Per-device element count of each contraction's result under ``combo`` (outer
+    def expected_contractions(self, combo) -> list[tuple[int, tuple[int, ...]]]:
+        """(op index, per-device result dims) of each contraction under ``combo`` (outer
         products, which contract nothing, are left out: XLA turns them into multiplies)."""
-        sizes = []
+        out = []
         for block, strat in zip(self.blocks, self.strategies(combo)):
             for m in block.contractions:
                 if not m.reduces and not any(d.kind == "contract" for d in block.loop_dims):
                     continue  # an outer product: XLA rewrites it as a broadcast multiply
-                shape = self.graph.values[self.graph.ops[m.op].outputs[0]].shape
-                n = math.prod(shape)
-                for lab in m.outs[0]:
+                dims = list(self.graph.values[self.graph.ops[m.op].outputs[0]].shape)
+                for k, lab in enumerate(m.outs[0]):
                     for a, d in enumerate(strat.axes):
                         if lab is not None and d == lab:
-                            n //= self.mesh_shape[a]
-                sizes.append(n)
-        return sizes
+                            dims[k] //= self.mesh_shape[a]
+                out.append((m.op, tuple(dims)))
+        return out
 
     def check_compiled(self, compiled, combo) -> str:
-        """'' when every contraction computes the per-device shape the combination implies;
-        otherwise what differs (the combination then counts as a mismatch)."""
-        expected = self.expected_contraction_sizes(combo)
-        found = contraction_sizes(compiled.as_text())
-        count = collections.Counter(expected)
-        # XLA's GPU dot merger joins k contractions of one shape that share an operand (the
-        # q, k and v weight gradients) into one of k times the size.
-        missing = [n for n in expected if n not in found
-                   and not any(m % n == 0 and 2 <= m // n <= count[n] for m in found)]
-        return "" if not missing else f"no contraction of per-device size {missing[:3]}"
+        """'' when every contraction computes the per-device result the combination implies;
+        otherwise what differs (the combination then counts as a mismatch).
+
+        Each contraction is traced in a named scope of its own, so its compiled counterparts
+        are the instructions whose metadata carries that tag: one of them must have the
+        expected per-device element count, and where a tagged dot or convolution keeps the
+        contraction's rank, its dims must be the expected ones up to order (so a split of
+        the batch is not taken for a split of the features of equal size). On GPU, XLA
+        merges GEMMs that share an operand into one carrying one tag and may emit a
+        contraction transposed: there a tagged contraction of k times the expected size
+        also counts, and its dims are not compared. A contraction whose tag no instruction
+        carries cannot be checked and is passed over; on CPU every contraction keeps its
+        tag."""
+        merged_ok = self.mesh.devices.flat[0].platform != "cpu"
+        tagged = tagged_results(compiled.as_text())
+        for i, dims in self.expected_contractions(combo):
+            if op_tag(i) not in tagged:
+                continue
+            n = math.prod(dims)
+            results = tagged[op_tag(i)]
+            sizes = {math.prod(r) for _, r in results}
+            merged = merged_ok and any(kind == "contraction" and math.prod(r) % n == 0
+                                       and math.prod(r) > n for kind, r in results)
+            if n not in sizes and not merged:
+                return (f"op {i}: no compiled instruction of per-device size {n} "
+                        f"(expected dims {list(dims)}, found {[list(r) for _, r in results][:4]})")
+            same_rank = [tuple(sorted(r)) for kind, r in results
+                         if kind == "contraction" and len(r) == len(dims) and math.prod(r) == n]
+            if same_rank and tuple(sorted(dims)) not in same_rank:
+                return (f"op {i}: per-device dims {[list(r) for r in same_rank][:3]}, "
+                        f"expected {list(dims)} (in any order)")
+        return ""
 
 
 _RESULT_RE = re.compile(r"=\s*\(?([a-z]+\d*)\[([\d,]*)\]")
@@ -127,19 +148,22 @@ _RESULT_RE = re.compile(r"=\s*\(?([a-z]+\d*)\[([\d,]*)\]")
 _LIBRARY_CONTRACTION = re.compile(r'custom_call_target="__(cublas|cudnn)\$')
 
 
-def contraction_sizes(hlo_text: str) -> set[int]:
-    """Element counts of every contraction result in a compiled module: dot and convolution
-    instructions (fused ones too) and the cuBLAS/cuDNN calls XLA's GPU backend turns them
-    into."""
-    sizes = set()
+_TAG_RE = re.compile(r'op_name="[^"]*?\b(cfp_op\d+)/')
+
+
+def tagged_results(hlo_text: str) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """Per ``cfp_op<i>`` tag, the (kind, result dims) of every compiled instruction whose
+    metadata carries it; kind is "contraction" for dots, convolutions and cuBLAS/cuDNN calls."""
+    out: dict = {}
     for line in hlo_text.splitlines():
-        if not (" dot(" in line or " convolution(" in line
-                or (" custom-call(" in line and _LIBRARY_CONTRACTION.search(line))):
+        tag, res = _TAG_RE.search(line), _RESULT_RE.search(line)
+        if not tag or not res:
             continue
-        m = _RESULT_RE.search(line)
-        if m:
-            sizes.add(math.prod(int(d) for d in m.group(2).split(",") if d))
-    return sizes
+        kind = ("contraction" if " dot(" in line or " convolution(" in line
+                or (" custom-call(" in line and _LIBRARY_CONTRACTION.search(line)) else "other")
+        dims = tuple(int(d) for d in res.group(2).split(",") if d)
+        out.setdefault(tag.group(1), []).append((kind, dims))
+    return out
 
 
 def memory_of(compiled) -> dict:

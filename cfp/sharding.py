@@ -56,9 +56,11 @@ def _is_const(graph: Graph, v: int) -> bool:
 
 def sub_function(program: Program, sub: SubProgram, *,
                  constraints: dict[int, tuple[list, list]] | None = None,
-                 mesh=None) -> Callable:
+                 mesh=None, tagged: bool = False) -> Callable:
     """``f(*live_ins) -> live_outs`` re-evaluating ``sub``'s equations, with sharding
-    constraints ``{op: (operand specs, result specs)}`` (``None`` entries: unconstrained)."""
+    constraints ``{op: (operand specs, result specs)}`` (``None`` entries: unconstrained).
+    ``tagged``: every constrained equation runs in a named scope ``cfp_op<index>``, so its
+    compiled counterparts can be found by their metadata (``op_tag``)."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -77,10 +79,16 @@ def sub_function(program: Program, sub: SubProgram, *,
     def fn(*live_ins):
         env = program.evaluate([], ops=sub.ops, env=dict(zip(sub.live_ins, live_ins)),
                                before=before if constraints else None,
-                               after=after if constraints else None)
+                               after=after if constraints else None,
+                               scopes={i: op_tag(i) for i in constraints} if tagged else None)
         return [env[v] for v in sub.live_outs]
 
     return fn
+
+
+def op_tag(op_index: int) -> str:
+    """The named scope an equation is traced in (``sub_function(tagged=True)``)."""
+    return f"cfp_op{op_index}"
 
 
 def block_constraints(block: Block, strategy, axis_names) -> dict[int, tuple[list, list]]:

@@ -118,3 +118,18 @@ def read_header(path):
 def test_profile_refuses_without_analysis(tmp_path, capsys):
     assert main(["--mode", "profile", "--workdir", str(tmp_path / "none")]) == 2
     assert "run python -m cfp --mode analysis" in capsys.readouterr().err
+
+
+def test_a_combination_checked_as_another_is_refused():
+    """Compile every combination of a 3-block mlp window (mesh 4) and check each as every
+    other: each contraction is found by its own tag, so every pair is told apart."""
+    import itertools
+    from cfp.measure import normalized_hlo
+    _, wp, _ = _mlp_window(["SR = SR x RR"] * 3)
+    combos = list(itertools.product(*[range(len(b.strategies)) for b in wp.blocks]))
+    compiled = {c: wp.compile(c)[0] for c in combos}
+    program = {c: normalized_hlo(e) for c, e in compiled.items()}
+    passed = [(x, y) for x in combos for y in combos
+              if x != y and program[x] != program[y] and wp.check_compiled(compiled[x], y) == ""]
+    assert passed == []
+    assert all(wp.check_compiled(compiled[c], c) == "" for c in combos)
