@@ -98,15 +98,15 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
     phases = Phases()
     windows, reps = split_windows(analysis, options.max_combinations)
     known = [_known(k, windows[rep], analysis, checkpoint) for k, rep in enumerate(reps)]
-    notify("start", num_types=len(reps), total=sum(len(todo) for _, todo in known),
-           known=sum(len(results) for results, _ in known))
+    notify("start", num_types=len(reps), total=sum(len(todo) for _, _, todo in known),
+           known=sum(len(results) for _, results, _ in known))
     worker = Worker(analysis, WorkerOptions(
         options.cost, options.memory_budget_bytes, options.batch, options.cost_model,
         options.compilation_cache), phases)
     compiled, window_profiles = 0, {}
     try:
         for k, rep in enumerate(reps):
-            window_profiles[k], n = _profile_window(k, windows[rep], *known[k], analysis,
+            window_profiles[k], n = _profile_window(k, windows[rep], *known[k],
                                                     worker, options, checkpoint, start, notify)
             compiled += n
         bounds = boundaries(analysis, windows)
@@ -126,18 +126,18 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
     return rec
 
 
-def _known(k, window: Window, analysis, checkpoint) -> tuple[dict, list]:
-    """(results an earlier run measured, combinations still to measure) of window type k;
-    what a budget cut off is measured now."""
-    space = [len(analysis.blocks.blocks[b].strategies) for b in range(window.start, window.end)]
+def _known(k, window: Window, analysis, checkpoint) -> tuple[tuple, dict, list]:
+    """(strategies per block, results an earlier run measured, combinations still to
+    measure) of window type k; what a budget cut off is measured now."""
+    space = tuple(len(analysis.blocks.blocks[b].strategies)
+                  for b in range(window.start, window.end))
     results = {c: m for c, m in checkpoint.load_window(k).items() if m.status != "not_measured"}
-    return results, [c for c in itertools.product(*map(range, space)) if c not in results]
+    return space, results, [c for c in itertools.product(*map(range, space)) if c not in results]
 
 
-def _profile_window(k, window: Window, results, todo, analysis, worker: Worker, options,
-                    checkpoint, start, notify) -> tuple[WindowProfile, int]:
+def _profile_window(k, window: Window, space, results, todo, worker: Worker,
+                    options, checkpoint, start, notify) -> tuple[WindowProfile, int]:
     blocks = tuple(range(window.start, window.end))
-    space = tuple(len(analysis.blocks.blocks[b].strategies) for b in blocks)
     notify("window", k=k, window=window, space=space, todo=len(todo), known=len(results))
     log.info("window type %d (blocks %d..%d): %d combinations to measure, %d known", k,
              window.start, window.end - 1, len(todo), len(results))
