@@ -121,6 +121,9 @@ class WindowProgram:
         also counts, and its dims are not compared. A contraction whose tag no instruction
         carries cannot be checked and is passed over; on CPU every contraction keeps its
         tag."""
+        differs = self._boundary_differs(compiled, combo)
+        if differs:
+            return differs
         merged_ok = self.mesh.devices.flat[0].platform != "cpu"
         tagged = tagged_results(compiled.as_text())
         for i, dims in self.expected_contractions(combo):
@@ -139,6 +142,23 @@ class WindowProgram:
             if same_rank and tuple(sorted(dims)) not in same_rank:
                 return (f"op {i}: per-device dims {[list(r) for r in same_rank][:3]}, "
                         f"expected {list(dims)} (in any order)")
+        return ""
+
+
+    def _boundary_differs(self, compiled, combo) -> str:
+        """'' when the compiled program takes and gives its values laid out over the mesh
+        axes the combination names; per-device shapes alone cannot tell two mesh axes of
+        equal size apart, layouts can."""
+        from jax.sharding import NamedSharding, PartitionSpec
+        ins, outs, _ = self.layouts(combo)
+        got_ins, got_outs = compiled.input_shardings[0], compiled.output_shardings
+        for role, values, wants, gots in (("input", self.sub.live_ins, ins, got_ins),
+                                          ("output", self.sub.live_outs, outs, got_outs)):
+            for v, want, got in zip(values, wants, gots):
+                ndim = len(self.graph.values[v].shape)
+                if not got.is_equivalent_to(NamedSharding(self.mesh, PartitionSpec(*want)), ndim):
+                    return (f"{role} value {v}: compiled as {got.spec}, the combination names "
+                            f"{PartitionSpec(*want)}")
         return ""
 
 

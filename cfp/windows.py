@@ -159,11 +159,23 @@ def window_layouts(graph, blocks, strategies, sub, axis_names) -> tuple[list, li
     return ins, outs, constraints
 
 
-def option_memory(analysis, window: Window, combo, measured, axis_names) -> tuple[int, int]:
+def inputs_read_earlier(analysis, windows: list[Window]) -> list[frozenset[int]]:
+    """Per window, the step inputs it reads that an earlier window reads too (a step input
+    is held once, so its bytes count in the first window that reads it)."""
+    g, first, out = analysis.graph, {}, []
+    for k, w in enumerate(windows):
+        reads = [v for v in sub_program(g, window_ops(analysis, w)).live_ins
+                 if g.values[v].input_index is not None]
+        out.append(frozenset(v for v in reads if first.setdefault(v, k) != k))
+    return out
+
+
+def option_memory(analysis, window: Window, combo, measured, axis_names,
+                  read_earlier: frozenset[int] = frozenset()) -> tuple[int, int]:
     """(bytes that add up over windows, transient bytes) of a window under ``combo``, per device.
 
-    Adding up: the window's parameters, optimizer state and batch coming in and their updates
-    going out, plus the activations it produces in the forward pass and holds for the backward
+    Adding up: the window's parameters, optimizer state and batch coming in (those not in
+    ``read_earlier``, held for an earlier window already) and their updates going out, plus the activations it produces in the forward pass and holds for the backward
     pass: produced before the loss, read after it, and materialized, i.e. a contraction's or a
     reduction's result, or an operand a backward contraction reads. (Elementwise intermediates
     that only backward elementwise ops read are recomputed inside XLA's fusions, not stored.)
@@ -178,7 +190,7 @@ def option_memory(analysis, window: Window, combo, measured, axis_names) -> tupl
     size = lambda v, spec: shard_bytes(g.values[v].shape, _itemsize(g.values[v].dtype), spec,  # noqa
                                         mesh_shape, axis_names)
     persistent = sum(size(v, s) for v, s in zip(sub.live_ins, ins)
-                     if g.values[v].input_index is not None)
+                     if g.values[v].input_index is not None and v not in read_earlier)
     outputs = set(g.outputs)
     persistent += sum(size(v, s) for v, s in zip(sub.live_outs, outs) if v in outputs)
     loss_op = g.values[g.outputs[-1]].producer if g.outputs else None

@@ -1,4 +1,6 @@
 
+import math
+
 import jax
 import numpy as np
 import pytest
@@ -133,3 +135,54 @@ def test_a_combination_checked_as_another_is_refused():
               if x != y and program[x] != program[y] and wp.check_compiled(compiled[x], y) == ""]
     assert passed == []
     assert all(wp.check_compiled(compiled[c], c) == "" for c in combos)
+
+
+def test_a_combination_with_the_mesh_axes_swapped_is_refused():
+    """On a 2x2 mesh, a strategy and its axes swapped give equal per-device shapes; the
+    compiled program's layouts tell them apart. Every pair of one mlp block's 9 strategies."""
+    from cfp.measure import normalized_hlo
+    a = _analysis("mlp", (2, 2))
+    wp = WindowProgram(trace_step(a.spec.build()), a, Window(1, 2, 0), make_mesh((2, 2)))
+    combos = [(k,) for k in range(len(wp.blocks[0].strategies))]
+    compiled = {c: wp.compile(c)[0] for c in combos}
+    program = {c: normalized_hlo(e) for c, e in compiled.items()}
+    swapped = {c: (next(i for i, s in enumerate(wp.blocks[0].strategies)
+                        if s.axes == wp.blocks[0].strategies[c[0]].axes[::-1]),) for c in combos}
+    assert sum(swapped[c] != c for c in combos) >= 6
+    for c in combos:  # the layouts are what tell a swap apart
+        if swapped[c] != c:
+            assert wp.check_compiled(compiled[c], swapped[c]).startswith(("input", "output"))
+    passed = [(x, y) for x in combos for y in combos
+              if x != y and program[x] != program[y] and wp.check_compiled(compiled[x], y) == ""]
+    assert passed == []
+    assert all(wp.check_compiled(compiled[c], c) == "" for c in combos)
+
+
+def test_a_step_input_counts_once_in_composed_memory():
+    """Parameters read by several windows (forward and backward, or tied) are held once:
+    over all windows, the input bytes added up equal the bytes of the inputs read."""
+    import types
+    from cfp.windows import inputs_read_earlier, option_memory, window_ops
+    from cfp.sharding import sub_program
+    a = _analysis("gpt", (4,), num_layers=2)
+    g, windows = a.graph, split_windows(a, 32)[0]
+    measured = types.SimpleNamespace(temp_bytes=0)
+    every = frozenset(g.inputs)
+    earlier = inputs_read_earlier(a, windows)
+
+    def input_bytes(read_earlier):
+        total = 0
+        for k, w in enumerate(windows):
+            combo = (0,) * (w.end - w.start)
+            total += (option_memory(a, w, combo, measured, ("m0",), read_earlier[k])[0]
+                      - option_memory(a, w, combo, measured, ("m0",), every)[0])
+        return total
+    read = set()
+    for w in windows:
+        read |= {v for v in sub_program(g, window_ops(a, w)).live_ins if v in every}
+    replicated = sum(math.prod(g.values[v].shape) * np.dtype(g.values[v].dtype).itemsize
+                     for v in read)
+    counted_once = input_bytes(earlier)
+    assert sum(map(len, earlier)) > 0
+    assert 0 < counted_once <= replicated  # each at most its whole size, once
+    assert input_bytes([frozenset()] * len(windows)) > replicated  # counted per reader

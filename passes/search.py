@@ -20,7 +20,7 @@ import numpy as np
 from cfp.errors import CfpError
 from cfp.phases import Phases
 from cfp.solver import Group, Option, Problem, Solution, evaluate, solve
-from cfp.windows import boundary_specs, option_memory
+from cfp.windows import boundary_specs, inputs_read_earlier, option_memory
 
 log = logging.getLogger(__name__)
 
@@ -155,18 +155,14 @@ def build_problem(analysis, profile, memory_budget_bytes: int | None
     names = ("m0", "m1", "m2")[:len(analysis.mesh_shape)]
     blocks = analysis.blocks.blocks
     groups, combos = [], {}
-    mem_cache: dict = {}
+    read_earlier = inputs_read_earlier(analysis, profile.windows)
     for gi, w in enumerate(profile.windows):
         seg = profile.window_profiles[w.type]
-        rep = profile.windows[profile.representatives[w.type]]
         opts, table = [], []
         for combo, m in sorted(seg.results.items()):
             if m.status != "ok":
                 continue
-            key = (w.type, combo)
-            if key not in mem_cache:
-                mem_cache[key] = option_memory(analysis, rep, combo, m, names)
-            mem, transient = mem_cache[key]
+            mem, transient = option_memory(analysis, w, combo, m, names, read_earlier[gi])
             opts.append(Option(combo, int(round(m.time_s * SCALE)), mem, transient))
             table.append(combo)
         if not opts:
