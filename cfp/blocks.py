@@ -25,12 +25,16 @@ Built from the graph alone, with no knowledge of any model:
    could not label (a reduced one) takes its operands' label, with the requirement that goes
    with it.
 6. Whatever is left (nothing reachable from a contraction, e.g. step-counter arithmetic read by
-   nobody, or opaque operators between blocks) is listed as *unclaimed*.
+   nobody, or opaque operators between blocks) is listed as *unclaimed*. Operators that only
+   make PRNG keys (wrap, split, fold in) are always left: a key is replicated data, and the
+   data drawn from it (``random_bits``) joins the block that reads it like any operand.
 
 A member whose requirements a strategy breaks (a reduction over a split dim, a merge of a split
 minor dim, an opaque operator reading a split dim) needs a collective under that strategy, so
 membership is decided per (block, strategy): ``Block.members_under``. Seed strategies whose
-splits do not divide every member contraction's dims are dropped.
+splits do not divide every labelled dim of every member are dropped (a dim a reshape made from
+heads and head size can be smaller than the dim the seed splits), so no pass builds a layout
+that does not exist.
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ from typing import Literal
 
 from cfp import dims as dimrules
 from cfp.graph import Graph, Op
+from cfp.jax_compat import is_key
 from cfp.strategies import LoopDim, Strategy, enumerate_strategies, op_loop_dims
 
 Role = Literal["seed", "input-grad", "weight-grad", "flow", "attached"]
@@ -116,6 +121,7 @@ class _Builder:
         self.labels: list[dict[int, tuple]] = []  # block -> value -> labels
         self.seeds: list[int] = []
         self.loop_dims: list[tuple[LoopDim, ...]] = []
+        self._chains: dict[int, list[Op]] = {}
 
     # -- helpers ------------------------------------------------------------------------------
     def shape(self, v):
@@ -123,6 +129,11 @@ class _Builder:
 
     def chain(self, v) -> list[Op]:
         """Layout ops from the root tensor of ``v`` down to ``v`` (root first)."""
+        if v not in self._chains:
+            self._chains[v] = self._walk_chain(v)
+        return self._chains[v]
+
+    def _walk_chain(self, v) -> list[Op]:
         ops = []
         while True:
             op = self.g.producer_op(v)
@@ -132,6 +143,11 @@ class _Builder:
             v = op.inputs[0]
         ops.reverse()
         return ops
+
+    def moves_keys(self, op: Op) -> bool:
+        """Whether ``op`` only makes PRNG keys (wraps, splits, folds in): keys are replicated
+        data that no strategy splits, so such operators join no block."""
+        return bool(op.outputs) and all(is_key(self.g.values[v].dtype) for v in op.outputs)
 
     def root(self, v) -> int:
         ch = self.chain(v)
@@ -144,12 +160,24 @@ class _Builder:
             self.labels[block][v] = lab
 
     def _carry_down(self, src: int, src_labels, dst: int):
-        """Labels of ``dst`` given those of ``src``, both layout chains of the same root."""
-        lab = src_labels
+        """Labels of ``dst`` given those of ``src``, both layout chains of the same root: back
+        up ``src``'s chain to the last value the two chains share, then down ``dst``'s. Going
+        no higher than needed keeps labels a reshape round trip would lose (a dim split into
+        heads and head size, each labelled, merges into one dim that holds one label)."""
+        shared = set(self._chain_values(dst))
+        lab, v = src_labels, src
         for op in reversed(self.chain(src)):
+            if v in shared:
+                break
             lab = dimrules.backward(op.primitive, dict(op.attrs), [self.shape(op.inputs[0])],
                                     [self.shape(op.outputs[0])], [lab]).ins[0]
-        return self._forward_chain(self.root(dst), lab, dst)
+            v = op.inputs[0]
+        return self._forward_chain(v, lab, dst)
+
+    def _chain_values(self, v) -> list[int]:
+        """The values of ``v``'s layout chain, root first, ``v`` last."""
+        ch = self.chain(v)
+        return ([ch[0].inputs[0]] + [op.outputs[0] for op in ch]) if ch else [v]
 
     def _forward_chain(self, start: int, labels, end: int):
         """Labels of ``end``, reached from ``start`` down ``end``'s layout chain."""
@@ -280,7 +308,7 @@ class _Builder:
     # -- 3. forward flow --------------------------------------------------------------------
     def forward_flow(self):
         for op in self.g.ops:
-            if op.index in self.owner or op.is_contraction:
+            if op.index in self.owner or op.is_contraction or self.moves_keys(op):
                 continue
             producers = [p for v in op.inputs
                          if (p := self.g.values[v].producer) is not None and p in self.owner]
@@ -296,7 +324,7 @@ class _Builder:
     # -- 4. backward attach -----------------------------------------------------------------
     def backward_attach(self):
         for op in reversed(self.g.ops):
-            if op.index in self.owner or op.is_contraction:
+            if op.index in self.owner or op.is_contraction or self.moves_keys(op):
                 continue
             readers = [u for v in op.outputs for u in self.g.users.get(v, ())]
             if not readers or any(u not in self.owner for u in readers):
@@ -341,12 +369,11 @@ class _Builder:
         blocks = []
         for bi, seed in enumerate(self.seeds):
             members = tuple(self.members[bi][k] for k in sorted(self.members[bi]))
-            divides = []
+            divides = []  # every labelled dim of every member: each layout must exist
             for m in members:
-                if m.role in ("seed", "input-grad", "weight-grad"):
-                    op = self.g.ops[m.op]
-                    for v, lab in list(zip(op.inputs, m.ins)) + list(zip(op.outputs, m.outs)):
-                        divides += [(l, s) for l, s in zip(lab, self.shape(v)) if l is not None]
+                op = self.g.ops[m.op]
+                for v, lab in list(zip(op.inputs, m.ins)) + list(zip(op.outputs, m.outs)):
+                    divides += [(l, s) for l, s in zip(lab, self.shape(v)) if l is not None]
             all_strats, before = enumerate_strategies(self.loop_dims[bi], self.mesh_shape,
                                                       ndims=self._ndims(seed))
             strats = tuple(s for s in all_strats

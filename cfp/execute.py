@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from cfp import dims as dimrules
+from cfp.jax_compat import dtype_name, is_key, to_dtype
 from cfp.sharding import block_constraints, sub_function, SubProgram
 from cfp.strategies import Strategy
 
@@ -78,7 +79,7 @@ class PlannedStep:
     def compile(self):
         import jax
         g = self.analysis.graph
-        args = [jax.ShapeDtypeStruct(g.values[v].shape, g.values[v].dtype, sharding=s)
+        args = [jax.ShapeDtypeStruct(g.values[v].shape, to_dtype(g.values[v].dtype), sharding=s)
                 for v, s in zip(g.inputs, self.in_shardings)]
         jitted = jax.jit(self.fn, in_shardings=self.in_shardings,
                          out_shardings=self.out_shardings)
@@ -120,12 +121,14 @@ def example_inputs(workload, seed: int = 0):
 
 
 def real_inputs(workload, seed: int = 0) -> list:
-    """Concrete (params, opt_state, batch) leaves for the workload, on the host."""
+    """Concrete (params, opt_state, batch) leaves for the workload, on the host (typed PRNG
+    keys, which have no NumPy form, stay JAX arrays)."""
     import jax
     from cfp.models import adam_init
     params, batch = example_inputs(workload, seed)
     opt = jax.jit(workload.opt_init or adam_init)(params)
-    return [np.asarray(x) for x in jax.tree_util.tree_leaves((params, opt, batch))]
+    return [x if is_key(dtype_name(x.dtype)) else np.asarray(x)
+            for x in jax.tree_util.tree_leaves((params, opt, batch))]
 
 
 def sharded_loss_and_grads(workload, analysis, strategies, mesh, storage=None):

@@ -15,6 +15,7 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import math
@@ -25,6 +26,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from cfp.errors import CfpError
+from cfp.jax_compat import dtype_name, itemsize
 
 CONTRACTIONS = ("dot_general", "conv_general_dilated")
 
@@ -81,8 +83,7 @@ class Value:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * np.dtype(self.dtype).itemsize if self.dtype != "bfloat16" \
-            else math.prod(self.shape) * 2
+        return math.prod(self.shape) * itemsize(self.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,24 +170,23 @@ class Program:
 
         ``before(i, operands)`` may replace an equation's operands and ``after(i, results)``
         its results (e.g. to apply sharding constraints). ``env`` supplies live-in values.
-        ``scopes`` names equations: each is evaluated inside ``jax.named_scope`` of its name,
-        which the compiled program's metadata then carries.
+        ``scopes`` names equations: each is evaluated, with its ``before`` and ``after``,
+        inside ``jax.named_scope`` of its name, which the compiled program's metadata then
+        carries (so a collective that reshards an equation's operands carries it too).
         """
         env = dict(env or {})
         env.update(zip(self.inputs, flat_inputs))
         for i in (range(len(self.eqns)) if ops is None else ops):
             eqn = self.eqns[i]
             args = [env[j] if j in env else self.consts[j] for j in eqn.inputs]
-            if before is not None:
-                args = before(i, args)
-            if scopes and i in scopes:
-                with jax.named_scope(scopes[i]):
-                    out = eqn.primitive.bind(*args, **eqn.params)
-            else:
+            with (jax.named_scope(scopes[i]) if scopes and i in scopes
+                  else contextlib.nullcontext()):
+                if before is not None:
+                    args = before(i, args)
                 out = eqn.primitive.bind(*args, **eqn.params)
-            out = list(out) if eqn.primitive.multiple_results else [out]
-            if after is not None:
-                out = after(i, out)
+                out = list(out) if eqn.primitive.multiple_results else [out]
+                if after is not None:
+                    out = after(i, out)
             env.update(zip(eqn.outputs, out))
         return env
 
@@ -214,7 +214,7 @@ class _Builder:
 
     def new_value(self, aval) -> int:
         vid = len(self.avals)
-        self.avals[vid] = (tuple(int(d) for d in aval.shape), str(np.dtype(aval.dtype)))
+        self.avals[vid] = (tuple(int(d) for d in aval.shape), dtype_name(aval.dtype))
         return vid
 
     def const(self, val, aval) -> int:

@@ -8,6 +8,10 @@ from __future__ import annotations
 import logging
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cfp.errors import CfpError
 
 log = logging.getLogger(__name__)
 
@@ -29,3 +33,48 @@ def enable_compilation_cache(directory: str | None) -> None:
             jax.config.update(name, value)
         except AttributeError:  # an option this JAX does not have: its default applies
             log.info("JAX has no option %s", name)
+
+
+# Typed PRNG keys (``jax.random.key``) have an extended dtype, spelled ``key<impl>``; cfp's
+# records keep dtypes as names, and these map a key's name back to the implementation.
+_KEY_IMPLS = {"fry": "threefry2x32", "rbg": "rbg", "urbg": "unsafe_rbg"}
+
+
+def dtype_name(dtype) -> str:
+    """A dtype as the name records keep: ``float32``, ``bfloat16``, or ``key<fry>``."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return str(dtype)
+    return str(np.dtype(dtype))
+
+
+def is_key(name: str) -> bool:
+    """Whether a dtype name is a typed PRNG key's."""
+    return name.startswith("key<")
+
+
+def _key_impl(name: str) -> str:
+    short = name[len("key<"):-1]
+    if short not in _KEY_IMPLS:
+        raise CfpError(f"a PRNG key of an implementation cfp does not know: {name}")
+    return _KEY_IMPLS[short]
+
+
+def to_dtype(name: str):
+    """The dtype a name stands for (a key's extended dtype for ``key<...>``)."""
+    if is_key(name):
+        return jax.random.key(0, impl=_key_impl(name)).dtype
+    return jnp.dtype(name)
+
+
+def itemsize(name: str) -> int:
+    """Bytes per element; a key's are those of its key data (8 for threefry)."""
+    if is_key(name):
+        return jax.random.key_data(jax.random.key(0, impl=_key_impl(name))).nbytes
+    return jnp.dtype(name).itemsize
+
+
+def random_keys(name: str, shape: tuple[int, ...], seed: int):
+    """An array of distinct typed keys of ``shape``."""
+    import math
+    keys = jax.random.split(jax.random.key(seed, impl=_key_impl(name)), max(1, math.prod(shape)))
+    return keys[:math.prod(shape)].reshape(shape)

@@ -23,7 +23,9 @@ from typing import Sequence
 import numpy as np
 
 from cfp.errors import CfpError
-from cfp.sharding import SubProgram, collectives, op_tag, sub_function, sub_program
+from cfp.jax_compat import is_key, random_keys, to_dtype
+from cfp.sharding import (SubProgram, collectives, sub_function, sub_program, tagged_op,
+                          unnamed_collectives)
 from cfp.windows import Window, window_layouts, window_ops
 
 _FLOAT_LOW, _FLOAT_HIGH = 0.5, 1.5  # positive, away from zero: safe for log, sqrt, division
@@ -45,6 +47,7 @@ class Measurement:
     temp_bytes: int = 0
     collectives: tuple = ()  # ((kind, axes, bytes), ...)
     note: str = ""
+    unnamed_collectives: tuple = ()  # described; see WindowProgram.unnamed_collectives
     same_program_as: tuple | None = None  # an earlier combination compiled to this program
 
 
@@ -85,7 +88,7 @@ class WindowProgram:
         shard = lambda s: NamedSharding(self.mesh, PartitionSpec(*s))  # noqa: E731
         fn = sub_function(self.program, self.sub, constraints=constraints, mesh=self.mesh,
                           tagged=True)
-        args = [jax.ShapeDtypeStruct(self.graph.values[v].shape, self.graph.values[v].dtype,
+        args = [jax.ShapeDtypeStruct(self.graph.values[v].shape, to_dtype(self.graph.values[v].dtype),
                                      sharding=shard(s)) for v, s in zip(self.sub.live_ins, ins)]
         jitted = jax.jit(fn, in_shardings=[shard(s) for s in ins],
                          out_shardings=[shard(s) for s in outs])
@@ -125,12 +128,12 @@ class WindowProgram:
         if differs:
             return differs
         merged_ok = self.mesh.devices.flat[0].platform != "cpu"
-        tagged = tagged_results(compiled.as_text())
+        tagged = tagged_results(compiled.as_text(), self.sub.ops)
         for i, dims in self.expected_contractions(combo):
-            if op_tag(i) not in tagged:
+            if i not in tagged:
                 continue
             n = math.prod(dims)
-            results = tagged[op_tag(i)]
+            results = tagged[i]
             sizes = {math.prod(r) for _, r in results}
             merged = merged_ok and any(kind == "contraction" and math.prod(r) % n == 0
                                        and math.prod(r) > n for kind, r in results)
@@ -144,6 +147,33 @@ class WindowProgram:
                         f"expected {list(dims)} (in any order)")
         return ""
 
+    def unnamed_collectives(self, compiled, combo) -> list[str]:
+        """The compiled window's collectives that its strategies do not name, described.
+
+        Named: an all-reduce of a contraction over the mesh axes of its split contracting
+        dims; any collective of a member the strategy leaves out of its block (it needs one);
+        a resharding where an operator reads a value another block of the window produced
+        (the plan's own resharding between blocks). Every operator is traced in its own
+        named scope (``op_tag``), so a collective is tied to the operator it serves by its
+        metadata; one without a tag is unnamed."""
+        mesh_shape, g = self.mesh_shape, self.graph
+        owner = {m.op: k for k, b in enumerate(self.blocks) for m in b.members}
+        allreduce_axes, excused = {}, set()
+        for b, st in zip(self.blocks, self.strategies(combo)):
+            allreduce_axes.update(b.named_allreduces(st))
+            kept = {m.op for m in b.members_under(st, mesh_shape)}
+            excused |= {m.op for m in b.members if m.op not in kept}
+        excused |= {i for i in self.sub.ops for v in g.ops[i].inputs
+                    if v in g.values and g.values[v].producer in owner
+                    and owner[g.values[v].producer] != owner.get(i)}
+        out = []
+        for c in unnamed_collectives(compiled.as_text(), mesh_shape, self.sub.ops,
+                                     allreduce_axes, frozenset(excused)):
+            i = tagged_op(c.line, self.sub.ops)
+            out.append(f"{c.kind} over axes {c.axes} "
+                       + ("with no operator's tag" if i is None
+                          else f"at op {i} ({g.ops[i].primitive})"))
+        return out
 
     def _boundary_differs(self, compiled, combo) -> str:
         """'' when the compiled program takes and gives its values laid out over the mesh
@@ -168,22 +198,25 @@ _RESULT_RE = re.compile(r"=\s*\(?([a-z]+\d*)\[([\d,]*)\]")
 _LIBRARY_CONTRACTION = re.compile(r'custom_call_target="__(cublas|cudnn)\$')
 
 
-_TAG_RE = re.compile(r'op_name="[^"]*?\b(cfp_op\d+)/')
-
-
-def tagged_results(hlo_text: str) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
-    """Per ``cfp_op<i>`` tag, the (kind, result dims) of every compiled instruction whose
-    metadata carries it; kind is "contraction" for dots, convolutions and cuBLAS/cuDNN calls."""
+def tagged_results(hlo_text: str, ops: Sequence[int]) -> dict[int, list[tuple[str, tuple]]]:
+    """Per operator of the tagged sub-program of ``ops``, the (kind, result dims) of every
+    compiled instruction whose metadata carries its tag, the layout changes of its sharding
+    constraints left out; kind is "contraction" for dots, convolutions and cuBLAS/cuDNN calls."""
     out: dict = {}
     for line in hlo_text.splitlines():
-        tag, res = _TAG_RE.search(line), _RESULT_RE.search(line)
-        if not tag or not res:
+        op, res = tagged_op(line, ops), _RESULT_RE.search(line)
+        if op is None or not res or "/sharding_constraint" in _op_name(line):
             continue
         kind = ("contraction" if " dot(" in line or " convolution(" in line
                 or (" custom-call(" in line and _LIBRARY_CONTRACTION.search(line)) else "other")
         dims = tuple(int(d) for d in res.group(2).split(",") if d)
-        out.setdefault(tag.group(1), []).append((kind, dims))
+        out.setdefault(op, []).append((kind, dims))
     return out
+
+
+def _op_name(line: str) -> str:
+    m = re.search(r'op_name="([^"]*)"', line)
+    return m.group(1) if m else ""
 
 
 def memory_of(compiled) -> dict:
@@ -206,8 +239,10 @@ def valid_inputs(graph, sub: SubProgram, seed: int = 0) -> list[np.ndarray]:
     out = []
     for v in sub.live_ins:
         val = graph.values[v]
-        dtype = np.dtype(val.dtype) if val.dtype != "bfloat16" else None
-        if val.dtype == "bool":
+        dtype = np.dtype(val.dtype) if val.dtype != "bfloat16" and not is_key(val.dtype) else None
+        if is_key(val.dtype):
+            out.append(random_keys(val.dtype, val.shape, seed + v))
+        elif val.dtype == "bool":
             out.append(np.ones(val.shape, bool))
         elif dtype is not None and np.issubdtype(dtype, np.integer):
             high = _index_bound(graph, v)

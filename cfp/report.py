@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 from pathlib import Path
 
+from cfp.jax_compat import is_key
 
 
 def say(line: str = "") -> None:
@@ -19,8 +20,11 @@ def say(line: str = "") -> None:
 
 def analysis_console(rec) -> None:
     g, ba, sa, st = rec.graph, rec.blocks, rec.segments, rec.stats
+    keys = sum(bool(g.ops[i].outputs) and all(is_key(g.values[v].dtype) for v in g.ops[i].outputs)
+               for i in ba.unclaimed)
     say(f"traced {len(g.ops)} operators ({g.dead_ops} dead ones dropped), "
-        f"{len(ba.blocks)} ParallelBlocks, {len(ba.unclaimed)} unclaimed operators")
+        f"{len(ba.blocks)} ParallelBlocks, {len(ba.unclaimed)} unclaimed operators"
+        + (f" ({keys} of them only make PRNG keys)" if keys else ""))
     before = sum(b.strategies_before_pruning for b in ba.blocks)
     after = sum(len(b.strategies) for b in ba.blocks)
     say(f"strategies over all blocks: {before} before pruning, {after} after "

@@ -20,6 +20,7 @@ import numpy as np
 
 from cfp import dims as dimrules
 from cfp.blocks import Block
+from cfp.jax_compat import to_dtype
 from cfp.graph import Graph, Program
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
@@ -59,8 +60,8 @@ def sub_function(program: Program, sub: SubProgram, *,
                  mesh=None, tagged: bool = False) -> Callable:
     """``f(*live_ins) -> live_outs`` re-evaluating ``sub``'s equations, with sharding
     constraints ``{op: (operand specs, result specs)}`` (``None`` entries: unconstrained).
-    ``tagged``: every constrained equation runs in a named scope ``cfp_op<index>``, so its
-    compiled counterparts can be found by their metadata (``op_tag``)."""
+    ``tagged``: every equation runs in a named scope of its position in ``sub`` (``op_tag``),
+    so its compiled counterparts can be found by their metadata (``tagged_op``)."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -80,15 +81,20 @@ def sub_function(program: Program, sub: SubProgram, *,
         env = program.evaluate([], ops=sub.ops, env=dict(zip(sub.live_ins, live_ins)),
                                before=before if constraints else None,
                                after=after if constraints else None,
-                               scopes={i: op_tag(i) for i in constraints} if tagged else None)
+                               scopes={i: op_tag(k) for k, i in enumerate(sub.ops)}
+                               if tagged else None)
         return [env[v] for v in sub.live_outs]
 
     return fn
 
 
-def op_tag(op_index: int) -> str:
-    """The named scope an equation is traced in (``sub_function(tagged=True)``)."""
-    return f"cfp_op{op_index}"
+def op_tag(position: int) -> str:
+    """The named scope of the equation at ``position`` in a sub-program
+    (``sub_function(tagged=True)``). Positions, not the step's operator indices: two
+    sub-programs that differ only in where they sit in the step (two layers' blocks) compile
+    to the same program, which JAX's persistent compilation cache then serves for both, with
+    the metadata of whichever compiled first; by position, its tags read right for both."""
+    return f"cfp_op{position}"
 
 
 def block_constraints(block: Block, strategy, axis_names) -> dict[int, tuple[list, list]]:
@@ -231,7 +237,8 @@ def compile_block(program: Program, graph: Graph, block: Block, strategy, mesh, 
                   members=None, constrain_all: bool = True):
     """Compile a block's members (those that need no collective under ``strategy``) alone,
     every labelled member result constrained to the layout the strategy gives it, or, with
-    ``constrain_all=False``, only the contractions' operands and results)."""
+    ``constrain_all=False``, only the contractions' operands and results); returns the
+    compiled program and the operators it holds, in the order of their tags."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -247,28 +254,49 @@ def compile_block(program: Program, graph: Graph, block: Block, strategy, mesh, 
                 constraints[m.op] = ([None] * len(graph.ops[m.op].inputs),
                                      [dimrules.spec_axes(l, strategy.axes, names)
                                       for l in m.outs])
-    fn = sub_function(program, sub, constraints=constraints, mesh=mesh)
+    fn = sub_function(program, sub, constraints=constraints, mesh=mesh, tagged=True)
     shard = lambda s: NamedSharding(mesh, PartitionSpec(*s))  # noqa: E731
-    args = [jax.ShapeDtypeStruct(graph.values[v].shape, graph.values[v].dtype, sharding=shard(s))
+    args = [jax.ShapeDtypeStruct(graph.values[v].shape, to_dtype(graph.values[v].dtype),
+                                  sharding=shard(s))
             for v, s in zip(sub.live_ins, in_specs)]
     jitted = jax.jit(fn, in_shardings=[shard(s) for s in in_specs],
                      out_shardings=[shard(s) for s in out_specs])
-    return jitted.lower(*args).compile()
+    return jitted.lower(*args).compile(), sub.ops
 
 
 def unexpected_collectives(program: Program, graph: Graph, block: Block, strategy, mesh, *,
                            members=None) -> list[Collective]:
-    """Collectives in the compiled block that the strategy does not name (all-reduces over the
-    axes of split contracting dims are named); empty when the block is communication-free."""
-    compiled = compile_block(program, graph, block, strategy, mesh, members=members)
-    named = {a for _, axes in block.named_allreduces(strategy) for a in axes}
-    mesh_shape = tuple(mesh.devices.shape)
-    return [c for c in collectives(compiled.as_text(), mesh_shape)
-            if not (c.kind == "all-reduce" and c.axes is not None and set(c.axes) <= named
-                    and _from_contraction(c.line))]
+    """Collectives in the compiled block that the strategy does not name; empty when the
+    block is communication-free (``unnamed_collectives``)."""
+    compiled, ops = compile_block(program, graph, block, strategy, mesh, members=members)
+    return unnamed_collectives(compiled.as_text(), tuple(mesh.devices.shape), ops,
+                               dict(block.named_allreduces(strategy)))
 
 
-def _from_contraction(line: str) -> bool:
-    """Whether XLA's metadata ties a collective to a contraction (true when it says nothing)."""
-    m = re.search(r'op_name="([^"]*)"', line)
-    return m is None or m.group(1).rsplit("/", 1)[-1] in ("dot_general", "conv_general_dilated")
+_TAG_RE = re.compile(r'op_name="[^"]*?\b(cfp_op\d+)/')
+
+
+def tagged_op(line: str, ops: Sequence[int]) -> int | None:
+    """The operator (a step operator index) a compiled instruction of the tagged sub-program
+    of operators ``ops`` serves, by its ``op_tag`` (None: no tag)."""
+    m = _TAG_RE.search(line)
+    k = None if m is None else int(m.group(1)[len("cfp_op"):])
+    return ops[k] if k is not None and k < len(ops) else None
+
+
+def unnamed_collectives(hlo_text: str, mesh_shape, ops: Sequence[int],
+                        allreduce_axes: dict[int, tuple],
+                        excused: frozenset[int] = frozenset()) -> list[Collective]:
+    """The collectives of a compiled sub-program of operators ``ops``, traced with every
+    operator in its own named scope (``sub_function(tagged=True)``), that are not named: an
+    all-reduce tagged with operator ``i`` over a subset of ``allreduce_axes[i]``, and any
+    collective tagged with an operator in ``excused``, are named; one without a tag never is."""
+    out = []
+    for c in collectives(hlo_text, mesh_shape):
+        i = tagged_op(c.line, ops)
+        if i is not None and (i in excused or (
+                c.kind == "all-reduce" and c.axes is not None
+                and set(c.axes) <= set(allreduce_axes.get(i, ())))):
+            continue
+        out.append(c)
+    return out

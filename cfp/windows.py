@@ -228,4 +228,5 @@ def _feeds_contraction(g, op_index: int, depth: int = 3) -> bool:
 
 
 def _itemsize(dtype: str) -> int:
-    return 2 if dtype == "bfloat16" else __import__("numpy").dtype(dtype).itemsize
+    from cfp.jax_compat import itemsize
+    return itemsize(dtype)

@@ -44,7 +44,8 @@ class WorkDir:
         return self.path if cost == "measure" else self.path / "model"
 
     def profile_fingerprint(self, analysis, cost: str, max_combinations: int) -> tuple:
-        return self.run_fp + (("graph", analysis.graph.fingerprint()), ("cost", cost),
+        return self.run_fp + (("graph", analysis.graph.fingerprint()),
+                              ("blocks", blocks_fingerprint(analysis)), ("cost", cost),
                               ("max_combinations", max_combinations))
 
     def profile_checkpoint(self, analysis, cost: str, max_combinations: int
@@ -68,6 +69,15 @@ class WorkDir:
     def write_search(self, rec) -> Path:
         write_record(self.path / "search.pkl", SEARCH_FORMAT, self.run_fp, rec)
         return self.path / "search.pkl"
+
+
+def blocks_fingerprint(analysis) -> str:
+    """What the profile's combinations mean: every block's members and strategies (an analysis
+    of the same graph by another cfp can group or prune differently)."""
+    import hashlib
+    blocks = [(b.seed, tuple(m.op for m in b.members), tuple(s.axes for s in b.strategies))
+              for b in analysis.blocks.blocks]
+    return hashlib.sha1(repr(blocks).encode()).hexdigest()[:16]
 
 
 class ProfileCheckpoint:
@@ -107,6 +117,7 @@ def write_profile_csv(path: Path, rec) -> None:
                          "time_min_s": m.time_min_s, "time_max_s": m.time_max_s,
                          "runs": m.runs, "memory_gb": m.peak_bytes / 2**30,
                          "compile_s": m.compile_s,
+                         "unnamed_collectives": len(m.unnamed_collectives),
                          "same_program_as": " ".join(map(str, m.same_program_as or ())),
                          "note": m.note})
     tmp = path.with_name(f".{path.name}.tmp")

@@ -247,7 +247,8 @@ def _compile_one(wp, combo):
         return Measurement("compile_error", note=f"{type(e).__name__}: {str(e)[:300]}")
     colls = tuple((c.kind, c.axes, c.bytes) for c in collectives(exe.as_text(), wp.mesh_shape))
     program = (normalized_hlo(exe), repr(shardings), repr(exe.output_shardings))
-    return (exe, shardings, _time.perf_counter() - t0, memory_of(exe), colls,
+    mem = dict(memory_of(exe), unnamed_collectives=tuple(wp.unnamed_collectives(exe, combo)))
+    return (exe, shardings, _time.perf_counter() - t0, mem, colls,
             wp.check_compiled(exe, combo), program)
 
 

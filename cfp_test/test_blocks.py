@@ -109,3 +109,41 @@ def test_planted_collective_is_caught():
     caught = unexpected_collectives(program, graph, block, dp, mesh, members=planted)
     assert honest == []
     assert caught and caught[0].kind == "all-reduce"
+
+
+def test_a_collective_without_its_tag_is_caught():
+    """Negative control: a member that needs an all-gather, planted in a block with its
+    requirement erased, is caught; so it is with its metadata stripped, and with its name
+    changed to look like a contraction's. Untagged, even a named all-reduce is caught."""
+    import re
+    from cfp.sharding import compile_block, unnamed_collectives
+    program, graph, ba = blocks_of("gpt", (4,), 1)
+    block, mesh = ba.blocks[0], make_mesh((4,))
+    planted_text = None
+    for s in block.strategies:
+        kept = block.members_under(s, (4,))
+        for m in (m for m in block.members if m not in kept):
+            planted = [dataclasses.replace(x, reqs=()) if x is m else x for x in block.members]
+            compiled, ops = compile_block(program, graph, block, s, mesh, members=planted)
+            named = dict(block.named_allreduces(s))
+            if any(c.kind == "all-gather"
+                   for c in unnamed_collectives(compiled.as_text(), (4,), ops, named)):
+                planted_text, planted_ops, strategy = compiled.as_text(), ops, s
+                break
+        if planted_text:
+            break
+    assert planted_text is not None
+    named = dict(block.named_allreduces(strategy))
+    gathers = [ln for ln in planted_text.splitlines() if " all-gather(" in ln]
+    for forged in (lambda ln: re.sub(r",? metadata=\{[^}]*\}", "", ln),
+                   lambda ln: re.sub(r'op_name="[^"]*"', 'op_name="jit(fn)/dot_general"', ln)):
+        text = planted_text
+        for ln in gathers:
+            text = text.replace(ln, forged(ln))
+        assert "all-gather" in [c.kind for c in unnamed_collectives(text, (4,), planted_ops, named)]
+    compiled, ops = compile_block(program, graph, block, strategy, mesh)
+    honest = compiled.as_text()
+    assert unnamed_collectives(honest, (4,), ops, named) == []
+    if named:
+        stripped = re.sub(r",? metadata=\{[^}]*\}", "", honest)
+        assert [c.kind for c in unnamed_collectives(stripped, (4,), ops, named)]

@@ -84,3 +84,46 @@ def einsum_net_momentum(batch_size: int = 8, dtype: str = "float32", **kw) -> Wo
 
     return dataclasses.replace(einsum_net(batch_size, dtype, **kw), opt_init=opt_init,
                                opt_update=opt_update)
+
+
+def reshape_attention(batch_size: int = 4, dtype: str = "float32", num_layers: int = 2,
+                      seq_len: int = 16, hidden: int = 32, num_heads: int = 4, **_) -> Workload:
+    """Pre-norm transformer layers written the common way: one [H, 3H] projection, heads
+    split off by reshape ([B, S, H] -> [B, S, nh, hd]) and merged back; tied embeddings."""
+    dt = jnp.dtype(dtype)
+    vocab, hd = 64, hidden // num_heads
+
+    def init(key):
+        ks = jax.random.split(key, 1 + 3 * num_layers)
+        layers = [{"qkv": 0.1 * jax.random.normal(ks[1 + 3 * i], (hidden, 3 * hidden), dt),
+                   "proj": 0.1 * jax.random.normal(ks[2 + 3 * i], (hidden, hidden), dt),
+                   "up": 0.1 * jax.random.normal(ks[3 + 3 * i], (hidden, 4 * hidden), dt),
+                   "down": 0.1 * jax.random.normal(ks[3 + 3 * i], (4 * hidden, hidden), dt)}
+                  for i in range(num_layers)]
+        return {"embed": 0.1 * jax.random.normal(ks[0], (vocab, hidden), dt), "layers": layers}
+
+    def batch(key):
+        toks = jax.random.randint(key, (batch_size, seq_len + 1), 0, vocab)
+        return {"x": toks[:, :-1], "y": toks[:, 1:]}
+
+    def norm(h):
+        return h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6)
+
+    def attention(p, h):
+        b, s, _ = h.shape
+        q, k, v = jnp.split(norm(h) @ p["qkv"], 3, axis=-1)
+        q, k, v = (t.reshape(b, s, num_heads, hd) for t in (q, k, v))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(hd).astype(dt)
+        mask = jnp.tril(jnp.ones((s, s), bool))
+        w = jax.nn.softmax(jnp.where(mask, scores, -1e9), axis=-1)
+        ctx = jnp.einsum("bhqk,bkhd->bqhd", w, v).reshape(b, s, hidden)
+        return h + ctx @ p["proj"]
+
+    def loss(p, b):
+        h = p["embed"][b["x"]]
+        for layer in p["layers"]:
+            h = attention(layer, h)
+            h = h + jax.nn.gelu(norm(h) @ layer["up"]) @ layer["down"]
+        return _ce(norm(h) @ p["embed"].T, b["y"])
+
+    return Workload("reshape_attention", "test", None, batch_size, dtype, init, batch, loss)

@@ -39,6 +39,20 @@ class Workload:
     opt_init: Callable[[Any], Any] | None = None
     opt_update: Callable[[Any, Any, Any], tuple] | None = None
 
+    def __post_init__(self):
+        # A loss that takes a PRNG key, loss_fn(params, batch, rng), gets a fresh one with
+        # every batch: cfp carries it in the batch, as (batch, key), so the step keeps its
+        # (params, opt_state, batch) form and the key is step data like any other.
+        if _positional_arity(self.loss_fn) == 3:
+            loss_fn, make_batch = self.loss_fn, self.make_batch
+
+            def batch_and_key(key):
+                k_batch, k_rng = jax.random.split(key)
+                return make_batch(k_batch), k_rng
+
+            object.__setattr__(self, "loss_fn", lambda params, b: loss_fn(params, b[0], b[1]))
+            object.__setattr__(self, "make_batch", batch_and_key)
+
     def abstract_params(self) -> Any:
         """Parameter pytree of ShapeDtypeStructs (nothing allocated)."""
         return jax.eval_shape(lambda: self.init_params(jax.random.key(0)))
@@ -68,3 +82,16 @@ class Workload:
     def grad_fn(self) -> Callable[[Any, Any], tuple[jax.Array, Any]]:
         """f(params, batch) -> (loss, grads)."""
         return jax.value_and_grad(self.loss_fn)
+
+
+def _positional_arity(fn) -> int | None:
+    """How many positional arguments ``fn`` takes (None: any number, or unknown)."""
+    import inspect
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return None
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+               for p in params)

@@ -1,0 +1,177 @@
+"""Transformers written the way users of Flax, Equinox and plain JAX write them, outside
+cfp's zoo: heads split off by reshape, dropout driven by keys.
+
+- ``flax_dropout``: a Flax linen pre-norm transformer with dropout; the dropout key travels in
+  the batch (``batch["dropout"]``, a typed key).
+- ``flax_dropout_rng``: the same model taking the key as the loss's third argument
+  (``loss_fn(params, batch, rng)``), trained with Optax's AdamW.
+- ``equinox_attention``: an Equinox transformer whose attention splits 4 heads by reshape.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from cfp.models import Workload
+
+VOCAB = 64
+
+
+def _ce(logits, labels):
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.mean(jnp.sum(logp * jax.nn.one_hot(labels, logits.shape[-1]), axis=-1))
+
+
+def _tokens(key, batch_size, seq_len):
+    toks = jax.random.randint(key, (batch_size, seq_len + 1), 0, VOCAB)
+    return toks[:, :-1], toks[:, 1:]
+
+
+def _flax_model(hidden, num_heads, num_layers, rate):
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h, train):
+            b, s, _ = h.shape
+            hd = hidden // num_heads
+            qkv = nn.Dense(3 * hidden, use_bias=False)(nn.LayerNorm()(h))
+            q, k, v = (t.reshape(b, s, num_heads, hd) for t in jnp.split(qkv, 3, axis=-1))
+            scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(hd)
+            w = nn.Dropout(rate)(nn.softmax(scores, axis=-1), deterministic=not train)
+            ctx = jnp.einsum("bhqk,bkhd->bqhd", w, v).reshape(b, s, hidden)
+            h = h + nn.Dropout(rate)(nn.Dense(hidden)(ctx), deterministic=not train)
+            up = nn.gelu(nn.Dense(4 * hidden)(nn.LayerNorm()(h)))
+            return h + nn.Dropout(rate)(nn.Dense(hidden)(up), deterministic=not train)
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x, train=True):
+            h = nn.Embed(VOCAB, hidden)(x)
+            for _ in range(num_layers):
+                h = Block()(h, train)
+            return nn.Dense(VOCAB)(nn.LayerNorm()(h))
+
+    return Model()
+
+
+def flax_dropout(batch_size: int = 4, dtype: str = "float32", num_layers: int = 2,
+                 seq_len: int = 16, hidden: int = 32, num_heads: int = 4, rate: float = 0.1,
+                 **_) -> Workload:
+    model = _flax_model(hidden, num_heads, num_layers, rate)
+
+    def init(key):
+        return model.init(key, jnp.zeros((batch_size, seq_len), jnp.int32), train=False)
+
+    def batch(key):
+        k1, k2 = jax.random.split(key)
+        x, y = _tokens(k1, batch_size, seq_len)
+        return {"x": x, "y": y, "dropout": k2}
+
+    def loss(params, b):
+        logits = model.apply(params, b["x"], rngs={"dropout": b["dropout"]})
+        return _ce(logits, b["y"])
+
+    return Workload("flax_dropout", "test", None, batch_size, dtype, init, batch, loss)
+
+
+def flax_dropout_rng(batch_size: int = 4, dtype: str = "float32", **kw) -> Workload:
+    import optax
+    base = flax_dropout(batch_size, dtype, **kw)
+    model = _flax_model(kw.get("hidden", 32), kw.get("num_heads", 4), kw.get("num_layers", 2),
+                        kw.get("rate", 0.1))
+    opt = optax.adamw(1e-3)
+
+    def batch(key):
+        b = base.make_batch(key)
+        return {"x": b["x"], "y": b["y"]}
+
+    def loss(params, b, rng):
+        return _ce(model.apply(params, b["x"], rngs={"dropout": rng}), b["y"])
+
+    def opt_update(grads, state, params):
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return dataclasses.replace(base, model="flax_dropout_rng", make_batch=batch, loss_fn=loss,
+                               opt_init=opt.init, opt_update=opt_update)
+
+
+def equinox_attention(batch_size: int = 4, dtype: str = "float32", num_layers: int = 2,
+                      seq_len: int = 16, hidden: int = 32, num_heads: int = 4,
+                      **_) -> Workload:
+    """An Equinox transformer: ``eqx.Module`` layers applied per token with ``jax.vmap``,
+    attention that splits heads by reshape, and ``eqx.partition`` for the trainable arrays."""
+    import equinox as eqx
+
+    hd = hidden // num_heads
+
+    class Layer(eqx.Module):
+        qkv: eqx.nn.Linear
+        out: eqx.nn.Linear
+        up: eqx.nn.Linear
+        down: eqx.nn.Linear
+        norm1: eqx.nn.LayerNorm
+        norm2: eqx.nn.LayerNorm
+
+        def __init__(self, key):
+            k = jax.random.split(key, 4)
+            self.qkv = eqx.nn.Linear(hidden, 3 * hidden, use_bias=False, key=k[0])
+            self.out = eqx.nn.Linear(hidden, hidden, key=k[1])
+            self.up = eqx.nn.Linear(hidden, 4 * hidden, key=k[2])
+            self.down = eqx.nn.Linear(4 * hidden, hidden, key=k[3])
+            self.norm1, self.norm2 = eqx.nn.LayerNorm(hidden), eqx.nn.LayerNorm(hidden)
+
+        def __call__(self, h):  # h: [S, H], one sequence
+            s = h.shape[0]
+            qkv = jax.vmap(self.qkv)(jax.vmap(self.norm1)(h))
+            q, k, v = (t.reshape(s, num_heads, hd) for t in jnp.split(qkv, 3, axis=-1))
+            w = jax.nn.softmax(jnp.einsum("qhd,khd->hqk", q, k) / jnp.sqrt(hd), axis=-1)
+            h = h + jax.vmap(self.out)(jnp.einsum("hqk,khd->qhd", w, v).reshape(s, hidden))
+            up = jax.nn.gelu(jax.vmap(self.up)(jax.vmap(self.norm2)(h)))
+            return h + jax.vmap(self.down)(up)
+
+    class Model(eqx.Module):
+        embed: eqx.nn.Embedding
+        layers: list
+        head: eqx.nn.Linear
+
+        def __init__(self, key):
+            k = jax.random.split(key, num_layers + 2)
+            self.embed = eqx.nn.Embedding(VOCAB, hidden, key=k[0])
+            self.layers = [Layer(k[i + 1]) for i in range(num_layers)]
+            self.head = eqx.nn.Linear(hidden, VOCAB, key=k[-1])
+
+        def __call__(self, x):
+            h = jax.vmap(self.embed)(x)
+            for layer in self.layers:
+                h = layer(h)
+            return jax.vmap(self.head)(h)
+
+    static = eqx.partition(Model(jax.random.key(0)), eqx.is_array)[1]
+
+    def init(key):
+        return eqx.partition(Model(key), eqx.is_array)[0]
+
+    def batch(key):
+        x, y = _tokens(key, batch_size, seq_len)
+        return {"x": x, "y": y}
+
+    def loss(params, b):
+        model = eqx.combine(params, static)
+        return _ce(jax.vmap(model)(b["x"]), b["y"])
+
+    return Workload("equinox_attention", "test", None, batch_size, dtype, init, batch, loss)
+
+
+def flax_dropout_raw_key(batch_size: int = 4, dtype: str = "float32", **kw) -> Workload:
+    """``flax_dropout`` with the old-style raw key (``uint32[2]``) in the batch."""
+    base = flax_dropout(batch_size, dtype, **kw)
+
+    def batch(key):
+        b = base.make_batch(key)
+        return dict(b, dropout=jax.random.key_data(b["dropout"]))
+
+    return dataclasses.replace(base, model="flax_dropout_raw_key", make_batch=batch)
