@@ -4,11 +4,12 @@
     >>> plan = cfp.api.autoshard("mypkg.train:make_workload", mesh="2x4",
     ...                          workdir="profiles/mine", memory_budget_gb=4)  # doctest: +SKIP
 
-``make_workload(batch_size=..., dtype=..., **overrides)`` returns a ``cfp.models.Workload``
-(``init_params``, ``make_batch``, ``loss_fn``, and optionally ``opt_init``/``opt_update`` for an
-Optax-style optimizer). It is named by import path because measurement runs in worker
-processes that build it afresh. The result is the parsed ``plan.json``; ``cfp.plan.shardings``
-turns it into ``NamedSharding``s for the user's own ``jax.jit``.
+``make_workload`` returns a ``cfp.models.Workload``, most simply through
+``cfp.models.user_workload(loss_fn, init_params, make_batch, optimizer=tx)``; it gets only the
+keyword arguments it declares (``batch_size``, ``dtype``, size overrides). It is named by import
+path because measurement runs in worker processes that build it afresh. The result is the
+parsed ``plan.json``: ``cfp.plan.step_shardings`` and ``cfp.plan.jit`` put it into the user's
+own ``jax.jit``. With JAX already started, the devices JAX has are used.
 """
 from __future__ import annotations
 

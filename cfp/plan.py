@@ -1,12 +1,25 @@
-"""``plan.json``: a searched plan in a form a user's own ``jax.jit`` can take.
+"""``plan.json``: a plan in the form a user's own training step takes.
 
-It holds the chosen strategy of every block and a ``PartitionSpec`` per parameter leaf, keyed
-by its ``jax.tree_util.keystr`` path; each entry is ``null`` (replicated), an axis name, or a
-list of axis names.
+The step is ``train_step(params, opt_state, batch) -> (params, opt_state, loss)``, the one cfp
+analysed (for a loss that takes a key, the batch is ``(batch, key)``). The file holds, keyed by
+``jax.tree_util.keystr`` paths *inside* each argument as the user passes it:
+
+- ``params``, ``opt_state``, ``batch``: the layout of every leaf the step reads (each entry a
+  list with, per dim, ``null`` (replicated), an axis name, or a list of axis names);
+- ``outputs``: the layouts of the new ``params`` and ``opt_state`` (the loss is replicated);
+- ``blocks`` and ``constraints``: each block's strategy, and the sharding constraints it puts
+  on its contractions (operator index -> operand and result specs);
+- ``step``: the fingerprint of the traced step, so ``jit`` can check it is the analysed one;
+- ``mesh`` (shape and axis names) and the format and its version.
+
+Two ways to use it: ``step_shardings`` gives ``in_shardings``/``out_shardings`` for
+``jax.jit(train_step)`` (the interior left to XLA's sharding propagation); ``jit`` also puts
+the block constraints inside, so the program is the plan cfp measured.
 
 Example:
     >>> import jax, jax.numpy as jnp
-    >>> plan = {"mesh": {"shape": [1], "axes": ["m0"]}, "params": {"['w']": ["m0", None]}}
+    >>> plan = {"format": "cfp-plan", "version": 2, "mesh": {"shape": [1], "axes": ["m0"]},
+    ...         "params": {"['w']": ["m0", None]}}
     >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("m0",))
     >>> shardings({"w": jnp.ones((2, 2))}, plan, mesh)["w"].spec
     PartitionSpec('m0', None)
@@ -15,21 +28,70 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, Callable
 
 from cfp.errors import CfpError
 
+PLAN_FORMAT, PLAN_VERSION = "cfp-plan", 2
+PARTS = ("params", "opt_state", "batch")
 
-def spec_to_json(spec) -> list:
+
+def _to_json(spec) -> list:
     return [list(e) if isinstance(e, tuple) else e for e in spec]
 
 
-def write_plan(path: Path, *, mesh_shape, axis_names, blocks: list[dict], params: dict,
-               extra: dict | None = None) -> None:
-    data = {"mesh": {"shape": list(mesh_shape), "axes": list(axis_names)},
-            "blocks": blocks, "params": {k: spec_to_json(v) for k, v in params.items()}}
-    data.update(extra or {})
+def _from_json(entries) -> tuple:
+    return tuple(tuple(e) if isinstance(e, list) else e for e in entries)
+
+
+def make_plan(analysis, strategies, *, in_specs=None, out_specs=None, source: str = "") -> dict:
+    """The plan of ``strategies`` (a strategy index per block) for the analysed step.
+    ``in_specs``/``out_specs`` (per step input and output, in order) default to the layouts
+    the strategies give; a search record passes its own (a baseline may store parameters
+    its own way)."""
+    import jax
+    from cfp.execute import plan_specs
+    from cfp.sharding import block_constraints
+    from cfp.workloads import AXIS_NAMES
+    g, blocks = analysis.graph, analysis.blocks.blocks
+    axis_names = AXIS_NAMES[:len(analysis.mesh_shape)]
+    ins, outs, _ = plan_specs(analysis, strategies, axis_names)
+    in_specs = list(in_specs) if in_specs is not None else [ins[v] for v in g.inputs]
+    out_specs = list(out_specs) if out_specs is not None else [outs[v] for v in g.outputs]
+    workload = analysis.spec.build()
+    trees = (workload.abstract_params(), workload.abstract_opt_state(), workload.abstract_batch())
+    plan: dict[str, Any] = {"format": PLAN_FORMAT, "version": PLAN_VERSION,
+                            "mesh": {"shape": list(analysis.mesh_shape),
+                                     "axes": list(axis_names)},
+                            "source": source,
+                            "step": {"fingerprint": g.fingerprint(),
+                                     "loss_takes_key": workload.loss_takes_key}}
+    start, outputs = 0, {}
+    for part, tree in zip(PARTS, trees):
+        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+        specs = in_specs[start:start + len(leaves)]
+        plan[part] = {jax.tree_util.keystr(p): _to_json(s) for (p, _), s in zip(leaves, specs)}
+        if part != "batch":  # the step returns new params and optimizer state, in this order
+            outputs[part] = {jax.tree_util.keystr(p): _to_json(s) for (p, _), s in
+                             zip(leaves, out_specs[start:start + len(leaves)])}
+        start += len(leaves)
+    plan["outputs"] = outputs
+    plan["blocks"] = [{"block": b.index, "strategy_index": int(strategies[b.index]),
+                       "strategy": b.strategies[strategies[b.index]].name,
+                       "seed": g.ops[b.seed].hlo} for b in blocks]
+    constraints = {}
+    for b in blocks:
+        for op, (operands, results) in block_constraints(
+                b, b.strategies[strategies[b.index]], axis_names).items():
+            constraints[str(op)] = [[None if s is None else _to_json(s) for s in operands],
+                                    [None if s is None else _to_json(s) for s in results]]
+    plan["constraints"] = constraints
+    return plan
+
+
+def write_plan(path: Path, plan: dict) -> None:
     tmp = Path(path).with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
+    tmp.write_text(json.dumps(plan, indent=1))
     tmp.replace(path)
 
 
@@ -39,25 +101,85 @@ def load_plan(path) -> dict:
     except (OSError, ValueError) as e:
         raise CfpError(f"cannot read the plan {path} ({e}): run python -m cfp --mode search "
                        f"first") from None
-    if "params" not in plan or "mesh" not in plan:
-        raise CfpError(f"{path} is not a cfp plan.json (no 'params'/'mesh')")
+    if not isinstance(plan, dict) or plan.get("format") != PLAN_FORMAT:
+        raise CfpError(f"{path} is not a cfp plan.json")
+    if plan.get("version") != PLAN_VERSION:
+        raise CfpError(f"{path} is a version {plan.get('version')} plan, this cfp reads version "
+                       f"{PLAN_VERSION}: run python -m cfp --mode search again")
     return plan
 
 
-def shardings(params, plan: dict, mesh):
-    """A pytree like ``params`` of ``NamedSharding``s from ``plan`` (leaves the plan does not
-    name are replicated)."""
+def mesh_of(plan: dict):
+    """The plan's mesh over JAX's first devices (axes ``m0``, ``m1``, ...)."""
+    from cfp.workloads import make_mesh
+    return make_mesh(tuple(plan["mesh"]["shape"]))
+
+
+def shardings(tree, plan: dict, mesh, part: str = "params", *, specs: dict | None = None):
+    """A pytree like ``tree`` of ``NamedSharding``s from the plan's ``part`` (``params``,
+    ``opt_state`` or ``batch``). Every leaf must be named by the plan and every entry must
+    name a leaf: a plan applied to a tree it was not made for (another model, or the same
+    params wrapped or renamed) is refused, naming the first paths that do not match."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
+    specs = plan[part] if specs is None else specs
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    paths = [jax.tree_util.keystr(p) for p, _ in leaves]
+    unmatched = [p for p in paths if p not in specs]
+    unused = [p for p in specs if p not in set(paths)]
+    if unmatched or unused:
+        raise CfpError(
+            f"the plan's {part} do not match this tree: "
+            + (f"no entry for {', '.join(unmatched[:3])}" if unmatched else "")
+            + ("; " if unmatched and unused else "")
+            + (f"no leaf at {', '.join(unused[:3])}" if unused else "")
+            + " (a plan for another model, or a tree wrapped or renamed since)")
 
     def one(path, leaf):
-        entries = plan["params"].get(jax.tree_util.keystr(path))
-        if entries is None:
-            return NamedSharding(mesh, PartitionSpec())
-        spec = [tuple(e) if isinstance(e, list) else e for e in entries]
+        key = jax.tree_util.keystr(path)
+        spec = _from_json(specs[key])
         if len(spec) != len(getattr(leaf, "shape", ())):
-            raise CfpError(f"plan entry {jax.tree_util.keystr(path)} has {len(spec)} dims, "
-                           f"the parameter has {len(leaf.shape)}: the plan is for another model")
+            raise CfpError(f"the plan's {part} entry {key} has {len(spec)} dims, the leaf has "
+                           f"{len(leaf.shape)}: a plan for another model")
         return NamedSharding(mesh, PartitionSpec(*spec))
 
-    return jax.tree_util.tree_map_with_path(one, params)
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def step_shardings(plan: dict, mesh, params, opt_state, batch) -> tuple[tuple, tuple]:
+    """``(in_shardings, out_shardings)`` for ``jax.jit(train_step)`` with
+    ``train_step(params, opt_state, batch) -> (params, opt_state, loss)``."""
+    from jax.sharding import NamedSharding, PartitionSpec
+    ins = (shardings(params, plan, mesh, "params"), shardings(opt_state, plan, mesh, "opt_state"),
+           shardings(batch, plan, mesh, "batch"))
+    outs = (shardings(params, plan, mesh, "params", specs=plan["outputs"]["params"]),
+            shardings(opt_state, plan, mesh, "opt_state", specs=plan["outputs"]["opt_state"]),
+            NamedSharding(mesh, PartitionSpec()))
+    return ins, outs
+
+
+def jit(train_step: Callable, plan: dict, mesh, params, opt_state, batch) -> Callable:
+    """``train_step`` jitted with the plan: its layouts at the edges and each block's
+    constraints inside, so it compiles to the program cfp measured. ``params``,
+    ``opt_state`` and ``batch`` (arrays or ``jax.ShapeDtypeStruct``s) fix the shapes; the step
+    traced with them must be the analysed one (same fingerprint)."""
+    import jax
+    from cfp.graph import trace_program
+    from cfp.sharding import SubProgram, sub_function
+    program = trace_program(train_step, params, opt_state, batch)
+    g = program.graph()
+    if g.fingerprint() != plan["step"]["fingerprint"]:
+        raise CfpError("this train_step is not the step the plan was made for (its traced "
+                       "program differs): analyse and search this step")
+    constraints = {int(op): ([None if s is None else _from_json(s) for s in operands],
+                             [None if s is None else _from_json(s) for s in results])
+                   for op, (operands, results) in plan["constraints"].items()}
+    sub = SubProgram(tuple(range(len(g.ops))), tuple(g.inputs), tuple(g.outputs))
+    flat_step = sub_function(program, sub, constraints=constraints, mesh=mesh)
+
+    def step(*args):
+        outs = flat_step(*jax.tree_util.tree_leaves(args))
+        return jax.tree_util.tree_unflatten(program.out_tree, outs)
+
+    in_shardings, out_shardings = step_shardings(plan, mesh, params, opt_state, batch)
+    return jax.jit(step, in_shardings=in_shardings, out_shardings=out_shardings)

@@ -282,7 +282,7 @@ def write_search_dumps(workdir, analysis, profile, rec) -> None:
     import math
     import jax
     from cfp.dims import spec_axes
-    from cfp.plan import write_plan
+    from cfp.plan import make_plan, write_plan
     from cfp.sharding import collectives
     from cfp.workloads import AXIS_NAMES
     out = Path(workdir) / "debug_search"
@@ -318,15 +318,9 @@ def write_search_dumps(workdir, analysis, profile, rec) -> None:
         [f"{k}: {v} B ({v / 2**30:.4f} GB)" for k, v in mem.items()]
         + [f"composed from the profiles: {plan.composed_memory_bytes} B "
            f"({plan.composed_memory_bytes / 2**30:.4f} GB)"]) + "\n")
-    n_params = len(jax.tree_util.tree_leaves(params_abs))
-    param_specs = {jax.tree_util.keystr(p): s for (p, _), s in
-                   zip(leaves[:n_params], rec.in_specs[:n_params])}
-    block_rows = [{"block": b.index, "strategy_index": plan.strategies[b.index],
-                   "strategy": b.strategies[plan.strategies[b.index]].name,
-                   "seed": g.ops[b.seed].hlo} for b in blocks]
-    write_plan(Path(workdir) / "plan.json", mesh_shape=analysis.mesh_shape,
-               axis_names=axis_names, blocks=block_rows, params=param_specs,
-               extra={"source": plan.source})
+    write_plan(Path(workdir) / "plan.json",
+               make_plan(analysis, plan.strategies, in_specs=rec.in_specs,
+                         out_specs=rec.out_specs, source=plan.source))
     by_kind: dict = {}
     for c in collectives(rec.compiled_text, analysis.mesh_shape):
         k = by_kind.setdefault(c.kind, {"count": 0, "bytes": 0})

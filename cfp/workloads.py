@@ -60,10 +60,37 @@ def _user_workload(spec: WorkloadSpec):
     except (ImportError, AttributeError) as e:
         raise CfpError(f"cannot load the user step {spec.model!r} ({e}); give it as "
                        f"package.module:factory with the module on PYTHONPATH") from None
-    kwargs = dict(spec.overrides)
+    kwargs = dict(spec.overrides, dtype=spec.dtype)
     if spec.batch_size is not None:
         kwargs["batch_size"] = spec.batch_size
-    return factory(dtype=spec.dtype, **kwargs)
+    declared = _declared_keywords(factory)
+    if declared is not None:  # a factory gets only the keywords it declares
+        unknown = [k for k, _ in spec.overrides if k not in declared]
+        if unknown:
+            raise CfpError(f"{spec.model} takes no {', '.join(unknown)} (it declares "
+                           f"{', '.join(sorted(declared)) or 'no keywords'})")
+        kwargs = {k: v for k, v in kwargs.items() if k in declared}
+    from cfp.models import Workload
+    workload = factory(**kwargs)
+    if not isinstance(workload, Workload):
+        raise CfpError(f"{spec.model} returned a {type(workload).__name__}, not a "
+                       f"cfp.models.Workload (see cfp.models.user_workload)")
+    if spec.batch_size is not None and workload.batch_size != spec.batch_size:
+        raise CfpError(f"{spec.model} takes no batch_size: its batch is "
+                       f"{workload.batch_size}")
+    return workload
+
+
+def _declared_keywords(factory) -> set[str] | None:
+    """The keyword arguments ``factory`` declares (None: it takes any, ``**kwargs``)."""
+    import inspect
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 def parse_mesh(text: str) -> tuple[int, ...]:
@@ -94,16 +121,24 @@ def make_mesh(shape: tuple[int, ...]):
     devices = jax.devices()
     n = math.prod(shape)
     if len(devices) < n:
+        how = ("on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX is "
+               "imported (the command line's --num-devices does)"
+               if devices[0].platform == "cpu" else "use a smaller mesh")
         raise CfpError(f"mesh {mesh_text(shape)} needs {n} devices but JAX sees {len(devices)} "
-                       f"({devices[0].platform}): use a smaller mesh or --num-devices")
+                       f"({devices[0].platform}): {how}")
     return jax.sharding.Mesh(np.array(devices[:n]).reshape(shape), AXIS_NAMES[:len(shape)])
 
 
 def trace_step(workload):
     """Trace a workload's full training step with abstract inputs (nothing allocated)."""
+    import jax
     from cfp.graph import trace_program
     args = (workload.abstract_params(), workload.abstract_opt_state(),
             workload.abstract_batch())
+    loss = jax.eval_shape(workload.loss_fn, args[0], args[2])
+    if not isinstance(loss, jax.ShapeDtypeStruct) or loss.shape != ():
+        raise CfpError(f"the loss of {workload.model} returns "
+                       f"{getattr(loss, 'shape', type(loss).__name__)}, not a scalar")
     return trace_program(workload.train_step(), *args)
 
 

@@ -99,11 +99,9 @@ def flax_dropout_rng(batch_size: int = 4, dtype: str = "float32", **kw) -> Workl
                                opt_init=opt.init, opt_update=opt_update)
 
 
-def equinox_attention(batch_size: int = 4, dtype: str = "float32", num_layers: int = 2,
-                      seq_len: int = 16, hidden: int = 32, num_heads: int = 4,
-                      **_) -> Workload:
-    """An Equinox transformer: ``eqx.Module`` layers applied per token with ``jax.vmap``,
-    attention that splits heads by reshape, and ``eqx.partition`` for the trainable arrays."""
+def _equinox_model(num_layers: int, hidden: int, num_heads: int):
+    """An Equinox transformer class: ``eqx.Module`` layers applied per token with
+    ``jax.vmap``, attention that splits heads by reshape."""
     import equinox as eqx
 
     hd = hidden // num_heads
@@ -150,6 +148,16 @@ def equinox_attention(batch_size: int = 4, dtype: str = "float32", num_layers: i
                 h = layer(h)
             return jax.vmap(self.head)(h)
 
+    return Model
+
+
+def equinox_attention(batch_size: int = 4, dtype: str = "float32", num_layers: int = 2,
+                      seq_len: int = 16, hidden: int = 32, num_heads: int = 4,
+                      **_) -> Workload:
+    """The Equinox transformer, split by hand with ``eqx.partition`` into trainable arrays
+    (the params cfp sees) and the rest."""
+    import equinox as eqx
+    Model = _equinox_model(num_layers, hidden, num_heads)
     static = eqx.partition(Model(jax.random.key(0)), eqx.is_array)[1]
 
     def init(key):
@@ -175,3 +183,56 @@ def flax_dropout_raw_key(batch_size: int = 4, dtype: str = "float32", **kw) -> W
         return dict(b, dropout=jax.random.key_data(b["dropout"]))
 
     return dataclasses.replace(base, model="flax_dropout_raw_key", make_batch=batch)
+
+
+def optax_attention(batch_size: int = 4, dtype: str = "float32", optimizer: str = "adam",
+                    **kw) -> Workload:
+    """The plain-JAX transformer of ``zoo_extra.reshape_attention`` trained with an Optax
+    optimizer: ``adam`` (a state that mirrors the params) or ``adafactor`` (factored second
+    moments: a row and a column vector per matrix)."""
+    import optax
+    import zoo_extra
+    base = zoo_extra.reshape_attention(batch_size, dtype, **kw)
+    tx = {"adam": lambda: optax.adam(1e-3),
+          "adafactor": lambda: optax.adafactor(1e-3, min_dim_size_to_factor=16)}[optimizer]()
+    return dataclasses.replace(base, model=f"optax_attention_{optimizer}", opt_init=tx.init,
+                               opt_update=optax_update(tx))
+
+
+def optax_update(tx):
+    """``opt_update`` for an Optax ``GradientTransformation``, as a user writes the step."""
+    import optax
+
+    def update(grads, state, params):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+    return update
+
+
+def optax_train_step(loss_fn, tx):
+    """The user's own training step, written without cfp."""
+    import optax
+
+    def train_step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    return train_step
+
+
+def equinox_module(num_layers: int = 2):
+    """The Equinox transformer handed over whole: ``init_params`` returns the module, the loss
+    takes it, Optax's Adam trains it (``cfp.models.user_workload`` does the partitioning).
+    Declares one keyword only: cfp passes no other."""
+    import optax
+    from cfp.models import user_workload
+    Model = _equinox_model(num_layers, hidden=32, num_heads=4)
+
+    def batch(key):
+        x, y = _tokens(key, 4, 16)
+        return {"x": x, "y": y}
+
+    def loss(model, b):
+        return _ce(jax.vmap(model)(b["x"]), b["y"])
+
+    return user_workload(loss, Model, batch, optimizer=optax.adam(1e-3), name="equinox_module")

@@ -127,3 +127,14 @@ def reshape_attention(batch_size: int = 4, dtype: str = "float32", num_layers: i
         return _ce(norm(h) @ p["embed"].T, b["y"])
 
     return Workload("reshape_attention", "test", None, batch_size, dtype, init, batch, loss)
+
+
+def per_example_loss(batch_size: int = 8, dtype: str = "float32", **_) -> Workload:
+    """Bad input: a loss that returns one value per example, not a scalar."""
+    import dataclasses
+    base = einsum_net(batch_size, dtype)
+
+    def loss(p, b):
+        h = jnp.einsum("bij,ijr->br", b["x"], p["u"])
+        return jnp.sum(h * h, axis=-1)
+    return dataclasses.replace(base, loss_fn=loss)

@@ -33,6 +33,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None,
+                    help="CSV to append to (default scripts/results/<date>-composition-<backend>.csv)")
     args = ap.parse_args()
     mesh_shape = tuple(int(x) for x in args.mesh.split("x"))
     n_dev = 1
@@ -85,7 +87,8 @@ def main() -> None:
             times[i].append(time_steps(ps.compiled, ps.args, iters=args.iters))
     backend = jax.devices()[0].platform
     date = datetime.date.today().isoformat()
-    out = ROOT / "scripts" / "results" / f"{date}-composition-{backend}.csv"
+    out = (Path(args.out).resolve() if args.out
+           else ROOT / "scripts" / "results" / f"{date}-composition-{backend}.csv")
     new = not out.exists()
     rows = []
     with open(out, "a") as f:
@@ -109,8 +112,8 @@ def main() -> None:
           f"(max {100 * abs_t[-1]:.1f}%), median |memory error| "
           f"{100 * statistics.median(abs_m):.1f}% (max {100 * abs_m[-1]:.1f}%), pairwise "
           f"order agreement {100 * agree:.0f}%; rows appended to {out.relative_to(ROOT)}")
-    _plot(rows, out.with_name(f"{date}-composition-{args.model}-L{args.num_layers}-"
-                              f"{args.mesh}-{backend}.png"), args)
+    _plot(rows, out.with_name(f"{out.stem}-{args.model}-L{args.num_layers}-{args.mesh}.png"),
+          args)
 
 
 def _plot(rows, path, args) -> None:

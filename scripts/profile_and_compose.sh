@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
 # The profile pass and the composition check for the README: 4-layer GPT and MoE on 8 virtual
-# CPU devices, meshes 8 and 2x4. Appends to scripts/results/<date>-profile-cpu.txt and
-# scripts/results/<date>-composition-cpu.csv.
+# CPU devices, meshes 8 and 2x4, profiled from scratch with the compilation cache off.
+# Usage: bash scripts/profile_and_compose.sh [RESULTS_PREFIX]
+# (default scripts/results/<date>): writes <prefix>-profile-cpu.txt and appends to
+# <prefix>-composition-cpu.csv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out="scripts/results/$(date +%F)-profile-cpu.txt"
+prefix=${1:-scripts/results/$(date +%F)}
+out="$prefix-profile-cpu.txt"
+: > "$out"
 for model in gpt moe; do
   for mesh in 8 2x4; do
+    workdir="profiles/$model-tiny-L4-$mesh"
+    rm -rf "$workdir"
     echo "=== $model, 4 layers, mesh $mesh (cpu, 8 virtual devices on $(nproc) cores)" | tee -a "$out"
     python -m cfp --model "$model" --num-layers 4 --mesh "$mesh" --mode analysis \
       | grep -E "plan space|unique segment|analysis time" | tee -a "$out"
     /usr/bin/time -f "profile wall: %e s" python -m cfp --model "$model" --num-layers 4 \
-      --mesh "$mesh" --mode profile 2>&1 \
-      | grep -E "window types|search space|combinations:|reshardings|overall time|wall|plan space" \
+      --mesh "$mesh" --mode profile --compilation-cache none 2>&1 \
+      | grep -E "window types|search space|combinations:|reshardings|profile pass|wall|plan space" \
       | tee -a "$out"
     python scripts/composition_check.py --model "$model" --num-layers 4 --mesh "$mesh" \
-      --plans 20 | tee -a "$out"
+      --plans 20 --out "$prefix-composition-cpu.csv" | tee -a "$out"
   done
 done

@@ -15,7 +15,7 @@ from cfp.models.registry import (
     get_workload,
     make_workload,
 )
-from cfp.models.workload import Workload, make_train_step
+from cfp.models.workload import Workload, make_train_step, user_workload
 
 __all__ = [
     "AdamState",
@@ -36,4 +36,5 @@ __all__ = [
     "make_train_step",
     "make_workload",
     "param_count",
+    "user_workload",
 ]

@@ -38,6 +38,7 @@ class Workload:
     # opt_update(grads, state, params) -> (new_params, new_state). None: cfp's Adam.
     opt_init: Callable[[Any], Any] | None = None
     opt_update: Callable[[Any, Any, Any], tuple] | None = None
+    loss_takes_key: bool = False  # set when loss_fn is (params, batch, rng); see below
 
     def __post_init__(self):
         # A loss that takes a PRNG key, loss_fn(params, batch, rng), gets a fresh one with
@@ -52,6 +53,7 @@ class Workload:
 
             object.__setattr__(self, "loss_fn", lambda params, b: loss_fn(params, b[0], b[1]))
             object.__setattr__(self, "make_batch", batch_and_key)
+            object.__setattr__(self, "loss_takes_key", True)
 
     def abstract_params(self) -> Any:
         """Parameter pytree of ShapeDtypeStructs (nothing allocated)."""
@@ -95,3 +97,54 @@ def _positional_arity(fn) -> int | None:
         return None
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
                for p in params)
+
+
+def user_workload(loss_fn: Callable, init_params: Callable, make_batch: Callable, *,
+                  optimizer=None, name: str = "user", dtype: str = "float32") -> Workload:
+    """A ``Workload`` from what a user has.
+
+    ``loss_fn(params, batch)`` or ``loss_fn(params, batch, rng)`` returns a scalar;
+    ``init_params(key)`` returns the params: any pytree, an Equinox module included (its
+    arrays are the parameters cfp plans for; everything else, such as activation functions
+    and sizes, is kept aside and put back before ``loss_fn`` sees it); ``make_batch(key)``
+    returns a batch; ``optimizer`` is an Optax ``GradientTransformation`` (None: cfp's Adam).
+    """
+    static: dict = {}
+
+    def arrays_of(key):
+        params, static["tree"] = _partition(init_params(key))
+        return params
+
+    if _positional_arity(loss_fn) == 3:
+        def loss(params, batch, rng):
+            return loss_fn(_combine(params, static["tree"]), batch, rng)
+    else:
+        def loss(params, batch):
+            return loss_fn(_combine(params, static["tree"]), batch)
+    batch_shape = jax.eval_shape(make_batch, jax.random.key(0))
+    leaves = jax.tree_util.tree_leaves(batch_shape)
+    batch_size = leaves[0].shape[0] if leaves and leaves[0].shape else 1
+    def opt_update(grads, state, params):
+        import optax
+        updates, state = optimizer.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+    return Workload(name, "user", None, batch_size, dtype, arrays_of, make_batch, loss,
+                    opt_init=None if optimizer is None else optimizer.init,
+                    opt_update=None if optimizer is None else opt_update)
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or hasattr(x, "shape") and hasattr(
+        x, "dtype") and not isinstance(x, type)
+
+
+def _partition(tree):
+    """(the array leaves, the rest) of a pytree, each with ``None`` where the other holds."""
+    params = jax.tree_util.tree_map(lambda x: x if _is_array(x) else None, tree)
+    rest = jax.tree_util.tree_map(lambda x: None if _is_array(x) else x, tree)
+    return params, rest
+
+
+def _combine(params, rest):
+    return jax.tree_util.tree_map(lambda p, r: r if p is None else p, params, rest,
+                                  is_leaf=lambda x: x is None)
