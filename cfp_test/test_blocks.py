@@ -69,15 +69,17 @@ def _check_all(program, graph, ba, mesh_shape):
 
 
 @pytest.mark.parametrize("model,mesh_shape,layers", [
-    ("mlp", (4,), None), ("mlp", (2, 2), None), ("gpt", (4,), 1), ("llama", (4,), 1),
-    ("moe", (4,), 2),
+    ("mlp", (4,), None), ("mlp", (2, 2), None), ("gpt", (4,), 1),
+    pytest.param("llama", (4,), 1, marks=pytest.mark.slow),
+    pytest.param("moe", (4,), 2, marks=pytest.mark.slow),
 ])
 def test_every_strategy_of_every_block_is_communication_free(model, mesh_shape, layers):
     program, graph, ba = blocks_of(model, mesh_shape, layers)
     assert _check_all(program, graph, ba, mesh_shape) == {}
 
 
-@pytest.mark.parametrize("name,mesh_shape", [("convnet", (4,)), ("einsum_net", (2, 2))])
+@pytest.mark.parametrize("name,mesh_shape", [
+    ("convnet", (4,)), pytest.param("einsum_net", (2, 2), marks=pytest.mark.slow)])
 def test_models_nobody_listed_analyse_and_stay_communication_free(name, mesh_shape):
     program, graph, ba = _extra(name, mesh_shape)
     assert not ba.unclaimed

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The tests marked slow (deselected from the suite to keep it under 10 minutes on 2 cores):
-# the remaining model x mesh cases of the sharded-step and user-jit checks, the 2-D
-# communication-free sweeps, and the reshaped-heads model through three passes on 2x4.
+# the remaining model x mesh cases of the sharded-step, communication-free and user-jit
+# checks, and the reshaped-heads model through three passes on 2x4.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pytest -q -m slow cfp_test "$@"
