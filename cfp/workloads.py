@@ -83,12 +83,9 @@ def _user_workload(spec: WorkloadSpec):
 
 def _declared_keywords(factory) -> set[str] | None:
     """The keyword arguments ``factory`` declares (None: it takes any, ``**kwargs``)."""
-    import inspect
-    try:
-        params = inspect.signature(factory).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind == p.VAR_KEYWORD for p in params):
+    from cfp.models.workload import signature_params
+    params = signature_params(factory)
+    if params is None or any(p.kind == p.VAR_KEYWORD for p in params):
         return None
     return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 

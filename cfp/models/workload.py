@@ -3,6 +3,7 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
+import numpy as np
 
 from cfp.models.optim import AdamState, adam_init, adam_update
 
@@ -86,14 +87,19 @@ class Workload:
         return jax.value_and_grad(self.loss_fn)
 
 
-def _positional_arity(fn) -> int | None:
-    """How many positional arguments ``fn`` takes (None: any number, or unknown)."""
+def signature_params(fn) -> list | None:
+    """``fn``'s ``inspect.Parameter``s (None when Python cannot tell)."""
     import inspect
     try:
-        params = inspect.signature(fn).parameters.values()
+        return list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         return None
-    if any(p.kind == p.VAR_POSITIONAL for p in params):
+
+
+def _positional_arity(fn) -> int | None:
+    """How many positional arguments ``fn`` requires (None: any number, or unknown)."""
+    params = signature_params(fn)
+    if params is None or any(p.kind == p.VAR_POSITIONAL for p in params):
         return None
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
                for p in params)
@@ -133,9 +139,8 @@ def user_workload(loss_fn: Callable, init_params: Callable, make_batch: Callable
                     opt_update=None if optimizer is None else opt_update)
 
 
-def _is_array(x) -> bool:
-    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or hasattr(x, "shape") and hasattr(
-        x, "dtype") and not isinstance(x, type)
+def _is_array(x) -> bool:  # tracers, too: init_params runs under eval_shape and jit
+    return isinstance(x, (jax.Array, np.ndarray))
 
 
 def _partition(tree):
