@@ -91,11 +91,13 @@ def input_kinds(analysis) -> list[str]:
 
 
 def _params(graph, kinds) -> set[int]:
-    """Values that are parameters, reached from a parameter input through layout operators."""
+    """Values that are parameters, reached from a parameter input through layout operators,
+    slices (one layer of stacked weights) and remat's barriers."""
     from cfp.blocks import LAYOUT_OPS
     out = {v for v, k in zip(graph.inputs, kinds) if k == "param"}
     for op in graph.ops:
-        if op.primitive in LAYOUT_OPS and op.inputs and op.inputs[0] in out:
+        if (op.primitive in LAYOUT_OPS + ("slice", "optimization_barrier") and op.inputs
+                and op.inputs[0] in out):
             out.update(op.outputs)
     return out
 

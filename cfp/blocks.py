@@ -46,7 +46,7 @@ from cfp.graph import Graph, Op
 from cfp.jax_compat import is_key
 from cfp.strategies import LoopDim, Strategy, enumerate_strategies, op_loop_dims
 
-Role = Literal["seed", "input-grad", "weight-grad", "flow", "attached"]
+Role = Literal["seed", "input-grad", "weight-grad", "recompute", "flow", "attached"]
 LAYOUT_OPS = ("reshape", "transpose", "convert_element_type", "copy", "copy_p", "squeeze", "rev")
 
 
@@ -76,7 +76,8 @@ class Block:
 
     @property
     def contractions(self) -> tuple[Member, ...]:
-        return tuple(m for m in self.members if m.role in ("seed", "input-grad", "weight-grad"))
+        return tuple(m for m in self.members
+                     if m.role in ("seed", "input-grad", "weight-grad", "recompute"))
 
     def members_under(self, strategy: Strategy, mesh_shape) -> tuple[Member, ...]:
         """The members that need no collective under ``strategy`` (contractions always stay;
@@ -122,6 +123,7 @@ class _Builder:
         self.seeds: list[int] = []
         self.loop_dims: list[tuple[LoopDim, ...]] = []
         self._chains: dict[int, list[Op]] = {}
+        self.repeats = _repeats(graph)
 
     # -- helpers ------------------------------------------------------------------------------
     def shape(self, v):
@@ -150,8 +152,16 @@ class _Builder:
         return bool(op.outputs) and all(is_key(self.g.values[v].dtype) for v in op.outputs)
 
     def root(self, v) -> int:
-        ch = self.chain(v)
-        return ch[0].inputs[0] if ch else v
+        while True:
+            v = self.original(v)
+            ch = self.chain(v)
+            if not ch:
+                return v
+            v = ch[0].inputs[0]
+
+    def original(self, v) -> int:
+        """The value a remat recomputation of ``v`` repeats (``v`` itself if none)."""
+        return self.repeats.get(v, v)
 
     def add(self, block: int, member: Member):
         self.members[block][member.op] = member
@@ -164,10 +174,10 @@ class _Builder:
         up ``src``'s chain to the last value the two chains share, then down ``dst``'s. Going
         no higher than needed keeps labels a reshape round trip would lose (a dim split into
         heads and head size, each labelled, merges into one dim that holds one label)."""
-        shared = set(self._chain_values(dst))
+        shared = {self.original(x) for x in self._chain_values(dst)}
         lab, v = src_labels, src
         for op in reversed(self.chain(src)):
-            if v in shared:
+            if self.original(v) in shared:
                 break
             lab = dimrules.backward(op.primitive, dict(op.attrs), [self.shape(op.inputs[0])],
                                     [self.shape(op.outputs[0])], [lab]).ins[0]
@@ -182,10 +192,14 @@ class _Builder:
     def _forward_chain(self, start: int, labels, end: int):
         """Labels of ``end``, reached from ``start`` down ``end``'s layout chain."""
         chain = self.chain(end)
-        if start == end:
+        start = self.original(start)
+        if start == self.original(end):
             chain = []
         else:
-            chain = chain[next(i for i, op in enumerate(chain) if op.inputs[0] == start):]
+            at = [i for i, op in enumerate(chain) if self.original(op.inputs[0]) == start]
+            if not at:  # the chains meet only through a remat barrier's other side
+                return None, []
+            chain = chain[at[0]:]
         steps = []
         for op in chain:
             flow = dimrules.forward(op.primitive, dict(op.attrs), [self.shape(op.inputs[0])],
@@ -199,6 +213,12 @@ class _Builder:
         contractions = [op for op in self.g.ops if op.is_contraction]
         candidates = {}
         for c in contractions:
+            repeated = self.g.values[self.original(c.outputs[0])].producer
+            if repeated != c.index:  # a remat recomputation joins the block it repeats
+                bi = self.owner[repeated]
+                self.add(bi, dataclasses.replace(self.members[bi][repeated], op=c.index,
+                                                 role="recompute"))
+                continue
             found = []
             for bi, seed in enumerate(self.seeds):
                 m = self.match_backward(c, self.g.ops[seed], bi)
@@ -257,6 +277,8 @@ class _Builder:
                     continue
                 a_lab, a_steps = self._carry_down(x, seed_member.ins[x_pos], a)
                 g_lab, g_steps = self._forward_chain(g0, seed_member.outs[0], g)
+                if a_lab is None or g_lab is None:
+                    continue
                 lab = [None, None]
                 lab[a_pos], lab[1 - a_pos] = a_lab, g_lab
                 member = self.contraction_member(c, lab)
@@ -386,3 +408,31 @@ class _Builder:
         op = self.g.ops[seed]
         return (len(self.shape(op.outputs[0])), len(self.shape(op.inputs[0])),
                 len(self.shape(op.inputs[1])))
+
+
+def _repeats(graph: Graph) -> dict[int, int]:
+    """Value -> the value it recomputes, for the values remat recomputes behind an
+    optimization barrier: a barrier's result repeats its operand, and an operator applied to
+    repeated operands (and same attributes) repeats the earlier operator it matches."""
+    repeats: dict[int, int] = {}
+    seen: dict[tuple, tuple[int, ...]] = {}
+    constant = {v for v, val in graph.values.items()  # computed from constants only
+                if val.producer is None and val.input_index is None}
+
+    def same(v):  # scalar literals are equal by value
+        lit = graph.values[v].literal
+        return (lit, graph.values[v].dtype) if lit is not None else repeats.get(v, v)
+
+    for op in graph.ops:
+        if op.primitive == "optimization_barrier":
+            for i, o in zip(op.inputs, op.outputs):
+                repeats[o] = repeats.get(i, i)
+            continue
+        if all(v in constant for v in op.inputs):
+            constant.update(op.outputs)
+        key = (op.primitive, op.attrs, tuple(same(v) for v in op.inputs))
+        if key in seen and any(v in repeats or v in constant for v in op.inputs):
+            repeats.update(zip(op.outputs, seen[key]))
+        else:
+            seen.setdefault(key, op.outputs)
+    return repeats

@@ -254,6 +254,9 @@ def backward(prim: str, attrs: dict, in_shapes, out_shapes, out_labels: list) ->
         ins = (tuple(None if d in axes else next(it) for d in range(len(in_shapes[0]))),)
     elif prim == "optimization_barrier":
         ins = tuple(out_labels)
+    elif prim in ("slice", "pad", "concatenate"):  # a dim kept whole keeps its label
+        ins = tuple(tuple(want[d] if len(s) == len(out_shape) and s[d] == out_shape[d]
+                          else None for d in range(len(s))) for s in in_shapes)
     elif prim == "gather" and not attrs.get("operand_batching_dims"):
         ins = [list(_none(s)) for s in in_shapes]
         for o, src, d in _gather_pairs(attrs, in_shapes, out_shapes):

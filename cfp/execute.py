@@ -14,7 +14,7 @@ import numpy as np
 
 from cfp import dims as dimrules
 from cfp.jax_compat import dtype_name, is_key, to_dtype
-from cfp.sharding import block_constraints, sub_function, SubProgram
+from cfp.sharding import block_constraints, step_function
 from cfp.strategies import Strategy
 
 
@@ -72,8 +72,7 @@ class PlannedStep:
         self.out_shardings = [shard(outs[v]) for v in g.outputs]
         self.in_specs = [ins[v] for v in g.inputs]
         self.out_specs = [outs[v] for v in g.outputs]
-        sub = SubProgram(tuple(range(len(g.ops))), tuple(g.inputs), tuple(g.outputs))
-        self.fn = sub_function(program, sub, constraints=self.constraints, mesh=mesh)
+        self.fn, self.rolled = step_function(program, constraints=self.constraints, mesh=mesh)
         self.compiled = None
 
     def compile(self):
@@ -155,8 +154,7 @@ def sharded_loss_and_grads(workload, analysis, strategies, mesh, storage=None):
     step_inputs = list(analysis.graph.inputs)
     specs = [ins[v] for v in step_inputs[:n_params] + step_inputs[n_params + n_opt:]]
     shard = lambda s: NamedSharding(mesh, PartitionSpec(*s))  # noqa: E731
-    sub = SubProgram(tuple(range(len(g.ops))), tuple(g.inputs), tuple(g.outputs))
-    fn = sub_function(prog, sub, constraints=mapped, mesh=mesh)
+    fn, _ = step_function(prog, constraints=mapped, mesh=mesh)
     flat = jax.tree_util.tree_leaves((params, batch))
     out = jax.jit(fn, in_shardings=[shard(s) for s in specs])(
         *[jax.device_put(x, shard(s)) for x, s in zip(flat, specs)])

@@ -33,14 +33,14 @@ CONTRACTIONS = ("dot_general", "conv_general_dilated")
 # Calls whose body is inlined: they change nothing about the math.
 _INLINED = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
             "custom_vjp_call_jaxpr", "custom_lin"}
-# Control flow that hides a loop body; refused when a contraction is inside.
+# Remat: the body is inlined behind an optimization barrier, as JAX lowers it.
+_REMAT = {"checkpoint", "remat", "remat2"}
+# Control flow whose body cfp cannot unroll; refused when a contraction is inside.
 _REFUSED = {
-    "scan": "lax.scan",
-    "while": "lax.while_loop / fori_loop",
-    "cond": "lax.cond / switch",
-    "checkpoint": "jax.checkpoint (remat)",
-    "remat": "jax.checkpoint (remat)",
-    "remat2": "jax.checkpoint (remat)",
+    "while": ("lax.while_loop / fori_loop", "use lax.scan (or fori_loop with static bounds, "
+              "which is a scan) over the layers"),
+    "cond": ("lax.cond / switch", "compute both branches and select with jnp.where, or move "
+             "the condition out of the step"),
 }
 
 _DTYPE_SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64",
@@ -76,6 +76,7 @@ class Value:
     name: str  # HLO-style, without the '%'
     producer: int | None  # index of the producing op; None for inputs and constants
     input_index: int | None = None  # position among the step's flat inputs
+    literal: str | None = None  # a scalar constant's value, as text
 
     @property
     def type_str(self) -> str:
@@ -97,6 +98,8 @@ class Op:
     attrs: tuple[tuple[str, Any], ...]  # the simple parameters (ints, tuples, strings)
     hlo: str  # the operator in HLO notation
     flops: float
+    stacks_layers: bool = False  # part of stacking a scan's per-layer results
+    scan_origin: int | None = None  # inside a scan: the equation every iteration copies
 
     def attr(self, key: str, default: Any = None) -> Any:
         return dict(self.attrs).get(key, default)
@@ -137,6 +140,9 @@ class _Eqn:
     params: dict
     inputs: list[int]
     outputs: list[int]
+    stacks_layers: bool = False
+    origin: int = -1  # the traced equation this is a copy of (one per scan iteration)
+    in_scan: bool = False
 
 
 @dataclasses.dataclass
@@ -154,12 +160,87 @@ class Program:
     in_tree: Any  # the pytree structure of the step's arguments
     out_tree: Any
     dead_ops: int = 0
+    jaxpr: Any = None  # the traced step, with its scans (``evaluate_rolled``)
+    origins: dict = dataclasses.field(default_factory=dict)  # place in the trace -> origin
     _graph: Graph | None = None
 
     def graph(self) -> Graph:
         if self._graph is None:
             self._graph = _build_graph(self)
         return self._graph
+
+    @property
+    def scans(self) -> bool:
+        """Whether the step has a scan (unrolled here, one copy of its body per iteration)."""
+        return any(e.in_scan for e in self.eqns)
+
+    def copies(self) -> dict[int, list[int]]:
+        """Origin -> the equations that are its copies (one per iteration of its scans)."""
+        out: dict[int, list[int]] = {}
+        for i, e in enumerate(self.eqns):
+            out.setdefault(e.origin, []).append(i)
+        return out
+
+    def rolls(self, hooks: dict[int, Any]) -> bool:
+        """Whether every copy of each equation has the same entry in ``hooks`` (or none):
+        then ``evaluate_rolled`` with hooks from the first copy is the same computation."""
+        return all(len({repr(hooks.get(i)) for i in idx}) == 1 for idx in self.copies().values())
+
+    def evaluate_rolled(self, flat_inputs: Sequence[Any], *,
+                        before: Callable[[int, list], list] | None = None,
+                        after: Callable[[int, list], list] | None = None) -> list[Any]:
+        """The step's outputs, evaluated as traced: each scan as a ``lax.scan`` over its body
+        and remat's recomputation behind an optimization barrier. The hooks are those of
+        ``evaluate``, called with the index of each equation's first copy (see ``rolls``)."""
+        first = {o: idx[0] for o, idx in self.copies().items()}
+
+        def run(jaxpr, consts, args, path):
+            env = dict(zip(jaxpr.constvars, consts))
+            env.update(zip(jaxpr.invars, args))
+
+            def read(x):
+                return x.val if isinstance(x, jcore.Literal) else env[x]
+
+            for eqn in jaxpr.eqns:
+                ins, name = [read(x) for x in eqn.invars], eqn.primitive.name
+                sub = _inlinable_body(eqn)
+                if sub is not None:
+                    outs = run(sub.jaxpr, sub.consts, ins, path + (id(eqn),))
+                elif name == "scan":
+                    outs = scan(eqn.params, ins, path + (("scan", id(eqn)),))
+                elif name in _REMAT:
+                    if eqn.params.get("prevent_cse") and eqn.params.get("differentiated"):
+                        ins = [v if isinstance(x, jcore.Literal)
+                               else jax.lax.optimization_barrier(v)
+                               for x, v in zip(eqn.invars, ins)]
+                    body = eqn.params["jaxpr"]
+                    outs = run(getattr(body, "jaxpr", body), getattr(body, "consts", ()), ins,
+                               path + (id(eqn),))
+                else:
+                    i = first.get(self.origins.get(path + (id(eqn),)))
+                    if i is not None and before is not None:
+                        ins = before(i, ins)
+                    outs = eqn.primitive.bind(*ins, **eqn.params)
+                    outs = list(outs) if eqn.primitive.multiple_results else [outs]
+                    if i is not None and after is not None:
+                        outs = after(i, outs)
+                env.update(zip(eqn.outvars, outs))
+            return [read(v) for v in jaxpr.outvars]
+
+        def scan(params, ins, path):
+            body, n_consts, n_carry = params["jaxpr"], params["num_consts"], params["num_carry"]
+            consts = ins[:n_consts]
+
+            def step(carry, xs):
+                outs = run(body.jaxpr, body.consts, consts + list(carry) + list(xs), path)
+                return outs[:n_carry], outs[n_carry:]
+
+            carry, ys = jax.lax.scan(step, ins[n_consts:n_consts + n_carry],
+                                     ins[n_consts + n_carry:], length=params["length"],
+                                     reverse=params["reverse"], unroll=params["unroll"])
+            return list(carry) + list(ys)
+
+        return run(self.jaxpr.jaxpr, self.jaxpr.consts, list(flat_inputs), ())
 
     def evaluate(self, flat_inputs: Sequence[Any], *,
                  before: Callable[[int, list], list] | None = None,
@@ -202,7 +283,8 @@ def trace_program(step: Callable, *args: Any) -> Program:
     b = _Builder()
     in_ids = [b.new_value(v.aval) for v in closed.jaxpr.invars]
     out_ids = b.inline(closed.jaxpr, closed.consts, in_ids)
-    prog = Program(b.eqns, b.avals, b.consts, in_ids, out_ids, in_tree, out_tree)
+    prog = Program(b.eqns, b.avals, b.consts, in_ids, out_ids, in_tree, out_tree,
+                   jaxpr=closed, origins=b.origins)
     return _dead_code_eliminated(prog)
 
 
@@ -211,10 +293,17 @@ class _Builder:
         self.eqns: list[_Eqn] = []
         self.avals: dict[int, tuple[tuple[int, ...], str]] = {}
         self.consts: dict[int, Any] = {}
+        self.dtypes: dict[int, Any] = {}  # the jax dtype of each value (keys included)
+        self.pieces: dict[int, list[int]] = {}  # a stack this trace made -> its pieces
+        self.slices: dict[tuple[int, int], int] = {}  # (stacked value, i) -> its slice i
+        self.stacking = False  # set while the ops that stack a scan's results are traced
+        self.origins: dict[tuple, int] = {}  # where an equation sits in the trace -> its id
+        self.helpers: list = []
 
     def new_value(self, aval) -> int:
         vid = len(self.avals)
         self.avals[vid] = (tuple(int(d) for d in aval.shape), dtype_name(aval.dtype))
+        self.dtypes[vid] = aval.dtype
         return vid
 
     def const(self, val, aval) -> int:
@@ -222,7 +311,10 @@ class _Builder:
         self.consts[vid] = val
         return vid
 
-    def inline(self, jaxpr, consts, in_ids: list[int]) -> list[int]:
+    def inline(self, jaxpr, consts, in_ids: list[int], path: tuple = ()) -> list[int]:
+        """Append ``jaxpr``'s equations applied to ``in_ids``; its results' ids. ``path``
+        names where the jaxpr sits in the traced step (the calls, scans and remats around it),
+        so every copy of one traced equation gets the same ``origin``."""
         env: dict[Any, int] = {}
         for var, c in zip(jaxpr.constvars, consts):
             env[var] = self.const(c, var.aval)
@@ -238,17 +330,81 @@ class _Builder:
             name = eqn.primitive.name
             sub = _inlinable_body(eqn)
             if sub is not None:
-                outs = self.inline(sub.jaxpr, sub.consts, ins)
+                outs = self.inline(sub.jaxpr, sub.consts, ins, path + (id(eqn),))
+                env.update(zip(eqn.outvars, outs))
+                continue
+            if name == "scan":
+                outs = self.unrolled_scan(eqn.params, ins, path + (("scan", id(eqn)),))
+                env.update(zip(eqn.outvars, outs))
+                continue
+            if name in _REMAT:
+                if eqn.params.get("prevent_cse") and eqn.params.get("differentiated"):
+                    ins = [j if j in self.consts else self.traced(jax.lax.optimization_barrier, j)
+                           for j in ins]
+                body = eqn.params["jaxpr"]
+                consts = body.consts if hasattr(body, "consts") else ()
+                outs = self.inline(getattr(body, "jaxpr", body), consts, ins,
+                                   path + (id(eqn),))
                 env.update(zip(eqn.outvars, outs))
                 continue
             if name in _REFUSED and _contains_contraction(eqn):
-                raise CfpError(
-                    f"the step puts contractions inside {_REFUSED[name]}; cfp analyses unrolled "
-                    f"layers only: unroll the loop (a Python for over layers) and trace again")
+                what, change = _REFUSED[name]
+                raise CfpError(f"the step puts contractions inside {what}, which cfp cannot "
+                               f"split into layers: {change}")
             outs = [self.new_value(v.aval) for v in eqn.outvars]
-            self.eqns.append(_Eqn(eqn.primitive, dict(eqn.params), ins, outs))
+            self.eqns.append(_Eqn(eqn.primitive, dict(eqn.params), ins, outs, self.stacking,
+                                  self.origin(path + (id(eqn),)),
+                                  any(isinstance(p, tuple) for p in path)))
             env.update(zip(eqn.outvars, outs))
         return [read(v) for v in jaxpr.outvars]
+
+    def traced(self, fn: Callable, *in_ids: int) -> int:
+        """Inline ``fn`` applied to the values ``in_ids``; its one result's id."""
+        structs = [jax.ShapeDtypeStruct(self.avals[j][0], self.dtypes[j]) for j in in_ids]
+        closed = jax.make_jaxpr(fn)(*structs)
+        self.helpers.append(closed)  # alive, so no later equation reuses its eqns' ids
+        return self.inline(closed.jaxpr, closed.consts, list(in_ids))[0]
+
+    def origin(self, key: tuple) -> int:
+        return self.origins.setdefault(key, len(self.origins))
+
+    def unrolled_scan(self, params: dict, ins: list[int], path: tuple) -> list[int]:
+        """A ``scan`` as ``length`` copies of its body: iteration ``i`` reads slice ``i`` of
+        the stacked inputs and its per-iteration results are stacked again; each layer of a
+        scanned stack is then a repeated segment, as if the loop were unrolled."""
+        body, n_consts, n_carry = params["jaxpr"], params["num_consts"], params["num_carry"]
+        length = params["length"]
+        consts, carry, xs = ins[:n_consts], ins[n_consts:n_consts + n_carry], ins[n_consts + n_carry:]
+        ys: list[list[int]] = [[] for _ in range(length)]
+        for i in (reversed(range(length)) if params["reverse"] else range(length)):
+            x_i = [self.layer_slice(x, i) for x in xs]
+            outs = self.inline(body.jaxpr, body.consts, consts + carry + x_i, path)
+            carry, ys[i] = outs[:n_carry], outs[n_carry:]
+        stacked = []
+        for k in range(len(ys[0]) if length else 0):
+            pieces = [ys[i][k] for i in range(length)]
+            self.stacking = True
+            stacked.append(self.traced(_stack, *pieces))
+            self.stacking = False
+            self.pieces[stacked[-1]] = pieces
+        return carry + stacked
+
+    def layer_slice(self, stacked: int, i: int) -> int:
+        """Slice ``i`` of a stacked value: the piece itself when this trace stacked it (a
+        forward scan's residuals read by the reverse scan), else one slice per (value, i)."""
+        if stacked in self.pieces:
+            return self.pieces[stacked][i]
+        key = (stacked, i)
+        if key not in self.slices:
+            self.slices[key] = self.traced(
+                lambda a: jax.lax.index_in_dim(a, i, 0, keepdims=False), stacked)
+        return self.slices[key]
+
+
+def _stack(*pieces):
+    """Pieces stacked on a new leading axis, by reshape and concatenate (primitives that every
+    JAX version has and the analysis has rules for)."""
+    return jax.lax.concatenate([jax.lax.reshape(p, (1,) + p.shape) for p in pieces], 0)
 
 
 def _inlinable_body(eqn):
@@ -297,7 +453,9 @@ def _build_graph(prog: Program) -> Graph:
         values[vid] = Value(vid, shape, dtype, f"Arg_{k}.{vid}", None, k)
     for vid in prog.consts:
         shape, dtype = prog.avals[vid]
-        values[vid] = Value(vid, shape, dtype, f"constant.{vid}", None)
+        c = prog.consts[vid]
+        literal = repr(np.asarray(c).item()) if np.ndim(c) == 0 else None
+        values[vid] = Value(vid, shape, dtype, f"constant.{vid}", None, literal=literal)
     ops = []
     users: dict[int, list[int]] = {}
     for i, eqn in enumerate(prog.eqns):
@@ -312,7 +470,8 @@ def _build_graph(prog: Program) -> Graph:
         outs = [values[o] for o in eqn.outputs]
         ops.append(Op(i, eqn.primitive.name, tuple(eqn.inputs), tuple(eqn.outputs), attrs,
                       _hlo_line(hname, ins, outs, attrs, eqn.primitive.name),
-                      _flops(eqn.primitive.name, ins, outs, dict(attrs))))
+                      _flops(eqn.primitive.name, ins, outs, dict(attrs)), eqn.stacks_layers,
+                      eqn.origin if eqn.in_scan else None))
     return Graph(values, tuple(ops), tuple(prog.inputs), tuple(prog.outputs),
                  {k: tuple(v) for k, v in users.items()}, prog.dead_ops)
 

@@ -165,7 +165,7 @@ def jit(train_step: Callable, plan: dict, mesh, params, opt_state, batch) -> Cal
     traced with them must be the analysed one (same fingerprint)."""
     import jax
     from cfp.graph import trace_program
-    from cfp.sharding import SubProgram, sub_function
+    from cfp.sharding import step_function
     program = trace_program(train_step, params, opt_state, batch)
     g = program.graph()
     if g.fingerprint() != plan["step"]["fingerprint"]:
@@ -174,8 +174,7 @@ def jit(train_step: Callable, plan: dict, mesh, params, opt_state, batch) -> Cal
     constraints = {int(op): ([None if s is None else _from_json(s) for s in operands],
                              [None if s is None else _from_json(s) for s in results])
                    for op, (operands, results) in plan["constraints"].items()}
-    sub = SubProgram(tuple(range(len(g.ops))), tuple(g.inputs), tuple(g.outputs))
-    flat_step = sub_function(program, sub, constraints=constraints, mesh=mesh)
+    flat_step, _ = step_function(program, constraints=constraints, mesh=mesh)
 
     def step(*args):
         outs = flat_step(*jax.tree_util.tree_leaves(args))

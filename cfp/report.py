@@ -252,6 +252,10 @@ def search_console(rec, devices: int) -> None:
         f"{rec.step_flops / plan.median_s / devices / 1e12:.4g} TFLOP/s per device")
     say(f"memory per device: {rec.memory['peak_bytes'] / 2**30:.4f} GB compiled, "
         f"{plan.composed_memory_bytes / 2**30:.4f} GB composed from the profiles")
+    if rec.scans == "rolled":
+        say("scans run as lax.scan: one strategy per scan body")
+    elif rec.scans == "unrolled":
+        say("scans run unrolled: this plan gives a scan's iterations different strategies")
 
 
 def input_paths(spec) -> list[str]:

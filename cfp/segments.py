@@ -4,7 +4,9 @@
    the number of independent tensors that cross it: results of one block read by a block on the
    other side (forward activations and backward cotangents alike), counted once per set of
    nearest contraction sources (``_cut_widths``). Tensors that depend on no contraction (masks,
-   step counters) are computed once, and scalars (loss terms) have no layout: neither counts. The narrowest cuts split the sequence
+   step counters) are computed once, and scalars (loss terms) have no layout: neither counts.
+   Nor does the stacking of a scan's per-layer results (the stacked gradient of stacked
+   weights), which reads every layer by construction. The narrowest cuts split the sequence
    into *pieces*: in a transformer, the residual stream and its gradient are all that cross
    between attention and MLP and between layers.
 2. **Fingerprints.** A piece's fingerprint is, per block, its contractions (kinds, shapes,
@@ -135,7 +137,7 @@ def _cut_widths(graph: Graph, ba: BlockAnalysis) -> list[int]:
     spans: dict[int, list[tuple[int, int]]] = {}
     for op in graph.ops:
         j = ba.owner.get(op.index)
-        if j is None:
+        if j is None or op.stacks_layers:  # a scan's stack reads every layer by design
             continue
         for v in op.inputs:
             p = graph.values[v].producer

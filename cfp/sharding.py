@@ -55,13 +55,26 @@ def _is_const(graph: Graph, v: int) -> bool:
     return val.producer is None and val.input_index is None
 
 
-def sub_function(program: Program, sub: SubProgram, *,
+def step_function(program: Program, *, constraints: dict[int, tuple[list, list]],
+                  mesh) -> tuple[Callable, bool]:
+    """``(f(*step_inputs) -> step_outputs, rolled)``: the whole step under ``constraints``.
+    Its scans stay ``lax.scan``s (``rolled``) when the constraints are the same in every
+    iteration, as the search makes them; otherwise the scans run unrolled, as analysed."""
+    rolled = program.scans and program.rolls(constraints)
+    g = program.graph()
+    sub = None if rolled else SubProgram(tuple(range(len(g.ops))), tuple(g.inputs),
+                                         tuple(g.outputs))
+    return sub_function(program, sub, constraints=constraints, mesh=mesh), rolled
+
+
+def sub_function(program: Program, sub: SubProgram | None, *,
                  constraints: dict[int, tuple[list, list]] | None = None,
                  mesh=None, tagged: bool = False) -> Callable:
     """``f(*live_ins) -> live_outs`` re-evaluating ``sub``'s equations, with sharding
     constraints ``{op: (operand specs, result specs)}`` (``None`` entries: unconstrained).
     ``tagged``: every equation runs in a named scope of its position in ``sub`` (``op_tag``),
-    so its compiled counterparts can be found by their metadata (``tagged_op``)."""
+    so its compiled counterparts can be found by their metadata (``tagged_op``). ``sub=None``:
+    the whole step, as traced (``Program.evaluate_rolled``)."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -76,6 +89,11 @@ def sub_function(program: Program, sub: SubProgram, *,
 
     def after(i, outs):
         return constrain(outs, constraints[i][1]) if i in constraints else outs
+
+    if sub is None:  # the whole step, its scans rolled
+        return lambda *inputs: program.evaluate_rolled(
+            inputs, before=before if constraints else None,
+            after=after if constraints else None)
 
     def fn(*live_ins):
         env = program.evaluate([], ops=sub.ops, env=dict(zip(sub.live_ins, live_ins)),

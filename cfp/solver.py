@@ -7,7 +7,8 @@ resharding of the tensors that cross). Edges follow the program's real boundarie
 not form a chain (tied embeddings, skip connections).
 
 Model: one-hot booleans per group option; per block, booleans ``x[b][s]`` tied to the options
-that give it strategy ``s``; per edge, "transport" booleans ``e[s,t]`` with ``sum_t e[s,t] =
+that give it strategy ``s`` (and equal for *tied* blocks: the copies of one block in the
+iterations of a scan, which runs one body); per edge, "transport" booleans ``e[s,t]`` with ``sum_t e[s,t] =
 x_i[s]`` and ``sum_s e[s,t] = x_j[t]`` (exactly one is true, and it prices the pair). Memory:
 ``sum(persistent + held) + M <= budget`` with ``M >= transient`` of every chosen option. Costs
 are integers (the caller scales seconds to its profiles' resolution), so the optimum is exact.
@@ -46,6 +47,7 @@ class Problem:
     num_strategies: list[int]  # per block
     edges: dict = dataclasses.field(default_factory=dict)  # (i, j) -> int array [S_i, S_j]
     memory_budget: int | None = None
+    ties: list = dataclasses.field(default_factory=list)  # (i, j): same strategy (one scan)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +113,9 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, exclude=(), workers: 
             m.Add(peak >= sum(opt.transient * y[g][o] for o, opt in enumerate(grp.options)))
         m.Add(sum(opt.memory * y[g][o] for g, grp in enumerate(problem.groups)
                   for o, opt in enumerate(grp.options)) + peak <= problem.memory_budget)
+    for i, j in problem.ties:
+        for s in range(problem.num_strategies[i]):
+            m.Add(x[i, s] == x[j, s])
     for prev in exclude:  # no-good cuts: not this exact plan again
         m.AddBoolOr([y[g][c].Not() for g, c in enumerate(prev)])
     m.Minimize(sum(objective))
@@ -132,8 +137,10 @@ def brute_force(problem: Problem) -> tuple[int, tuple] | None:
     """Exhaustive optimum (cost, choices) for tests; None when nothing fits the budget."""
     best = None
     for choices in itertools.product(*[range(len(g.options)) for g in problem.groups]):
-        cost, mem, _ = evaluate(problem, choices)
+        cost, mem, strat = evaluate(problem, choices)
         if problem.memory_budget is not None and mem > problem.memory_budget:
+            continue
+        if any(strat[i] != strat[j] for i, j in problem.ties):
             continue
         if best is None or cost < best[0]:
             best = (cost, choices)

@@ -193,33 +193,45 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
                      if g.values[v].input_index is not None and v not in read_earlier)
     outputs = set(g.outputs)
     persistent += sum(size(v, s) for v, s in zip(sub.live_outs, outs) if v in outputs)
-    loss_op = g.values[g.outputs[-1]].producer if g.outputs else None
     held = held_internal = 0
-    if loss_op is not None and not g.values[g.outputs[-1]].shape:
-        out_spec = dict(zip(sub.live_outs, outs))
-        member = {m.op: (blk, st, m) for blk, st in zip(blocks, strategies) for m in blk.members}
-        for i in sub.ops:
-            if i >= loss_op:
-                continue
-            blk, st, m = member[i]
-            stored = g.ops[i].is_contraction or g.ops[i].primitive in dimrules.REDUCTIONS
-            for v, lab in zip(g.ops[i].outputs, m.outs):
-                late = [u for u in g.users.get(v, ()) if u > loss_op]
-                if late and (stored or any(_feeds_contraction(g, u) for u in late)):
-                    b = size(v, dimrules.spec_axes(lab, st.axes, axis_names))
-                    held += b
-                    if v not in out_spec:
-                        held_internal += b
+    out_spec = dict(zip(sub.live_outs, outs))
+    member = {m.op: (blk, st, m) for blk, st in zip(blocks, strategies) for m in blk.members}
+    kept = held_for_backward(g)
+    for i in sub.ops:
+        blk, st, m = member[i]
+        for v, lab in zip(g.ops[i].outputs, m.outs):
+            if v in kept:
+                b = size(v, dimrules.spec_axes(lab, st.axes, axis_names))
+                held += b
+                if v not in out_spec:
+                    held_internal += b
     transient = max(0, measured.temp_bytes - held_internal)
     return persistent + held, transient
 
 
+def held_for_backward(g) -> frozenset[int]:
+    """The activations the forward pass holds for the backward pass: produced before the
+    loss, read after it, and materialized, i.e. a contraction's or a reduction's result, or
+    an operand that a backward contraction (or remat's recomputation) reads."""
+    loss_op = g.values[g.outputs[-1]].producer if g.outputs else None
+    if loss_op is None or g.values[g.outputs[-1]].shape:
+        return frozenset()
+    out = set()
+    for op in g.ops[:loss_op]:
+        stored = op.is_contraction or op.primitive in dimrules.REDUCTIONS
+        for v in op.outputs:
+            late = [u for u in g.users.get(v, ()) if u > loss_op]
+            if late and (stored or any(_feeds_contraction(g, u) for u in late)):
+                out.add(v)
+    return frozenset(out)
+
+
 def _feeds_contraction(g, op_index: int, depth: int = 3) -> bool:
     """Whether an op is a contraction, or a layout op (reshape, transpose, convert) on the way
-    to one."""
+    to one, or remat's barrier (its operands are what remat saves for the backward pass)."""
     from cfp.blocks import LAYOUT_OPS
     op = g.ops[op_index]
-    if op.is_contraction:
+    if op.is_contraction or op.primitive == "optimization_barrier":
         return True
     if op.primitive not in LAYOUT_OPS or depth == 0:
         return False

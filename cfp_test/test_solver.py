@@ -68,3 +68,27 @@ def test_non_chain_edges_and_exclusion():
     assert first.objective == brute_force(p)[0]
     second = solve(p, exclude=[first.choices])
     assert second.choices != first.choices and second.objective >= first.objective
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tied_blocks_take_one_strategy(seed):
+    """The copies of a scan body's block in its iterations (here the first block of every
+    group) take the same strategy, at the brute-force optimum over the plans that do."""
+    rng = random.Random(200 + seed)
+    free = _random_chain(rng, groups=3)
+    ties = [(0, 2), (2, 4)]
+    tied = Problem(free.groups, free.num_strategies, free.edges, None, ties)
+    sol = solve(tied)
+    assert len({sol.strategies[b] for b in (0, 2, 4)}) == 1
+    assert sol.objective == brute_force(tied)[0] >= brute_force(free)[0]
+
+
+def test_ties_bind_where_the_free_optimum_differs():
+    """Negative control: on some instance the untied optimum gives the copies different
+    strategies, so the ties above are not satisfied by chance."""
+    for seed in range(200, 220):
+        free = _random_chain(random.Random(seed), groups=3)
+        strategies = evaluate(free, brute_force(free)[1])[2]
+        if len({strategies[b] for b in (0, 2, 4)}) > 1:
+            return
+    raise AssertionError("the free optimum tied the copies on every instance")

@@ -75,6 +75,7 @@ class SearchRecord:
     out_specs: tuple
     time_s: float
     phase_s: dict
+    scans: str = ""  # "rolled" or "unrolled" when the step has scans: how the kept plan ran
 
     @property
     def plan(self) -> Candidate:
@@ -125,7 +126,8 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
     rec = SearchRecord(candidates, kept, status, solve_s, plan_flops(analysis), numerics,
                        step.compiled.as_text(), memory_of(step.compiled),
                        tuple(map(tuple, step.in_specs)), tuple(map(tuple, step.out_specs)),
-                       time.perf_counter() - start, dict(phases.seconds))
+                       time.perf_counter() - start, dict(phases.seconds),
+                       ("rolled" if step.rolled else "unrolled") if program.scans else "")
     log.info("search pass: %.1f s, phases %s", rec.time_s, rec.phase_s)
     return rec
 
@@ -191,7 +193,14 @@ def build_problem(analysis, profile, memory_budget_bytes: int | None
                                         * SCALE))
         key = (b.src, b.dst)
         edges[key] = edges.get(key, 0) + t
-    problem = Problem(groups, [len(b.strategies) for b in blocks], edges, memory_budget_bytes)
+    copies: dict[int, list[int]] = {}  # a scan body's block -> its copy in every iteration
+    for b in blocks:
+        origin = analysis.graph.ops[b.seed].scan_origin
+        if origin is not None:
+            copies.setdefault(origin, []).append(b.index)
+    ties = [(c[k], c[k + 1]) for c in copies.values() for k in range(len(c) - 1)]
+    problem = Problem(groups, [len(b.strategies) for b in blocks], edges, memory_budget_bytes,
+                      ties)
     return problem, combos
 
 
@@ -219,7 +228,7 @@ def top_plans(problem: Problem, k: int, time_limit_s: float):
 def baseline_candidates(analysis, problem: Problem, known) -> list[tuple[str, Solution]]:
     """The rule-file baselines (``cfp.baselines``) that are plans of this problem: every block
     on a profiled strategy, every window on a feasible measured combination, parameters kept as
-    the plan keeps them, and within the memory budget. Search validates them next to its own
+    the plan keeps them, one strategy per scan body, and within the memory budget. Search validates them next to its own
     predictions, so a plan people already use is measured too, not only predicted."""
     from cfp.baselines import applies, baseline_plan, load_rules
     out, seen = [], set(known)
@@ -242,6 +251,8 @@ def baseline_candidates(analysis, problem: Problem, known) -> list[tuple[str, So
         cost, mem, strategies = evaluate(problem, choices)
         if problem.memory_budget is not None and mem > problem.memory_budget:
             continue
+        if any(strategies[i] != strategies[j] for i, j in problem.ties):
+            continue  # layers of one scan on different strategies: not a plan of a scan
         seen.add(strategies)
         out.append((name, Solution(tuple(choices), strategies, cost, mem, f"baseline {name}",
                                    0.0)))

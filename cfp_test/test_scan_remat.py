@@ -1,0 +1,175 @@
+"""Layers under ``lax.scan`` / Flax ``nn.scan`` and under ``jax.checkpoint`` / ``nn.remat``
+(``scanned_models``): analysed as their unrolled twins are, planned with one strategy per
+scan body, run as a scan, remat kept."""
+import math
+
+import jax
+import pytest
+
+from cfp.blocks import build_blocks
+from cfp.cli import main
+from cfp.errors import CfpError
+from cfp.execute import PlannedStep, check_numerics
+from cfp.graph import trace_program
+from cfp.passes.analysis import run_analysis
+from cfp.windows import split_windows, window_space
+from cfp.workloads import WorkloadSpec, make_mesh, trace_step
+
+TWINS = [("flax_scan", "flax_unrolled"), ("flax_remat", "flax_unrolled"),
+         ("flax_scan_remat", "flax_unrolled"), ("jax_scan", "jax_unrolled"),
+         ("jax_checkpoint", "jax_unrolled")]
+
+
+def _spec(model, **over):
+    return WorkloadSpec(f"scanned_models:{model}", None, None, "float32",
+                        tuple(over.items())).resolved()
+
+
+def _layer_view(a):
+    """What the analysis makes of each block (its seed, its other contractions but remat's
+    recomputations, its strategy count), the segment types, and the profile's windows with
+    their combination counts."""
+    from cfp.segments import contraction_signature
+    g = a.graph
+    blocks = [(contraction_signature(g, b.seed),
+               sorted(contraction_signature(g, m.op) for m in b.contractions
+                      if m.role not in ("seed", "recompute")),
+               len(b.strategies)) for b in a.blocks.blocks]
+    windows, _ = split_windows(a, 8)
+    return (blocks, a.segments.num_types, [s.type for s in a.segments.instances],
+            [(w.type, window_space(a, w)) for w in windows])
+
+
+@pytest.mark.parametrize("model,twin", TWINS)
+def test_scanned_and_remat_stacks_analyse_as_their_unrolled_twin(model, twin):
+    """Same blocks (contractions, strategy counts), segments and profiled combinations as
+    the unrolled twin, at 2 and 4 layers; one segment type for the stack at any depth."""
+    for layers in (2, 4):
+        got = _layer_view(run_analysis(_spec(model, num_layers=layers), (8,)))
+        assert got == _layer_view(run_analysis(_spec(twin, num_layers=layers), (8,)))
+        assert got[2].count(got[2][0]) == layers  # the layer segment repeats once per layer
+
+
+def test_without_remats_recomputation_matched_the_twins_differ(monkeypatch):
+    """Negative control: with recomputed contractions not matched to what they repeat, the
+    remat stack gets blocks of its own and no longer analyses as its twin."""
+    import cfp.blocks
+    a = run_analysis(_spec("flax_scan_remat"), (8,))
+    twin = _layer_view(run_analysis(_spec("flax_unrolled"), (8,)))
+    monkeypatch.setattr(cfp.blocks, "_repeats", lambda graph: {})
+    broken = build_blocks(a.graph, (8,))
+    assert len(broken.blocks) > len(twin[0])
+
+
+def test_without_residuals_passed_through_a_scan_differs():
+    """Negative control: the stacked residuals sliced again (not passed through by the trace)
+    hide each backward contraction from its forward one."""
+    from cfp import graph as graphmod
+    w = _spec("jax_scan").build()
+    program = trace_step(w)
+    original = graphmod._Builder.layer_slice
+    try:
+        graphmod._Builder.layer_slice = lambda self, stacked, i: self.traced(
+            lambda a: jax.lax.index_in_dim(a, i, 0, keepdims=False), stacked)
+        sliced = trace_step(w)
+    finally:
+        graphmod._Builder.layer_slice = original
+    n = len(build_blocks(program.graph(), (8,)).blocks)
+    assert len(build_blocks(sliced.graph(), (8,)).blocks) > n
+
+
+@pytest.mark.parametrize("model", [pytest.param("flax_scan_remat", marks=pytest.mark.slow),
+                                   "jax_scan", "jax_checkpoint"])
+def test_planned_scan_runs_as_a_scan_and_matches_one_device(model):
+    """Each block's last strategy (weights split on a non-layer dim): the step compiles with
+    the scans as loops, the stacked weights split but never on the layer axis, and loss and
+    gradients match the single-device step."""
+    spec = _spec(model, num_layers=3)
+    a, w, mesh = run_analysis(spec, (8,)), spec.build(), make_mesh((8,))
+    plan = [len(b.strategies) - 1 for b in a.blocks.blocks]
+    step = PlannedStep(trace_step(w), a, plan, mesh)
+    assert step.rolled == ("scan" in model)
+    compiled = step.compile()
+    assert compiled.as_text().count(" while(") == (2 if "scan" in model else 0)
+    stacked = [s for v, s in zip(a.graph.inputs, step.in_specs)
+               if a.graph.values[v].shape[:1] == (3,) and len(a.graph.values[v].shape) == 3]
+    assert ("scan" in model) == bool(stacked)
+    assert all(s[0] is None for s in stacked)
+    assert not stacked or any(any(s[1:]) for s in stacked)
+    loss_err, grad_excess = check_numerics(w, a, plan, mesh)
+    assert loss_err < 1e-5 and grad_excess == 0.0
+
+
+def test_a_plan_that_differs_per_layer_runs_unrolled():
+    """Negative control for the rolled step: layers given different strategies cannot share
+    one scan body, so the step runs unrolled."""
+    spec = _spec("jax_scan", num_layers=3)
+    a, w, mesh = run_analysis(spec, (8,)), spec.build(), make_mesh((8,))
+    plan = [b.index % len(b.strategies) for b in a.blocks.blocks]
+    step = PlannedStep(trace_step(w), a, plan, mesh)
+    assert not step.rolled
+    assert " while(" not in step.compile().as_text()
+
+
+def test_composed_memory_holds_only_what_remat_saves():
+    """Under remat the forward pass holds each layer's input for the backward pass (read
+    again by the barrier in front of the recomputation) and nothing else of the layers; the
+    unrolled twin holds its layers' activations too."""
+    remat, twin = _held("flax_remat"), _held("flax_unrolled")
+    assert remat.count(STREAM) >= 4  # the 4 layers' inputs
+    assert set(twin) - set(remat)  # activations of other shapes remat recomputes
+    assert sum(math.prod(s) for s in remat) < 0.5 * sum(math.prod(s) for s in twin)
+
+
+def test_without_the_barrier_remats_inputs_are_not_held(monkeypatch):
+    """Negative control: not counting what remat's barrier reads, the layer inputs that remat
+    saves drop out of the composed memory."""
+    import cfp.windows
+    feeds = cfp.windows._feeds_contraction
+    monkeypatch.setattr(cfp.windows, "_feeds_contraction", lambda g, i, depth=3: (
+        g.ops[i].primitive != "optimization_barrier" and feeds(g, i, depth)))
+    assert _held("flax_remat").count(STREAM) < 4
+
+
+STREAM = (4, 16, 32)  # batch, sequence, hidden: the residual stream
+
+
+def _held(model):
+    from cfp.windows import held_for_backward
+    g = run_analysis(_spec(model, num_layers=4), (8,)).graph
+    return [g.values[v].shape for v in sorted(held_for_backward(g))]
+
+
+def test_three_passes_on_a_scanned_remat_stack(tmp_path, capsys):
+    args = ["--model", "scanned_models:flax_scan_remat", "--num-layers", "2", "--mesh", "8",
+            "--workdir", str(tmp_path), "--max-combinations", "8", "--memory-budget", "1",
+            "--validate-top", "1", "--iters", "1"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "gradients match" in out and "scans run as lax.scan" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["flax_scan", "flax_remat", "jax_scan", "jax_checkpoint"])
+def test_three_passes_on_scanned_and_remat_stacks(tmp_path, capsys, model):
+    args = ["--model", f"scanned_models:{model}", "--num-layers", "2", "--mesh", "8",
+            "--workdir", str(tmp_path), "--max-combinations", "8", "--memory-budget", "1",
+            "--validate-top", "1", "--iters", "1"]
+    assert main(args) == 0
+    assert "gradients match" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("where", ["cond", "while"])
+def test_a_contraction_under_cond_or_while_is_refused_with_what_to_change(where):
+    def f(w, x):
+        if where == "cond":
+            y = jax.lax.cond(x.sum() > 0, lambda a: a @ w, lambda a: a, x)
+        else:
+            y = jax.lax.while_loop(lambda c: c[1] < 3, lambda c: (c[0] @ w, c[1] + 1),
+                                   (x, 0))[0]
+        return y.sum()
+
+    with pytest.raises(CfpError) as e:
+        trace_program(jax.grad(f) if where == "cond" else f,
+                      jax.numpy.ones((4, 4)), jax.numpy.ones((2, 4)))
+    assert "\n" not in str(e.value) and ("jnp.where" in str(e.value) or "lax.scan" in str(e.value))
