@@ -1,9 +1,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
-from cfp.errors import CfpError
 from cfp.graph import trace_program
 from helpers import traced
 
