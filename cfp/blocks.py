@@ -101,22 +101,43 @@ class BlockAnalysis:
     value_labels: tuple[dict, ...]  # per block: value id -> labels of values it produces
     owner: dict[int, int]  # op index -> block index
     unclaimed: tuple[int, ...]  # op indices no block claims
+    seed_comparisons: int = 0  # contractions matched against a seed, over the whole step
 
 
 def build_blocks(graph: Graph, mesh_shape: tuple[int, ...]) -> BlockAnalysis:
     """Group ``graph``'s operators into ParallelBlocks for a mesh of ``mesh_shape``."""
-    b = _Builder(graph, mesh_shape)
+    b = _Builder(graph)
     b.seed_and_match()
     b.forward_flow()
     b.backward_attach()
     b.refine()
-    return b.finish()
+    return with_strategies(b.finish(), graph, mesh_shape)
+
+
+def with_strategies(ba: BlockAnalysis, graph: Graph, mesh_shape: tuple[int, ...]
+                    ) -> BlockAnalysis:
+    """The same blocks with their strategies on a mesh of ``mesh_shape`` (the grouping does
+    not depend on the mesh): those of the seed that divide every labelled dim of every
+    member."""
+    blocks = []
+    for b in ba.blocks:
+        divides = []  # every labelled dim of every member: each layout must exist
+        for m in b.members:
+            op = graph.ops[m.op]
+            for v, lab in list(zip(op.inputs, m.ins)) + list(zip(op.outputs, m.outs)):
+                divides += [(l, s) for l, s in zip(lab, graph.values[v].shape) if l is not None]
+        seed = graph.ops[b.seed]
+        ndims = tuple(len(graph.values[v].shape) for v in (seed.outputs[0], *seed.inputs[:2]))
+        all_strats, before = enumerate_strategies(b.loop_dims, tuple(mesh_shape), ndims=ndims)
+        strats = tuple(s for s in all_strats
+                       if dimrules.satisfied(divides, s.axes, tuple(mesh_shape)))
+        blocks.append(dataclasses.replace(b, strategies=strats, strategies_before_pruning=before))
+    return dataclasses.replace(ba, blocks=tuple(blocks))
 
 
 class _Builder:
-    def __init__(self, graph: Graph, mesh_shape):
+    def __init__(self, graph: Graph):
         self.g = graph
-        self.mesh_shape = tuple(mesh_shape)
         self.owner: dict[int, int] = {}  # op -> block
         self.members: list[dict[int, Member]] = []
         self.labels: list[dict[int, tuple]] = []  # block -> value -> labels
@@ -124,6 +145,7 @@ class _Builder:
         self.loop_dims: list[tuple[LoopDim, ...]] = []
         self._chains: dict[int, list[Op]] = {}
         self.repeats = _repeats(graph)
+        self.comparisons = 0
 
     # -- helpers ------------------------------------------------------------------------------
     def shape(self, v):
@@ -212,6 +234,7 @@ class _Builder:
     def seed_and_match(self):
         contractions = [op for op in self.g.ops if op.is_contraction]
         candidates = {}
+        by_root: dict[int, list[int]] = {}  # root of a seed's operand -> its blocks
         for c in contractions:
             repeated = self.g.values[self.original(c.outputs[0])].producer
             if repeated != c.index:  # a remat recomputation joins the block it repeats
@@ -220,12 +243,17 @@ class _Builder:
                                                  role="recompute"))
                 continue
             found = []
-            for bi, seed in enumerate(self.seeds):
-                m = self.match_backward(c, self.g.ops[seed], bi)
+            # A backward reads one of its seed's operands: only seeds sharing a root can match,
+            # so the comparisons per contraction do not grow with depth.
+            for bi in sorted({bi for v in c.inputs[:2] for bi in by_root.get(self.root(v), ())}):
+                self.comparisons += 1
+                m = self.match_backward(c, self.g.ops[self.seeds[bi]], bi)
                 if m is not None:
                     found.append((bi, m))
             if not found:
                 self.new_block(c)
+                for v in c.inputs[:2]:
+                    by_root.setdefault(self.root(v), []).append(len(self.seeds) - 1)
             else:
                 candidates[c.index] = found
                 if len(found) == 1:
@@ -386,28 +414,15 @@ class _Builder:
                 reqs = tuple(dict.fromkeys(m.reqs + fwd.reqs))
                 self.add(bi, dataclasses.replace(m, outs=outs, ins=ins, reqs=reqs))
 
-    # -- 5. strategies and records ------------------------------------------------------------
+    # -- 5. the record ------------------------------------------------------------------------
     def finish(self) -> BlockAnalysis:
-        blocks = []
-        for bi, seed in enumerate(self.seeds):
-            members = tuple(self.members[bi][k] for k in sorted(self.members[bi]))
-            divides = []  # every labelled dim of every member: each layout must exist
-            for m in members:
-                op = self.g.ops[m.op]
-                for v, lab in list(zip(op.inputs, m.ins)) + list(zip(op.outputs, m.outs)):
-                    divides += [(l, s) for l, s in zip(lab, self.shape(v)) if l is not None]
-            all_strats, before = enumerate_strategies(self.loop_dims[bi], self.mesh_shape,
-                                                      ndims=self._ndims(seed))
-            strats = tuple(s for s in all_strats
-                           if dimrules.satisfied(divides, s.axes, self.mesh_shape))
-            blocks.append(Block(bi, seed, self.loop_dims[bi], members, strats, before))
+        """The blocks, without strategies yet (``with_strategies``)."""
+        blocks = tuple(Block(bi, seed, self.loop_dims[bi],
+                             tuple(self.members[bi][k] for k in sorted(self.members[bi])), (), 0)
+                       for bi, seed in enumerate(self.seeds))
         unclaimed = tuple(op.index for op in self.g.ops if op.index not in self.owner)
-        return BlockAnalysis(tuple(blocks), tuple(self.labels), dict(self.owner), unclaimed)
-
-    def _ndims(self, seed):
-        op = self.g.ops[seed]
-        return (len(self.shape(op.outputs[0])), len(self.shape(op.inputs[0])),
-                len(self.shape(op.inputs[1])))
+        return BlockAnalysis(blocks, tuple(self.labels), dict(self.owner), unclaimed,
+                             self.comparisons)
 
 
 def _repeats(graph: Graph) -> dict[int, int]:

@@ -71,7 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "or 8)")
     m.add_argument("--mesh", default=None,
                    help="mesh shape, e.g. 8 or 2x4 (axes m0, m1; one axis of all devices "
-                        "when left out)")
+                        "when left out); with --cluster, 'auto' plans every logical mesh and "
+                        "keeps the best")
+    m.add_argument("--cluster", default=None,
+                   help="plan for a described cluster instead of these devices: a preset "
+                        "(a100-8, h100-8, a100-64, h100-64, alpa-50x4) or a .json file (see "
+                        "cfp/cluster.py); sets the mesh (its levels), the memory budget and "
+                        "the prices; search predicts and runs nothing")
     p.add_argument("--workdir", default=None,
                    help="where the passes read and write (profiles/<model>-<config>-<mesh>/ "
                         "when left out)")
@@ -117,6 +123,7 @@ class RunOptions:
     num_devices: int
     workdir: Path | None
     modes: tuple[str, ...]
+    cluster: object = None  # cfp.cluster.Cluster; mesh_shape None: --mesh auto, chosen later
 
 
 def _options(args) -> RunOptions:
@@ -133,6 +140,19 @@ def _options(args) -> RunOptions:
         if v <= 0:
             raise CfpError(f"--{k.replace('_', '-')} must be positive, got {v}")
     spec = WorkloadSpec(args.model, args.config, args.batch_size, args.dtype, overrides)
+    workdir = Path(args.workdir) if args.workdir else None
+    modes = (args.mode,) if args.mode else MODES
+    if args.cluster is not None:
+        from cfp.cluster import load_cluster
+        cluster = load_cluster(args.cluster)
+        if args.mesh == "auto":
+            return RunOptions(spec, None, cluster.num_devices, workdir, modes, cluster)
+        mesh_shape = cluster.mesh_shape if args.mesh is None else parse_mesh(args.mesh)
+        check_mesh(mesh_shape, cluster.num_devices)
+        return RunOptions(spec, mesh_shape, cluster.num_devices, workdir, modes, cluster)
+    if args.mesh == "auto":
+        raise CfpError("--mesh auto compares the logical meshes of a described cluster: give "
+                       "--cluster too")
     if args.mesh is None:
         num = 8 if args.num_devices is None else args.num_devices
         mesh_shape = (num,)
@@ -140,8 +160,6 @@ def _options(args) -> RunOptions:
         mesh_shape = parse_mesh(args.mesh)
         num = math.prod(mesh_shape) if args.num_devices is None else args.num_devices
     check_mesh(mesh_shape, num)
-    workdir = Path(args.workdir) if args.workdir else None
-    modes = (args.mode,) if args.mode else MODES
     return RunOptions(spec, mesh_shape, num, workdir, modes)
 
 
@@ -150,6 +168,8 @@ def _check_devices(opts: RunOptions, args) -> None:
     search on CPU has a memory budget."""
     import jax
     from cfp.workloads import make_mesh
+    if opts.cluster is not None:
+        return  # planned, not run: analysis and analytic pricing need no devices
     make_mesh(opts.mesh_shape)
     if ("search" in opts.modes and args.memory_budget is None
             and jax.devices()[0].platform == "cpu"):
@@ -166,6 +186,8 @@ def _default_workdir(opts: RunOptions) -> Path:
     label = spec.label
     if spec.batch_size is not None:
         label += f"-b{spec.batch_size}"
+    if opts.cluster is not None:
+        label += f"-{opts.cluster.name}"
     return Path("profiles") / f"{label}-{mesh_text(opts.mesh_shape)}"
 
 
@@ -195,7 +217,11 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(name)s: %(message)s")
     try:
         opts = _options(args)
-        _setup_devices(opts.num_devices)
+        # A described cluster is compiled for here only up to 64 devices (cluster_pricing).
+        _setup_devices(opts.num_devices if opts.cluster is None or opts.num_devices <= 64
+                       else 8)
+        if opts.mesh_shape is None:
+            opts = dataclasses.replace(opts, mesh_shape=_choose_mesh(opts, args))
         if not args.workdir:
             opts = dataclasses.replace(opts, workdir=_default_workdir(opts))
         opts = dataclasses.replace(opts, spec=opts.spec.resolved())
@@ -218,7 +244,25 @@ def main(argv: list[str] | None = None) -> int:
 def _workdir(opts: RunOptions):
     from cfp.workdir import WorkDir
     from cfp.workloads import run_fingerprint
-    return WorkDir(opts.workdir, run_fingerprint(opts.spec, opts.mesh_shape))
+    fp = run_fingerprint(opts.spec, opts.mesh_shape)
+    if opts.cluster is not None:
+        fp += (("cluster", repr(opts.cluster)),)
+    return WorkDir(opts.workdir, fp)
+
+
+def _choose_mesh(opts: RunOptions, args) -> tuple[int, ...]:
+    from cfp import report
+    from cfp.passes.search import rank_meshes
+    report.say(f"cluster {opts.cluster.describe()}")
+    ranked = rank_meshes(opts.spec.resolved(), opts.cluster,
+                         max_combinations=args.max_combinations,
+                         memory_budget_bytes=_memory_budget_bytes(args, opts),
+                         time_limit_s=args.time_limit)
+    report.meshes_console(ranked, opts.cluster)
+    if ranked[0].prediction is None:
+        raise CfpError(f"no logical mesh of {opts.cluster.name} has a plan: "
+                       f"{ranked[0].note}")
+    return ranked[0].mesh_shape
 
 
 def _cache_dir(args) -> str | None:
@@ -238,10 +282,12 @@ def _run_analysis(opts: RunOptions, args) -> None:
     report.say(f"wrote {path} and {wd.path / 'debug_analysis_global'}/")
 
 
-def _memory_budget_bytes(args, *, required: bool) -> int:
+def _memory_budget_bytes(args, opts: RunOptions, *, required: bool = False) -> int:
     import jax
     if args.memory_budget is not None:
         return int(args.memory_budget * 2**30)
+    if opts.cluster is not None:
+        return opts.cluster.memory_per_device_bytes
     dev = jax.devices()[0]
     if dev.platform == "gpu":
         stats = dev.memory_stats() or {}
@@ -286,7 +332,7 @@ def _profile_options(opts: RunOptions, args):
     from cfp.passes.profile import ProfileOptions
     return ProfileOptions(
         cost=args.cost, max_combinations=args.max_combinations, budget_s=args.profile_budget,
-        memory_budget_bytes=_memory_budget_bytes(args, required=False),
+        memory_budget_bytes=_memory_budget_bytes(args, opts),
         cost_model=_cost_model(args, opts.mesh_shape) if args.cost == "model" else None,
         compilation_cache=_cache_dir(args))
 
@@ -298,6 +344,12 @@ def _run_profile(opts: RunOptions, args) -> None:
     analysis = wd.read_analysis()
     options = _profile_options(opts, args)
     report.say("***********Profiling Pass****************")
+    if opts.cluster is not None:
+        from cfp.passes.profile import cluster_pricing
+        cost, why = cluster_pricing(analysis, args.max_combinations)
+        report.say(f"priced for {opts.cluster.name} ({cost}): {why}")
+        options = dataclasses.replace(options, cost=cost,
+                                      cost_model=opts.cluster.cost_model(opts.mesh_shape))
     checkpoint = wd.profile_checkpoint(analysis, options.cost, options.max_combinations)
     progress = report.ProfileProgress()
     try:
@@ -314,8 +366,10 @@ def _run_search(opts: RunOptions, args) -> None:
     from cfp.passes.search import SearchOptions, run_search
     wd = _workdir(opts)
     analysis = wd.read_analysis()
+    if opts.cluster is not None:
+        return _predict(opts, args, wd, analysis)
     profile = wd.read_profile(analysis, args.cost, args.max_combinations)
-    budget = _memory_budget_bytes(args, required=True)
+    budget = _memory_budget_bytes(args, opts, required=True)
     options = SearchOptions(budget, args.time_limit, args.validate_top,
                             args.validate_baselines, args.iters)
     report.say("***********Search Pass****************")
@@ -325,6 +379,23 @@ def _run_search(opts: RunOptions, args) -> None:
     report.write_search_dumps(wd.path, analysis, profile, rec)
     report.say(f"wrote {wd.path / 'plan.json'}, {wd.path / 'search.pkl'} and "
                f"{wd.path / 'debug_search'}/")
+
+
+def _predict(opts: RunOptions, args, wd, analysis) -> None:
+    from cfp import report
+    from cfp.passes.search import predict_plan
+    from cfp.plan import make_plan, write_plan
+    try:
+        profile = wd.read_profile(analysis, "analytic", args.max_combinations)
+    except CfpError:
+        profile = wd.read_profile(analysis, "model", args.max_combinations)
+    report.say("***********Search Pass (predicted, nothing runs)****************")
+    rec = predict_plan(analysis, profile, _memory_budget_bytes(args, opts), args.time_limit)
+    report.prediction_console(rec, opts.cluster)
+    path = wd.path / "plan.json"
+    write_plan(path, make_plan(analysis, rec.strategies,
+                               source=f"predicted for {opts.cluster.name} ({rec.pricing})"))
+    report.say(f"wrote {path}")
 
 
 _RUNNERS = {"analysis": _run_analysis, "profile": _run_profile, "search": _run_search}

@@ -5,6 +5,7 @@ Library code logs; the lines users read come from here.
 from __future__ import annotations
 
 import collections
+import math
 from pathlib import Path
 
 from cfp.jax_compat import is_key
@@ -210,7 +211,8 @@ def profile_console(rec, model_space_log10: float) -> None:
                                  for m in seg.results.values())
     say(f"combinations: {sum(counts.values())} ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}); "
         f"compiled in this run: {rec.compiled}")
-    say(f"launch overhead subtracted: {rec.launch_overhead_s * 1e3:.3f} ms per program")
+    if rec.cost != "analytic":
+        say(f"launch overhead subtracted: {rec.launch_overhead_s * 1e3:.3f} ms per program")
     say(f"whole-model plan space: 10^{model_space_log10:.1f} plans, covered by "
         f"{len(rec.windows)} window instances of {len(rec.window_profiles)} types")
     phases_console("profile", rec.time_s, rec.phase_s)
@@ -218,7 +220,7 @@ def profile_console(rec, model_space_log10: float) -> None:
 
 def phases_console(name: str, total_s: float, phase_s: dict) -> None:
     parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted(phase_s.items(), key=lambda kv: -kv[1]))
-    say(f"{name} pass: {total_s:.1f} s ({parts})")
+    say(f"{name} pass: {total_s:.1f} s" + (f" ({parts})" if parts else ""))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,3 +397,36 @@ def _plots(out, rec) -> None:
     fig.tight_layout()
     fig.savefig(out / "predicted_vs_measured.png", dpi=100)
     plt.close(fig)
+
+
+def prediction_console(rec, cluster) -> None:
+    """A plan predicted for a described cluster: nothing of it ran."""
+    how = {"model": "compile-only programs priced by the cost model",
+           "analytic": "priced from the analysis, nothing compiled"}[rec.pricing]
+    say(f"cluster {cluster.describe()}")
+    say(f"mesh {'x'.join(map(str, rec.mesh_shape))}; profile {how}")
+    say(f"solver: {rec.solver_status} in {rec.solve_s:.2f} s")
+    say(f"searched ParallelBlock Strategies solution (predicted): {list(rec.strategies)}")
+    say(f"predicted step time: {rec.predicted_s * 1e3:.3f} ms; "
+        f"{rec.step_flops / rec.predicted_s / math.prod(rec.mesh_shape) / 1e12:.4g} TFLOP/s "
+        f"per device")
+    say(f"memory per device: {rec.memory_bytes / 2**30:.3f} GB composed (budget "
+        f"{cluster.memory_per_device_bytes / 2**30:g} GB)")
+
+
+def meshes_console(ranked, cluster) -> None:
+    """Every logical mesh priced for the cluster, best first."""
+    say(f"logical meshes of {cluster.num_devices} devices, planned analytically (each axis "
+        f"priced at the slowest network level it spans):")
+    for c in ranked:
+        levels = " ".join(
+            "/".join(cluster.levels[lv].name for lv in cluster.levels_of_axis(c.mesh_shape, a))
+            or "-" for a in range(len(c.mesh_shape)))
+        shape = "x".join(map(str, c.mesh_shape))
+        if c.prediction is None:
+            say(f"  mesh {shape} (axes over {levels}): no plan: {c.note}")
+        else:
+            say(f"  mesh {shape} (axes over {levels}): predicted "
+                f"{c.prediction.predicted_s * 1e3:.3f} ms, "
+                f"{c.prediction.memory_bytes / 2**30:.3f} GB per device")
+    say(f"mesh chosen: {'x'.join(map(str, ranked[0].mesh_shape))}")

@@ -8,8 +8,11 @@ not form a chain (tied embeddings, skip connections).
 
 Model: one-hot booleans per group option; per block, booleans ``x[b][s]`` tied to the options
 that give it strategy ``s`` (and equal for *tied* blocks: the copies of one block in the
-iterations of a scan, which runs one body); per edge, "transport" booleans ``e[s,t]`` with ``sum_t e[s,t] =
-x_i[s]`` and ``sum_s e[s,t] = x_j[t]`` (exactly one is true, and it prices the pair). Memory:
+iterations of a scan, which runs one body). Per edge, the strategies of each side fall into
+groups that give the crossing tensors one layout (equal rows, equal columns of its table), and
+"transport" booleans ``e[r,c]`` between groups satisfy ``sum_c e[r,c] = sum of x_i[s] over s
+in r`` and ``sum_r e[r,c] = sum of x_j[t] over t in c`` (exactly one is true, and it prices
+the pair): they grow with the distinct layouts, not with the strategies. Memory:
 ``sum(persistent + held) + M <= budget`` with ``M >= transient`` of every chosen option. Costs
 are integers (the caller scales seconds to its profiles' resolution), so the optimum is exact.
 
@@ -25,6 +28,8 @@ import itertools
 import time
 
 import numpy as np
+
+from cfp.errors import CfpError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +63,7 @@ class Solution:
     memory: int
     status: str  # OPTIMAL | FEASIBLE
     solve_s: float
+    edge_booleans: int = 0  # transport booleans the model needed for its edges
 
 
 def evaluate(problem: Problem, choices) -> tuple[int, int, tuple[int, ...]]:
@@ -78,9 +84,11 @@ def evaluate(problem: Problem, choices) -> tuple[int, int, tuple[int, ...]]:
 
 def solve(problem: Problem, *, time_limit_s: float = 60.0, exclude=(), workers: int = 1
           ) -> Solution | None:
-    """The cheapest plan (None when no plan meets the memory budget or all are excluded)."""
+    """The cheapest plan (None when no plan meets the memory budget or all are excluded; a
+    ``CfpError`` when the time limit ends the search before it found a plan or proved none)."""
     from ortools.sat.python import cp_model
     t0 = time.perf_counter()
+    stats: dict[str, int] = {}
     m = cp_model.CpModel()
     y = [[m.NewBoolVar(f"y{g}_{o}") for o in range(len(grp.options))]
          for g, grp in enumerate(problem.groups)]
@@ -99,13 +107,20 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, exclude=(), workers: 
         table = np.asarray(table)
         if not table.any():
             continue
-        e = {(s, t): m.NewBoolVar(f"e{i}_{j}_{s}_{t}") for s in range(table.shape[0])
-             for t in range(table.shape[1])}
-        for s in range(table.shape[0]):
-            m.Add(sum(e[s, t] for t in range(table.shape[1])) == x[i, s])
-        for t in range(table.shape[1]):
-            m.Add(sum(e[s, t] for s in range(table.shape[0])) == x[j, t])
-        objective += [int(table[s, t]) * v for (s, t), v in e.items() if table[s, t]]
+        # Strategies whose rows (columns) are equal give the crossing tensor one layout:
+        # transport runs between those groups, so the booleans grow with the distinct
+        # layouts, not with the strategies.
+        rows = _groups(table)
+        cols = _groups(table.T)
+        e = {(r, c): m.NewBoolVar(f"e{i}_{j}_{r}_{c}") for r in range(len(rows))
+             for c in range(len(cols))}
+        for r, members in enumerate(rows):
+            m.Add(sum(e[r, c] for c in range(len(cols))) == sum(x[i, s] for s in members))
+        for c, members in enumerate(cols):
+            m.Add(sum(e[r, c] for r in range(len(rows))) == sum(x[j, t] for t in members))
+        objective += [int(table[rows[r][0], cols[c][0]]) * v for (r, c), v in e.items()
+                      if table[rows[r][0], cols[c][0]]]
+        stats["edge_booleans"] = stats.get("edge_booleans", 0) + len(e)
     if problem.memory_budget is not None:
         peak = m.NewIntVar(0, max((o.transient for g in problem.groups for o in g.options),
                                   default=0), "transient")
@@ -124,13 +139,24 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, exclude=(), workers: 
     solver.parameters.num_workers = workers
     solver.parameters.linearization_level = 2
     status = solver.Solve(m)
+    if status == cp_model.UNKNOWN:
+        raise CfpError(f"the solver found no plan within its time limit ({time_limit_s:g} s) "
+                       f"and could not prove there is none: raise --time-limit")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     choices = tuple(next(o for o, v in enumerate(vs) if solver.Value(v)) for vs in y)
     cost, mem, strat = evaluate(problem, choices)
     return Solution(choices, strat, cost, mem,
                     "OPTIMAL" if status == cp_model.OPTIMAL else "FEASIBLE",
-                    time.perf_counter() - t0)
+                    time.perf_counter() - t0, stats.get("edge_booleans", 0))
+
+
+def _groups(table) -> list[list[int]]:
+    """Row indices grouped by equal rows."""
+    seen: dict[bytes, list[int]] = {}
+    for r in range(table.shape[0]):
+        seen.setdefault(np.ascontiguousarray(table[r]).tobytes(), []).append(r)
+    return list(seen.values())
 
 
 def brute_force(problem: Problem) -> tuple[int, tuple] | None:

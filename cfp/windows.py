@@ -124,10 +124,14 @@ def _dedupe(items: list[Boundary]) -> list[Boundary]:
     return out
 
 
-def boundary_specs(boundary: Boundary, src_strategy, dst_strategy, axis_names):
-    """(layout it leaves in, layout it is wanted in) as PartitionSpec entries."""
-    return (dimrules.spec_axes(boundary.src_labels, src_strategy.axes, axis_names),
-            dimrules.spec_axes(boundary.dst_labels, dst_strategy.axes, axis_names))
+def layouts(labels, strategies, axis_names) -> tuple[list[tuple], list[int]]:
+    """(the distinct layouts a tensor with ``labels`` takes under ``strategies``, and per
+    strategy the index of its layout): boundaries are priced per distinct layout pair, which
+    on large meshes are far fewer than the strategy pairs."""
+    distinct: dict[tuple, int] = {}
+    index = [distinct.setdefault(dimrules.spec_axes(labels, s.axes, axis_names), len(distinct))
+             for s in strategies]
+    return list(distinct), index
 
 
 def shard_bytes(shape, dtype_size: int, spec, mesh_shape, axis_names) -> int:
@@ -171,42 +175,69 @@ def inputs_read_earlier(analysis, windows: list[Window]) -> list[frozenset[int]]
 
 
 def option_memory(analysis, window: Window, combo, measured, axis_names,
-                  read_earlier: frozenset[int] = frozenset()) -> tuple[int, int]:
+                  read_earlier: frozenset[int] = frozenset(),
+                  held: frozenset[int] | None = None,
+                  terms: "MemoryTerms | None" = None) -> tuple[int, int]:
     """(bytes that add up over windows, transient bytes) of a window under ``combo``, per device.
 
     Adding up: the window's parameters, optimizer state and batch coming in (those not in
-    ``read_earlier``, held for an earlier window already) and their updates going out, plus the activations it produces in the forward pass and holds for the backward
-    pass: produced before the loss, read after it, and materialized, i.e. a contraction's or a
-    reduction's result, or an operand a backward contraction reads. (Elementwise intermediates
-    that only backward elementwise ops read are recomputed inside XLA's fusions, not stored.)
-    Transient: the compiled temporaries less the held activations inside them; only the largest
-    transient counts in a step's peak."""
+    ``read_earlier``, held for an earlier window already) and their updates going out, plus the
+    activations it produces in the forward pass and holds for the backward pass
+    (``held_for_backward``). Transient: the compiled temporaries less the held activations
+    inside them; only the largest transient counts in a step's peak. ``held`` and ``terms``
+    (``memory_terms``) are what the caller computed already, for many combinations."""
+    terms = terms or memory_terms(analysis, window, read_earlier, held)
+    blocks = [analysis.blocks.blocks[b] for b in range(window.start, window.end)]
+    axes = [b.strategies[k].axes for b, k in zip(blocks, combo)]
+    g, mesh_shape = analysis.graph, analysis.mesh_shape
+
+    def size(v, k, labels):
+        spec = ((None,) * len(g.values[v].shape) if k is None
+                else dimrules.spec_axes(labels, axes[k], axis_names))
+        return shard_bytes(g.values[v].shape, _itemsize(g.values[v].dtype), spec, mesh_shape,
+                           axis_names)
+
+    adding = sum(size(*t) for t in terms.adding)
+    held_internal = sum(size(*t) for t in terms.held_internal)
+    return adding, max(0, measured.temp_bytes - held_internal)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryTerms:
+    """The tensors of a window instance whose bytes ``option_memory`` counts, each as (value,
+    position of the block whose strategy lays it out or None when replicated, its labels)."""
+
+    adding: tuple  # step inputs not read earlier, step outputs, held activations
+    held_internal: tuple  # held activations that do not leave the window (in its temporaries)
+
+
+def memory_terms(analysis, window: Window, read_earlier: frozenset[int] = frozenset(),
+                 held: frozenset[int] | None = None) -> MemoryTerms:
     g = analysis.graph
     blocks = [analysis.blocks.blocks[b] for b in range(window.start, window.end)]
-    strategies = [b.strategies[k] for b, k in zip(blocks, combo)]
     sub = sub_program(g, window_ops(analysis, window))
-    ins, outs, _ = window_layouts(g, blocks, strategies, sub, axis_names)
-    mesh_shape = analysis.mesh_shape
-    size = lambda v, spec: shard_bytes(g.values[v].shape, _itemsize(g.values[v].dtype), spec,  # noqa
-                                        mesh_shape, axis_names)
-    persistent = sum(size(v, s) for v, s in zip(sub.live_ins, ins)
-                     if g.values[v].input_index is not None and v not in read_earlier)
-    outputs = set(g.outputs)
-    persistent += sum(size(v, s) for v, s in zip(sub.live_outs, outs) if v in outputs)
-    held = held_internal = 0
-    out_spec = dict(zip(sub.live_outs, outs))
-    member = {m.op: (blk, st, m) for blk, st in zip(blocks, strategies) for m in blk.members}
-    kept = held_for_backward(g)
+    want, made = {}, {}  # live-ins as their first reader wants them; results as made
+    for k, block in enumerate(blocks):
+        for m in block.members:
+            op = g.ops[m.op]
+            for v, lab in zip(op.inputs, m.ins):
+                if v not in want or m.op < want[v][0]:
+                    want[v] = (m.op, k, lab)
+            for v, lab in zip(op.outputs, m.outs):
+                made[v] = (k, lab)
+    adding = [(v,) + (want[v][1:] if v in want else (None, None)) for v in sub.live_ins
+              if g.values[v].input_index is not None and v not in read_earlier]
+    outputs, leaving = set(g.outputs), set(sub.live_outs)
+    adding += [(v,) + made.get(v, (None, None)) for v in sub.live_outs if v in outputs]
+    kept = held_for_backward(g) if held is None else held
+    internal = []
     for i in sub.ops:
-        blk, st, m = member[i]
-        for v, lab in zip(g.ops[i].outputs, m.outs):
+        for v in g.ops[i].outputs:
             if v in kept:
-                b = size(v, dimrules.spec_axes(lab, st.axes, axis_names))
-                held += b
-                if v not in out_spec:
-                    held_internal += b
-    transient = max(0, measured.temp_bytes - held_internal)
-    return persistent + held, transient
+                adding.append((v,) + made[v])
+                if v not in leaving:
+                    internal.append((v,) + made[v])
+    return MemoryTerms(tuple(adding), tuple(internal))
 
 
 def held_for_backward(g) -> frozenset[int]:

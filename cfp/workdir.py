@@ -41,7 +41,7 @@ class WorkDir:
 
     # profile
     def profile_dir(self, cost: str) -> Path:
-        return self.path if cost == "measure" else self.path / "model"
+        return self.path if cost == "measure" else self.path / cost
 
     def profile_fingerprint(self, analysis, cost: str, max_combinations: int) -> tuple:
         return self.run_fp + (("graph", analysis.graph.fingerprint()),

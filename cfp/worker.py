@@ -214,8 +214,9 @@ def _measure_window(conn, state, options: WorkerOptions, window, combos, best_s,
     phases = state["phases"]
     with phases("tracing"):
         wp = WindowProgram(state["program"], state["analysis"], window, state["mesh"])
-        if window.type not in state["inputs"]:
-            state["inputs"] = {window.type: valid_inputs(wp.graph, wp.sub, seed=window.type)}
+        if window.type not in state["inputs"]:  # priced programs need no data
+            state["inputs"] = {window.type: valid_inputs(wp.graph, wp.sub, seed=window.type)
+                               if options.cost == "measure" else None}
             state["programs"] = {}  # normalised program -> (combination, its measurement)
     host_inputs = state["inputs"][window.type]
     cores = os.cpu_count() or 1
@@ -305,21 +306,23 @@ def _measure_reshards(state, options, items):
     import jax
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
+    from cfp.jax_compat import to_dtype
     from cfp.measure import model_cost, time_runs
     mesh = state["mesh"]
     out = {}
     for shape, dtype, src, dst in items:
         s_src = NamedSharding(mesh, PartitionSpec(*src))
         s_dst = NamedSharding(mesh, PartitionSpec(*dst))
-        x = jax.device_put(np.ones(shape, dtype=np.float32).astype(dtype)
-                           if dtype != "bfloat16" else jax.numpy.ones(shape, dtype), s_src)
         f = jax.jit(lambda a: a, in_shardings=s_src, out_shardings=s_dst)
         key = (shape, dtype, src, dst)
         try:
-            if options.cost == "model":
-                out[key] = model_cost(f.lower(x).compile(), tuple(mesh.devices.shape),
+            if options.cost == "model":  # compiled for its collectives: no data needed
+                abstract = jax.ShapeDtypeStruct(shape, to_dtype(dtype), sharding=s_src)
+                out[key] = model_cost(f.lower(abstract).compile(), tuple(mesh.devices.shape),
                                       options.cost_model)[0]
                 continue
+            x = jax.device_put(np.ones(shape, dtype=np.float32).astype(dtype)
+                               if dtype != "bfloat16" else jax.numpy.ones(shape, dtype), s_src)
             times, _ = time_runs(f, (x,), best_s=None)
         except JAX_ERRORS:
             out[key] = None

@@ -16,35 +16,24 @@ import jax
 import jax.numpy as jnp
 
 from cfp.models import Workload
-
-VOCAB = 64
-
-
-def _ce(logits, labels):
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.mean(jnp.sum(logp * jax.nn.one_hot(labels, logits.shape[-1]), axis=-1))
+from users_models import VOCAB, _ce, flax_block
+from users_models import _tokens as _token_pair
 
 
 def _tokens(key, batch_size, seq_len):
-    toks = jax.random.randint(key, (batch_size, seq_len + 1), 0, VOCAB)
-    return {"x": toks[:, :-1], "y": toks[:, 1:]}
+    x, y = _token_pair(key, batch_size, seq_len)
+    return {"x": x, "y": y}
 
 
 def _flax_model(hidden, num_heads, num_layers, layers):
     import flax.linen as nn
 
-    class Layer(nn.Module):
+    Block = flax_block(hidden, num_heads, rate=0.0)
+
+    class Layer(nn.Module):  # the shape nn.scan wants: (carry, x) -> (carry, y)
         @nn.compact
         def __call__(self, h, _):
-            b, s, _ = h.shape
-            hd = hidden // num_heads
-            qkv = nn.Dense(3 * hidden, use_bias=False)(nn.LayerNorm()(h))
-            q, k, v = (t.reshape(b, s, num_heads, hd) for t in jnp.split(qkv, 3, axis=-1))
-            w = nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(hd), axis=-1)
-            ctx = jnp.einsum("bhqk,bkhd->bqhd", w, v).reshape(b, s, hidden)
-            h = h + nn.Dense(hidden)(ctx)
-            up = nn.gelu(nn.Dense(4 * hidden)(nn.LayerNorm()(h)))
-            return h + nn.Dense(hidden)(up), None
+            return Block()(h, False), None
 
     class Model(nn.Module):
         @nn.compact

@@ -29,7 +29,8 @@ def _tokens(key, batch_size, seq_len):
     return toks[:, :-1], toks[:, 1:]
 
 
-def _flax_model(hidden, num_heads, num_layers, rate):
+def flax_block(hidden, num_heads, rate):
+    """The Flax pre-norm transformer layer ``Block()(h, train)`` (dropout off unless train)."""
     import flax.linen as nn
 
     class Block(nn.Module):
@@ -45,6 +46,13 @@ def _flax_model(hidden, num_heads, num_layers, rate):
             h = h + nn.Dropout(rate)(nn.Dense(hidden)(ctx), deterministic=not train)
             up = nn.gelu(nn.Dense(4 * hidden)(nn.LayerNorm()(h)))
             return h + nn.Dropout(rate)(nn.Dense(hidden)(up), deterministic=not train)
+
+    return Block
+
+
+def _flax_model(hidden, num_heads, num_layers, rate):
+    import flax.linen as nn
+    Block = flax_block(hidden, num_heads, rate)
 
     class Model(nn.Module):
         @nn.compact

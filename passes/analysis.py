@@ -11,7 +11,7 @@ import dataclasses
 import math
 import time
 
-from cfp.blocks import BlockAnalysis, build_blocks
+from cfp.blocks import BlockAnalysis, build_blocks, with_strategies
 from cfp.errors import CfpError
 from cfp.graph import Graph
 from cfp.segments import SegmentAnalysis, find_segments
@@ -50,13 +50,16 @@ class AnalysisRecord:
         return sum(math.log10(max(1, len(b.strategies))) for b in self.blocks.blocks)
 
 
-def run_analysis(spec: WorkloadSpec, mesh_shape: tuple[int, ...]) -> AnalysisRecord:
-    """Analyse ``spec``'s training step for a mesh of ``mesh_shape``."""
+def run_analysis(spec: WorkloadSpec, mesh_shape: tuple[int, ...], graph: Graph | None = None,
+                 grouping: BlockAnalysis | None = None) -> AnalysisRecord:
+    """Analyse ``spec``'s training step for a mesh of ``mesh_shape``. ``graph`` and
+    ``grouping``: the step's graph and blocks found earlier (for another mesh: comparing
+    meshes), so only the strategies and segments are found again."""
     start = time.perf_counter()
     workload = spec.build()
-    program = trace_step(workload)
-    graph = program.graph()
-    blocks = build_blocks(graph, mesh_shape)
+    graph = graph or trace_step(workload).graph()
+    blocks = (with_strategies(grouping, graph, mesh_shape) if grouping is not None
+              else build_blocks(graph, mesh_shape))
     if math.prod(mesh_shape) > 1 and all(
             all(a is None for a in st.axes) for b in blocks.blocks for st in b.strategies):
         raise CfpError(f"no contraction of the step has a dim that mesh "

@@ -7,7 +7,9 @@ worker process (``cfp.worker``). It then times every resharding a boundary betwe
 need, and returns a ``ProfileRecord`` holding every window type's results. Each result is
 handed to ``checkpoint`` as it comes (the CLI saves it to the work dir, so an interrupted run
 resumes where it stopped). With ``cost="model"`` nothing runs: compiled programs are priced by
-the analytic model.
+the analytic model; with ``cost="analytic"`` nothing compiles either: each combination and
+resharding is priced from the analysis alone (``cfp.analytic``), for meshes too large to
+compile for here.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import Callable, Literal
 
 from cfp.measure import CostModel, Measurement
 from cfp.phases import Phases
-from cfp.windows import Boundary, Window, boundaries, boundary_specs, split_windows
+from cfp.windows import Boundary, Window, boundaries, layouts, split_windows
 from cfp.worker import Worker, WorkerOptions
 
 log = logging.getLogger(__name__)
@@ -28,12 +30,12 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class ProfileOptions:
-    cost: Literal["measure", "model"] = "measure"
+    cost: Literal["measure", "model", "analytic"] = "measure"
     max_combinations: int = 32  # per window; larger segments are split into windows
     budget_s: float | None = None  # wall-clock budget of the whole pass; the rest not_measured
     memory_budget_bytes: int = 2**62  # per device; over it a combination is recorded oom
     batch: int = 16  # combinations compiled before timing them
-    cost_model: CostModel | None = None  # for cost == "model"
+    cost_model: CostModel | None = None  # for cost == "model" or "analytic"
     compilation_cache: str | None = None  # JAX's persistent compilation cache directory
 
 
@@ -97,6 +99,8 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
     notify = on_result or (lambda event, **fields: None)
     phases = Phases()
     windows, reps = split_windows(analysis, options.max_combinations)
+    if options.cost == "analytic":
+        return _priced(analysis, options, windows, reps, start)
     known = [_known(k, windows[rep], analysis, checkpoint) for k, rep in enumerate(reps)]
     notify("start", num_types=len(reps), total=sum(len(todo) for _, _, todo in known),
            known=sum(len(results) for _, results, _ in known))
@@ -168,16 +172,50 @@ def _spent(options: ProfileOptions, start: float) -> bool:
     return options.budget_s is not None and time.perf_counter() - start > options.budget_s
 
 
+def _priced(analysis, options: ProfileOptions, windows, reps, start) -> ProfileRecord:
+    """The profile of ``cost="analytic"``: every combination and resharding priced."""
+    from cfp import analytic
+    from cfp.workloads import AXIS_NAMES
+    names = AXIS_NAMES[:len(analysis.mesh_shape)]
+    cost = options.cost_model
+    window_profiles = {}
+    for k, rep in enumerate(reps):
+        w = windows[rep]
+        space = tuple(len(analysis.blocks.blocks[b].strategies) for b in range(w.start, w.end))
+        results = {c: analytic.window_measurement(analysis, w, c, cost, names)
+                   for c in itertools.product(*map(range, space))}
+        window_profiles[k] = WindowProfile(k, tuple(range(w.start, w.end)), space, results)
+    bounds = boundaries(analysis, windows)
+    reshard = _priced_reshards(analysis, bounds, cost)
+    return ProfileRecord(tuple(windows), tuple(reps), window_profiles, tuple(bounds), reshard,
+                         0.0, "analytic", options.max_combinations,
+                         time.perf_counter() - start, 0, {})
+
+
+def _priced_reshards(analysis, bounds, cost: CostModel) -> dict:
+    """Every resharding the boundaries can need, priced without compiling."""
+    from cfp import analytic
+    from cfp.workloads import AXIS_NAMES
+    names = AXIS_NAMES[:len(analysis.mesh_shape)]
+    return {key: analytic.reshard_s(*key, analysis.mesh_shape, names, cost)
+            for key in needed_reshards(bounds, analysis.blocks.blocks, names)}
+
+
+def needed_reshards(bounds, blocks, names) -> set[tuple]:
+    """Every (shape, dtype, source layout, destination layout) a boundary can need."""
+    needed = set()
+    for b in bounds:
+        for src in layouts(b.src_labels, blocks[b.src].strategies, names)[0]:
+            for dst in layouts(b.dst_labels, blocks[b.dst].strategies, names)[0]:
+                if src != dst:
+                    needed.add((b.shape, b.dtype, src, dst))
+    return needed
+
+
 def _profile_reshards(analysis, bounds, worker, checkpoint, options, start, notify) -> dict:
     names = ("m0", "m1", "m2")[:len(analysis.mesh_shape)]
     blocks = analysis.blocks.blocks
-    needed = set()
-    for b in bounds:
-        for s in blocks[b.src].strategies:
-            for t in blocks[b.dst].strategies:
-                src, dst = boundary_specs(b, s, t, names)
-                if src != dst:
-                    needed.add((b.shape, b.dtype, src, dst))
+    needed = needed_reshards(bounds, blocks, names)
     known = dict(checkpoint.load_reshards())
     todo = sorted(needed - set(known), key=repr)
     notify("reshards", boundaries=len(bounds), needed=len(needed),
@@ -190,3 +228,31 @@ def _profile_reshards(analysis, bounds, worker, checkpoint, options, start, noti
         checkpoint.save_reshards(known)
     checkpoint.save_reshards(known)
     return known
+
+
+def cluster_pricing(analysis, max_combinations: int, *, max_devices: int = 64,
+                    limit_s: float = 60.0) -> tuple[str, str]:
+    """How to price a profile for a described cluster, and why: compile-only (``"model"``)
+    where the mesh has at most ``max_devices`` devices, JAX here has them, and compiling every
+    combination would take at most ``limit_s`` (one combination is compiled to find out);
+    analytically (``"analytic"``) otherwise."""
+    import jax
+    from cfp.measure import WindowProgram
+    from cfp.workloads import make_mesh, trace_step
+    n = math.prod(analysis.mesh_shape)
+    if n > max_devices:
+        return "analytic", f"{n} devices, more than the {max_devices} compiled for here"
+    if len(jax.devices()) < n:
+        return "analytic", f"{n} devices, JAX here has {len(jax.devices())}"
+    windows, reps = split_windows(analysis, max_combinations)
+    programs = sum(math.prod(len(analysis.blocks.blocks[b].strategies)
+                             for b in range(windows[r].start, windows[r].end)) for r in reps)
+    probe = WindowProgram(trace_step(analysis.spec.build()), analysis, windows[reps[0]],
+                          make_mesh(analysis.mesh_shape))
+    t0 = time.perf_counter()
+    probe.compile((0,) * (windows[reps[0]].end - windows[reps[0]].start))
+    estimate = programs * (time.perf_counter() - t0)
+    why = f"{programs} programs x {time.perf_counter() - t0:.2f} s, about {estimate:.0f} s"
+    if estimate > limit_s:
+        return "analytic", f"compiling would take {why}, over {limit_s:.0f} s"
+    return "model", f"compile-only: {why}"

@@ -20,7 +20,8 @@ import numpy as np
 from cfp.errors import CfpError
 from cfp.phases import Phases
 from cfp.solver import Group, Option, Problem, Solution, evaluate, solve
-from cfp.windows import boundary_specs, inputs_read_earlier, option_memory
+from cfp.windows import (held_for_backward, inputs_read_earlier, layouts, memory_terms,
+                         option_memory)
 
 log = logging.getLogger(__name__)
 
@@ -158,13 +159,15 @@ def build_problem(analysis, profile, memory_budget_bytes: int | None
     blocks = analysis.blocks.blocks
     groups, combos = [], {}
     read_earlier = inputs_read_earlier(analysis, profile.windows)
+    held = held_for_backward(analysis.graph)
     for gi, w in enumerate(profile.windows):
         seg = profile.window_profiles[w.type]
+        terms = memory_terms(analysis, w, read_earlier[gi], held)
         opts, table = [], []
         for combo, m in sorted(seg.results.items()):
             if m.status != "ok":
                 continue
-            mem, transient = option_memory(analysis, w, combo, m, names, read_earlier[gi])
+            mem, transient = option_memory(analysis, w, combo, m, names, terms=terms)
             opts.append(Option(combo, int(round(m.time_s * SCALE)), mem, transient))
             table.append(combo)
         if not opts:
@@ -178,21 +181,21 @@ def build_problem(analysis, profile, memory_budget_bytes: int | None
         combos[gi] = table
     edges: dict = {}
     for b in profile.boundaries:
-        src_s, dst_s = blocks[b.src].strategies, blocks[b.dst].strategies
-        t = np.zeros((len(src_s), len(dst_s)), dtype=np.int64)
-        for i, s in enumerate(src_s):
-            for j, d in enumerate(dst_s):
-                src, dst = boundary_specs(b, s, d, names)
-                if src != dst:
-                    key = (b.shape, b.dtype, src, dst)
+        src, src_of = layouts(b.src_labels, blocks[b.src].strategies, names)
+        dst, dst_of = layouts(b.dst_labels, blocks[b.dst].strategies, names)
+        small = np.zeros((len(src), len(dst)), dtype=np.int64)  # per distinct layout pair
+        for i, s in enumerate(src):
+            for j, d in enumerate(dst):
+                if s != d:
+                    key = (b.shape, b.dtype, s, d)
                     if key not in profile.reshard_s:
                         raise CfpError("the profile has reshardings it did not time (its budget "
                                        "ran out): profile again to time them")
                     seconds = profile.reshard_s[key]
-                    t[i, j] = int(round((FAILED_RESHARD_S if seconds is None else seconds)
-                                        * SCALE))
+                    small[i, j] = int(round((FAILED_RESHARD_S if seconds is None else seconds)
+                                            * SCALE))
         key = (b.src, b.dst)
-        edges[key] = edges.get(key, 0) + t
+        edges[key] = edges.get(key, 0) + small[np.ix_(src_of, dst_of)]
     copies: dict[int, list[int]] = {}  # a scan body's block -> its copy in every iteration
     for b in blocks:
         origin = analysis.graph.ops[b.seed].scan_origin
@@ -212,8 +215,16 @@ def smallest_memory(problem: Problem) -> int:
 
 def top_plans(problem: Problem, k: int, time_limit_s: float):
     sols = []
-    for _ in range(max(1, k)):
-        sol = solve(problem, time_limit_s=time_limit_s, exclude=[s.choices for s in sols])
+    k = max(1, k)
+    if problem.memory_budget is not None and smallest_memory(problem) > problem.memory_budget:
+        k = 0  # a lower bound already over the budget: no solve can succeed
+    for _ in range(k):
+        try:
+            sol = solve(problem, time_limit_s=time_limit_s, exclude=[s.choices for s in sols])
+        except CfpError:  # out of time: the plans found so far are the candidates
+            if sols:
+                break
+            raise
         if sol is None:
             break
         sols.append(sol)
@@ -228,8 +239,9 @@ def top_plans(problem: Problem, k: int, time_limit_s: float):
 def baseline_candidates(analysis, problem: Problem, known) -> list[tuple[str, Solution]]:
     """The rule-file baselines (``cfp.baselines``) that are plans of this problem: every block
     on a profiled strategy, every window on a feasible measured combination, parameters kept as
-    the plan keeps them, one strategy per scan body, and within the memory budget. Search validates them next to its own
-    predictions, so a plan people already use is measured too, not only predicted."""
+    the plan keeps them, one strategy per scan body, and within the memory budget. Search
+    validates them next to its own predictions, so a plan people already use is measured too,
+    not only predicted."""
     from cfp.baselines import applies, baseline_plan, load_rules
     out, seen = [], set(known)
     for name, rule in load_rules().items():
@@ -300,3 +312,65 @@ def _separated(times) -> bool:
 
 def plan_flops(analysis) -> float:
     return float(sum(op.flops for op in analysis.graph.ops))
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning for a cluster that is not here: solve the priced profile, run nothing
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """A plan for a described cluster (``cfp.cluster``): solved from a priced profile (compile
+    only, or analytic), not run."""
+
+    mesh_shape: tuple[int, ...]
+    strategies: tuple[int, ...]  # per block
+    predicted_s: float
+    memory_bytes: int  # per device, composed
+    solver_status: str
+    solve_s: float
+    step_flops: float
+    pricing: str  # the profile's cost: "model" (compile-only) or "analytic"
+
+
+def predict_plan(analysis, profile, memory_budget_bytes: int | None,
+                 time_limit_s: float) -> Prediction:
+    """The best plan of the priced profile, with its predicted step time and memory."""
+    problem, _ = build_problem(analysis, profile, memory_budget_bytes)
+    sol = top_plans(problem, 1, time_limit_s)[0]
+    return Prediction(tuple(analysis.mesh_shape), tuple(sol.strategies),
+                      predicted_seconds(problem, sol.choices, profile.launch_overhead_s),
+                      sol.memory, sol.status, sol.solve_s, plan_flops(analysis), profile.cost)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshCandidate:
+    mesh_shape: tuple[int, ...]
+    prediction: Prediction | None  # None: no plan (see note)
+    note: str = ""
+
+
+def rank_meshes(spec, cluster, *, max_combinations: int, memory_budget_bytes: int | None,
+                time_limit_s: float) -> list[MeshCandidate]:
+    """Every logical mesh of the cluster's devices (up to 3 axes, laid row-major over its
+    network levels) planned analytically, best predicted step time first."""
+    from cfp.blocks import build_blocks
+    from cfp.cluster import logical_meshes
+    from cfp.passes.analysis import run_analysis
+    from cfp.passes.profile import ProfileOptions, run_profile
+    from cfp.workloads import trace_step
+    graph = trace_step(spec.build()).graph()
+    grouping = build_blocks(graph, (1,))  # the blocks, whatever the mesh
+    out = []
+    for shape in logical_meshes(cluster.num_devices):
+        try:
+            analysis = run_analysis(spec, shape, graph, grouping)
+            profile = run_profile(analysis, ProfileOptions(
+                cost="analytic", max_combinations=max_combinations,
+                cost_model=cluster.cost_model(shape)))
+            out.append(MeshCandidate(shape, predict_plan(analysis, profile, memory_budget_bytes,
+                                                         time_limit_s)))
+        except CfpError as e:
+            out.append(MeshCandidate(shape, None, str(e)))
+    return sorted(out, key=lambda c: (c.prediction is None,
+                                      c.prediction.predicted_s if c.prediction else 0.0))

@@ -26,6 +26,7 @@ PRESETS = {
     "1.3b": GPTConfig(24, 2048, 32),
     "2.6b": GPTConfig(32, 2560, 32),
     "6.7b": GPTConfig(32, 4096, 32),
+    "39b": GPTConfig(48, 8192, 64),  # Alpa's largest GPT benchmark (its 64-GPU case)
 }
 DEFAULT_BATCH_SIZES = {name: (8 if name == "tiny" else 32) for name in PRESETS}
 

@@ -1,0 +1,108 @@
+"""Pricing without compiling: a window combination and a resharding from the analysis alone.
+
+For a cluster too large to compile for here, each block's strategy is priced from what it
+implies (Alpa's cost model, ``../shared/REFERENCE.md``):
+
+- **compute**: per contraction, a roofline of its per-device FLOPs (the FLOPs over the devices
+  its strategy splits it across) against its per-device operand and result bytes; per other
+  operator, the bytes of its per-device results over memory bandwidth (elementwise chains fuse,
+  so their reads are not counted again);
+- **collectives**: the all-reduce of every contraction whose contracting dim is split (its
+  per-device result, over the axes that split it), and, for a member the strategy leaves out of
+  the block (it needs a collective under it), an all-reduce of its result if it is a reduction
+  (over a split dim), else an all-gather of each split operand;
+- **reshardings**: per mesh axis, an all-gather where the source splits a dim on it and the
+  destination does not, an all-to-all where they split different dims, nothing where only the
+  destination splits (a local slice);
+- **memory**: arguments and results from the window's layouts; temporaries as the largest
+  contraction's per-device operands and result (XLA reuses the rest).
+
+All collectives use ``CostModel.collective_s`` with the alpha and beta of the slowest network
+level the mesh axes span (``cfp.cluster``).
+"""
+from __future__ import annotations
+
+import math
+
+from cfp import dims as dimrules
+from cfp.jax_compat import itemsize
+from cfp.measure import CostModel, Measurement
+from cfp.sharding import sub_program
+from cfp.windows import Window, shard_bytes, window_layouts, window_ops
+
+
+def _axes_of(spec, axis_names) -> list[tuple[int, ...]]:
+    """Per dim, the mesh axes that split it."""
+    out = []
+    for entry in spec:
+        names = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+        out.append(tuple(axis_names.index(n) for n in names))
+    return out
+
+
+def window_measurement(analysis, window: Window, combo, cost: CostModel,
+                       axis_names) -> Measurement:
+    """The priced ``Measurement`` of one combination of a window (no compile, no run)."""
+    g, mesh_shape = analysis.graph, analysis.mesh_shape
+    blocks = [analysis.blocks.blocks[b] for b in range(window.start, window.end)]
+    strategies = [b.strategies[k] for b, k in zip(blocks, combo)]
+    nbytes = lambda v, spec: shard_bytes(g.values[v].shape, itemsize(g.values[v].dtype),  # noqa
+                                         spec, mesh_shape, axis_names)
+    seconds, temp, colls = 0.0, 0, []
+    for block, st in zip(blocks, strategies):
+        under = {m.op for m in block.members_under(st, mesh_shape)}
+        split = math.prod(mesh_shape[a] for a, d in enumerate(st.axes) if d is not None)
+        for m in block.members:
+            op = g.ops[m.op]
+            ins = [dimrules.spec_axes(lab, st.axes, axis_names) for lab in m.ins]
+            outs = [dimrules.spec_axes(lab, st.axes, axis_names) for lab in m.outs]
+            out_b = sum(nbytes(v, s) for v, s in zip(op.outputs, outs))
+            if op.is_contraction:
+                in_b = sum(nbytes(v, s) for v, s in zip(op.inputs, ins))
+                seconds += max(op.flops / split / cost.device_flops,
+                               (in_b + out_b) / cost.device_bandwidth)
+                temp = max(temp, in_b + out_b)
+                axes = tuple(sorted({a for l in m.reduces for a in st.loop_axes(l)}))
+                if axes:
+                    colls.append(("all-reduce", axes, out_b))
+            else:
+                seconds += out_b / cost.device_bandwidth
+            if m.op not in under and op.primitive in dimrules.REDUCTIONS:
+                axes = tuple(sorted({a for spec in ins for d in _axes_of(spec, axis_names)
+                                     for a in d}))  # partial results summed across them
+                colls.append(("all-reduce", axes, out_b))
+            elif m.op not in under:  # needs its operands whole along the axes that split them
+                for v, spec in zip(op.inputs, ins):
+                    axes = tuple(sorted({a for d in _axes_of(spec, axis_names) for a in d}))
+                    if axes:
+                        whole = tuple(None for _ in spec)
+                        colls.append(("all-gather", axes, nbytes(v, whole)))
+    seconds += sum(cost.collective_s(kind, axes, b, mesh_shape) for kind, axes, b in colls)
+    sub = sub_program(g, window_ops(analysis, window))
+    ins, outs, _ = window_layouts(g, blocks, strategies, sub, axis_names)
+    arg_b = sum(nbytes(v, s) for v, s in zip(sub.live_ins, ins))
+    out_b = sum(nbytes(v, s) for v, s in zip(sub.live_outs, outs))
+    return Measurement("ok", seconds, seconds, seconds, 0, 0.0, arg_b + out_b + temp, arg_b,
+                       out_b, temp, tuple(colls), note="analytic")
+
+
+def reshard_s(shape, dtype: str, src, dst, mesh_shape, axis_names, cost: CostModel) -> float:
+    """Seconds to move a tensor from layout ``src`` to ``dst`` (PartitionSpec entries)."""
+    if src == dst:
+        return 0.0
+    src_axes, dst_axes = _axes_of(src, axis_names), _axes_of(dst, axis_names)
+    where_src = {a: d for d, axes in enumerate(src_axes) for a in axes}
+    where_dst = {a: d for d, axes in enumerate(dst_axes) for a in axes}
+    gather = tuple(sorted(a for a in where_src if a not in where_dst))
+    swap = tuple(sorted(a for a in where_src if a in where_dst and where_src[a] != where_dst[a]))
+    size = itemsize(dtype)
+    seconds = 0.0
+    if gather:
+        seconds += cost.collective_s("all-gather", gather,
+                                     shard_bytes(shape, size, dst, mesh_shape, axis_names),
+                                     mesh_shape)
+    if swap:
+        seconds += cost.collective_s("all-to-all", swap,
+                                     shard_bytes(shape, size, src, mesh_shape, axis_names),
+                                     mesh_shape)
+    return seconds

@@ -1,0 +1,165 @@
+"""Clusters described, not owned: devices, their network levels, and how a logical mesh maps
+onto them.
+
+A ``Cluster`` is a stack of network *levels*, outermost first (``50 nodes x 4 GPUs``: a node
+level over a GPU level), each with its alpha (seconds per collective) and beta (seconds per
+byte), plus per-device memory, peak FLOP/s and memory bandwidth. Devices are numbered
+row-major over the levels (the innermost level varies fastest), and a logical mesh is laid
+over them row-major too, so its last axis is the fastest-varying one. A mesh axis whose devices
+differ in an outer level's coordinate crosses that level: it takes the slowest alpha and beta
+of the levels it spans (``Cluster.cost_model``).
+
+Clusters come from a named preset (``PRESETS``) or a small JSON file::
+
+    {"name": "my-cluster", "levels": [
+        {"name": "node", "size": 4, "alpha_s": 1e-5, "bandwidth_GBps": 25},
+        {"name": "gpu", "size": 8, "alpha_s": 5e-6, "bandwidth_GBps": 150}],
+     "memory_per_device_GB": 80, "peak_TFLOPs": 312, "memory_bandwidth_GBps": 1555,
+     "assumed": ["alpha_s"]}
+
+Example:
+    >>> c = load_cluster("alpa-50x4")
+    >>> c.mesh_shape, c.num_devices
+    ((50, 4), 200)
+    >>> c.cost_model((50, 4)).beta == (1 / 1e9, 1 / 100e9)
+    True
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+from cfp.errors import CfpError
+
+
+@dataclasses.dataclass(frozen=True)
+class Level:
+    name: str
+    size: int
+    alpha_s: float  # seconds per collective across this level
+    beta_s_per_byte: float  # seconds per byte across this level (1 / bandwidth)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    name: str
+    levels: tuple[Level, ...]  # outermost first
+    memory_per_device_bytes: int
+    device_flops: float  # peak FLOP/s of one device
+    device_bandwidth: float  # memory bytes/s of one device
+    assumed: tuple[str, ...] = ()  # figures that are assumptions, not documented values
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(level.size for level in self.levels)
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """One mesh axis per level of more than one device (``50x4``)."""
+        return tuple(level.size for level in self.levels if level.size > 1) or (1,)
+
+    def levels_of_axis(self, mesh_shape, axis: int) -> tuple[int, ...]:
+        """The levels whose coordinate changes along mesh axis ``axis`` (both row-major)."""
+        stride = math.prod(mesh_shape[axis + 1:])
+        spans = set()
+        for t in range(1, mesh_shape[axis]):
+            device = t * stride
+            for lv in range(len(self.levels)):
+                inner = math.prod(level.size for level in self.levels[lv + 1:])
+                if (device // inner) % self.levels[lv].size:
+                    spans.add(lv)
+        return tuple(sorted(spans))
+
+    def cost_model(self, mesh_shape):
+        """``cfp.measure.CostModel``: alpha-beta per mesh axis (the slowest level each axis
+        spans) and the roofline."""
+        from cfp.measure import CostModel  # imports JAX, which must not start before the CLI
+        # has set the device count
+        if math.prod(mesh_shape) != self.num_devices:
+            raise CfpError(f"mesh {'x'.join(map(str, mesh_shape))} has "
+                           f"{math.prod(mesh_shape)} devices; cluster {self.name} has "
+                           f"{self.num_devices}")
+        alpha, beta = [], []
+        for a in range(len(mesh_shape)):
+            lv = self.levels_of_axis(mesh_shape, a) or (len(self.levels) - 1,)
+            alpha.append(max(self.levels[i].alpha_s for i in lv))
+            beta.append(max(self.levels[i].beta_s_per_byte for i in lv))
+        return CostModel(tuple(alpha), tuple(beta), self.device_flops, self.device_bandwidth)
+
+    def describe(self) -> str:
+        levels = " x ".join(f"{lv.size} {lv.name}s ({1 / lv.beta_s_per_byte / 1e9:g} GB/s, "
+                            f"alpha {lv.alpha_s:g} s)" for lv in self.levels)
+        text = (f"{self.name}: {levels}; {self.memory_per_device_bytes / 2**30:g} GB and "
+                f"{self.device_flops / 1e12:g} TFLOP/s per device")
+        return text + (f"; assumed: {', '.join(self.assumed)}" if self.assumed else "")
+
+
+def _cluster(name, levels, memory_gb, tflops, hbm_gbps, assumed=()) -> Cluster:
+    return Cluster(name, tuple(Level(n, size, alpha, 1 / (gbps * 1e9))
+                               for n, size, alpha, gbps in levels),
+                   int(memory_gb * 2**30), tflops * 1e12, hbm_gbps * 1e9, tuple(assumed))
+
+
+# Per-device figures are the vendors' (dense bf16 peak, HBM bandwidth, memory); per-link
+# bandwidth is one direction per device: A100 NVLink 3 (600 GB/s both ways, about 150 GB/s
+# effective for a ring collective), H100 NVLink 4 (450 GB/s), one 200 or 400 Gb/s NIC per GPU
+# across nodes. Alphas are assumed everywhere. ``alpa-50x4`` is the case of Alpa's notes: 32 GB
+# and 125 TFLOP/s per device (V100-class), 100 GB/s inside a node and 1 GB/s across, the
+# notes' 100:1 ratio; its memory bandwidth is assumed (V100's 900 GB/s).
+PRESETS = {
+    "a100-8": _cluster("a100-8", [("node", 1, 5e-6, 25), ("gpu", 8, 5e-6, 150)],
+                       80, 312, 2039, ["alpha_s"]),
+    "h100-8": _cluster("h100-8", [("node", 1, 5e-6, 50), ("gpu", 8, 3e-6, 450)],
+                       80, 989, 3350, ["alpha_s"]),
+    "a100-64": _cluster("a100-64", [("node", 8, 1e-5, 25), ("gpu", 8, 5e-6, 150)],
+                        80, 312, 2039, ["alpha_s"]),
+    "h100-64": _cluster("h100-64", [("node", 8, 1e-5, 50), ("gpu", 8, 3e-6, 450)],
+                        80, 989, 3350, ["alpha_s"]),
+    "alpa-50x4": _cluster("alpa-50x4", [("node", 50, 1e-5, 1), ("gpu", 4, 5e-6, 100)],
+                          32, 125, 900, ["alpha_s", "memory_bandwidth"]),
+}
+
+
+def load_cluster(name_or_path: str) -> Cluster:
+    """A preset by name, or a cluster from a JSON file (see the module docstring)."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    path = Path(name_or_path)
+    if not path.suffix == ".json":
+        raise CfpError(f"unknown cluster {name_or_path!r}: give a preset "
+                       f"({', '.join(PRESETS)}) or a .json file")
+    try:
+        d = json.loads(path.read_text())
+        levels = [(lv["name"], int(lv["size"]), float(lv["alpha_s"]),
+                   float(lv["bandwidth_GBps"])) for lv in d["levels"]]
+        cluster = _cluster(d.get("name", path.stem), levels, float(d["memory_per_device_GB"]),
+                           float(d["peak_TFLOPs"]), float(d["memory_bandwidth_GBps"]),
+                           d.get("assumed", ()))
+    except FileNotFoundError:
+        raise CfpError(f"no cluster file {path}") from None
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise CfpError(f"{path}: not a cluster description ({type(e).__name__}: {e}); "
+                       f"see cfp/cluster.py for the format") from None
+    if not levels or any(lv[1] < 1 or lv[3] <= 0 for lv in levels):
+        raise CfpError(f"{path}: every level needs a size >= 1 and a bandwidth > 0")
+    return cluster
+
+
+def logical_meshes(num_devices: int, max_axes: int = 3) -> list[tuple[int, ...]]:
+    """Every ordered factorization of ``num_devices`` into 1 to ``max_axes`` axes > 1."""
+    out = []
+
+    def rec(rest, prefix):
+        if rest == 1 and prefix:
+            out.append(tuple(prefix))
+            return
+        if len(prefix) == max_axes:
+            return
+        for d in range(2, rest + 1):
+            if rest % d == 0:
+                rec(rest // d, prefix + [d])
+
+    rec(num_devices, [])
+    return sorted(out, key=lambda s: (len(s), s)) or [(1,)]

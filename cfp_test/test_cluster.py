@@ -1,0 +1,170 @@
+"""Planning for clusters that are not here: cluster descriptions, analytic pricing, the
+logical mesh choice, and the analysis and edge tables that keep large cases small."""
+import json
+
+import pytest
+
+from cfp.cli import main
+from cfp.cluster import PRESETS, load_cluster, logical_meshes
+from cfp.errors import CfpError
+from cfp.passes.analysis import run_analysis
+from cfp.passes.profile import ProfileOptions, run_profile
+from cfp.passes.search import build_problem, rank_meshes
+from cfp.workloads import WorkloadSpec
+
+
+def test_mesh_axes_take_the_slowest_level_they_span():
+    c = load_cluster("alpa-50x4")
+    assert c.num_devices == 200 and c.mesh_shape == (50, 4)
+    fast, slow = 1 / 100e9, 1 / 1e9
+    assert c.cost_model((50, 4)).beta == (slow, fast)  # nodes, then GPUs inside a node
+    assert c.cost_model((100, 2)).beta == (slow, fast)  # 2 GPUs of one node
+    assert c.cost_model((25, 8)).beta == (slow, slow)  # 8 GPUs span two nodes
+    assert c.cost_model((200,)).beta == (slow,)
+    with pytest.raises(CfpError, match="200"):
+        c.cost_model((8,))
+
+
+def test_cluster_files_and_presets(tmp_path):
+    path = tmp_path / "two.json"
+    path.write_text(json.dumps({
+        "name": "two", "memory_per_device_GB": 16, "peak_TFLOPs": 100,
+        "memory_bandwidth_GBps": 1000,
+        "levels": [{"name": "node", "size": 2, "alpha_s": 1e-5, "bandwidth_GBps": 1},
+                   {"name": "gpu", "size": 4, "alpha_s": 1e-6, "bandwidth_GBps": 100}]}))
+    c = load_cluster(str(path))
+    assert c.mesh_shape == (2, 4) and c.memory_per_device_bytes == 16 * 2**30
+    assert set(PRESETS) >= {"a100-8", "h100-8", "alpa-50x4"}
+    path.write_text('{"name": "broken"}')
+    with pytest.raises(CfpError, match="not a cluster description"):
+        load_cluster(str(path))
+    with pytest.raises(CfpError, match="unknown cluster"):
+        load_cluster("tpu-9000")
+    assert logical_meshes(8) == [(8,), (2, 4), (4, 2), (2, 2, 2)]
+
+
+def _cluster(tmp_path, inside_gbps, across_gbps, memory_gb):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({
+        "name": "c", "memory_per_device_GB": memory_gb, "peak_TFLOPs": 100,
+        "memory_bandwidth_GBps": 1000,
+        "levels": [{"name": "node", "size": 2, "alpha_s": 1e-5, "bandwidth_GBps": across_gbps},
+                   {"name": "gpu", "size": 4, "alpha_s": 1e-5, "bandwidth_GBps": inside_gbps}]}))
+    return load_cluster(str(path))
+
+
+def _weight_axes(prediction, spec):
+    """Mesh axes that split a weight dim (a loop dim a parameter operand holds) in the plan."""
+    from cfp.baselines import _params, input_kinds
+    a = run_analysis(spec, prediction.mesh_shape)
+    params = _params(a.graph, input_kinds(a))
+    axes = set()
+    for b, k in zip(a.blocks.blocks, prediction.strategies):
+        seed = a.graph.ops[b.seed]
+        for mesh_axis, loop in enumerate(b.strategies[k].axes):
+            ld = None if loop is None else b.loop_dims[loop]
+            if ld is not None and any(v in params and pos is not None
+                                      for v, pos in zip(seed.inputs, (ld.lhs, ld.rhs))):
+                axes.add(mesh_axis)
+    return a, axes
+
+
+@pytest.mark.parametrize("fast", ["inside", "across"])
+def test_mesh_choice_puts_tensor_parallelism_on_the_fast_axis(tmp_path, fast):
+    """2 nodes of 4 devices, one level 100x faster than the other, weights that must be split
+    to fit 3 GB: with the GPUs of a node 100x faster, the chosen mesh splits weights only over
+    axes inside a node (data parallel across nodes). Control: with the levels' speeds swapped,
+    the weights are split across nodes too."""
+    inside, across = (100, 1) if fast == "inside" else (1, 100)
+    cluster = _cluster(tmp_path, inside, across, memory_gb=3)
+    spec = WorkloadSpec("mlp", "wide", 16384, "float32", (("num_layers", 2),)).resolved()
+    ranked = rank_meshes(spec, cluster, max_combinations=32,
+                         memory_budget_bytes=cluster.memory_per_device_bytes, time_limit_s=30)
+    best = ranked[0].prediction
+    assert best is not None and best.memory_bytes <= cluster.memory_per_device_bytes
+    a, axes = _weight_axes(best, spec)
+    assert axes, "the weights must be split to fit"
+    spans = [cluster.levels_of_axis(best.mesh_shape, axis) for axis in axes]
+    node, gpu = 0, 1  # the levels, outermost first
+    if fast == "inside":
+        assert all(levels == (gpu,) for levels in spans)
+    else:
+        assert any(node in levels for levels in spans)
+
+
+def test_seed_comparisons_per_contraction_do_not_grow_with_depth():
+    """Each contraction is compared only with the seeds that share one of its operands' roots,
+    so the comparisons per contraction are the same at 20 and 80 layers, where comparing with
+    every earlier seed (the negative control) grows with depth."""
+    per, everyone = {}, {}
+    for layers in (20, 80):
+        a = run_analysis(WorkloadSpec("mlp", "tiny", None, "float32",
+                                      (("num_layers", layers),)).resolved(), (8,))
+        contractions = [op.index for op in a.graph.ops if op.is_contraction]
+        per[layers] = a.blocks.seed_comparisons / len(contractions)
+        seeds = sorted(b.seed for b in a.blocks.blocks)
+        everyone[layers] = sum(sum(s < c for s in seeds) for c in contractions) / len(contractions)
+    assert per[80] == pytest.approx(per[20], rel=0.05)
+    assert everyone[80] > 3 * everyone[20]
+
+
+def test_edges_are_priced_per_distinct_layout_pair_on_a_3_axis_mesh():
+    """gpt tiny on a 4x4x4 mesh (about 80 strategies per block), priced analytically: the
+    reshardings priced are the distinct (tensor, layout, layout) cases, a small fraction of the
+    strategy pairs of the boundaries (what pricing per strategy pair would price), and the
+    edge tables are built from them."""
+    from cfp.windows import layouts
+    cluster = load_cluster("h100-64")
+    a = run_analysis(WorkloadSpec("gpt", "tiny", None, "float32", ()).resolved(), (4, 4, 4))
+    profile = run_profile(a, ProfileOptions(cost="analytic", max_combinations=32,
+                                            cost_model=cluster.cost_model((4, 4, 4))))
+    blocks, names = a.blocks.blocks, ("m0", "m1", "m2")
+    strategy_pairs = sum(len(blocks[b.src].strategies) * len(blocks[b.dst].strategies)
+                         for b in profile.boundaries)
+    assert len(profile.reshard_s) < strategy_pairs / 10
+    problem, _ = build_problem(a, profile, None)
+    for b in profile.boundaries[:20]:  # each table entry is its layout pair's price
+        src, src_of = layouts(b.src_labels, blocks[b.src].strategies, names)
+        dst, dst_of = layouts(b.dst_labels, blocks[b.dst].strategies, names)
+        if (b.src, b.dst) in problem.edges and sum(
+                1 for c in profile.boundaries if (c.src, c.dst) == (b.src, b.dst)) == 1:
+            table = problem.edges[b.src, b.dst]
+            for s in range(0, len(src_of), 7):
+                for t in range(0, len(dst_of), 7):
+                    key = (b.shape, b.dtype, src[src_of[s]], dst[dst_of[t]])
+                    want = 0 if key[2] == key[3] else round(profile.reshard_s[key] * 1e7)
+                    assert table[s, t] == want
+
+
+def test_plan_for_a_cluster_through_the_passes(tmp_path, capsys):
+    """A mesh of 8 that JAX has here: compiling all 192 combinations would take over a minute,
+    so they are priced analytically (and the report says why); nothing runs; plan.json."""
+    assert main(["--model", "gpt", "--cluster", "a100-8", "--mesh", "2x4",
+                 "--workdir", str(tmp_path), "--max-combinations", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "priced for a100-8 (analytic): compiling would take 192 programs" in out
+    assert "predicted step time" in out and "nothing runs" in out
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["mesh"]["shape"] == [2, 4] and plan["source"].startswith("predicted for a100-8")
+
+
+def test_a_cluster_too_large_here_is_priced_analytically(tmp_path, capsys):
+    assert main(["--model", "gpt", "--cluster", "alpa-50x4", "--workdir", str(tmp_path),
+                 "--mode", "analysis"]) == 0
+    assert main(["--model", "gpt", "--cluster", "alpa-50x4", "--workdir", str(tmp_path),
+                 "--mode", "profile"]) == 0
+    assert "(analytic): 200 devices" in capsys.readouterr().out
+
+
+def test_compile_only_where_compiling_everything_is_quick():
+    from cfp.passes.profile import cluster_pricing
+    a = run_analysis(WorkloadSpec("mlp", "tiny", None, "float32", ()).resolved(), (8,))
+    assert cluster_pricing(a, 32, limit_s=3600)[0] == "model"
+    assert cluster_pricing(a, 32, limit_s=1e-6)[0] == "analytic"  # the control
+    assert cluster_pricing(a, 32, max_devices=4)[0] == "analytic"
+
+
+def test_mesh_auto_without_a_cluster_is_one_line(capsys):
+    assert main(["--mesh", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--cluster" in err
