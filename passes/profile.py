@@ -234,7 +234,8 @@ def cluster_pricing(analysis, max_combinations: int, *, max_devices: int = 64,
                     limit_s: float = 60.0) -> tuple[str, str]:
     """How to price a profile for a described cluster, and why: compile-only (``"model"``)
     where the mesh has at most ``max_devices`` devices, JAX here has them, and compiling every
-    combination would take at most ``limit_s`` (one combination is compiled to find out);
+    combination and resharding would take at most ``limit_s`` (one combination is compiled to
+    find out);
     analytically (``"analytic"``) otherwise."""
     import jax
     from cfp.measure import WindowProgram
@@ -247,6 +248,8 @@ def cluster_pricing(analysis, max_combinations: int, *, max_devices: int = 64,
     windows, reps = split_windows(analysis, max_combinations)
     programs = sum(math.prod(len(analysis.blocks.blocks[b].strategies)
                              for b in range(windows[r].start, windows[r].end)) for r in reps)
+    programs += len(needed_reshards(boundaries(analysis, windows), analysis.blocks.blocks,
+                                    ("m0", "m1", "m2")[:len(analysis.mesh_shape)]))
     probe = WindowProgram(trace_step(analysis.spec.build()), analysis, windows[reps[0]],
                           make_mesh(analysis.mesh_shape))
     t0 = time.perf_counter()
