@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def main() -> None:
+def plan_arguments() -> argparse.ArgumentParser:
+    """The options of a check that runs random whole-model plans (also simulator_check.py)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="gpt")
     ap.add_argument("--num-layers", type=int, default=4)
@@ -33,6 +34,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def main() -> None:
+    ap = plan_arguments()
     ap.add_argument("--out", default=None,
                     help="CSV to append to (default scripts/results/<date>-composition-<backend>.csv)")
     args = ap.parse_args()
@@ -51,11 +57,9 @@ def main() -> None:
         assert cli(base + ["--mode", "profile"]) == 0
 
     import jax
-    from cfp.execute import PlannedStep, real_inputs, time_steps
     from cfp.measure import memory_of
     from cfp.records import read_record
-    from cfp.solver import evaluate
-    from cfp.workloads import make_mesh, run_fingerprint, trace_step
+    from cfp.workloads import make_mesh, run_fingerprint
     from cfp.workdir import ANALYSIS_FORMAT, WorkDir
     from cfp.passes.search import SCALE, build_problem
 
@@ -63,28 +67,11 @@ def main() -> None:
     run_fp = run_fingerprint(analysis.spec, mesh_shape)
     profile = WorkDir(workdir, run_fp).read_profile(analysis)
     problem, _ = build_problem(analysis, profile, None)
-    rng = random.Random(args.seed)
-    plans = [tuple(rng.randrange(len(g.options)) for g in problem.groups)
-             for _ in range(args.plans)]
-    workload = analysis.spec.build()
-    program = trace_step(workload)
-    mesh = make_mesh(mesh_shape)
-    host = real_inputs(workload)
-    steps = []
-    for choices in plans:
-        cost, mem, strategies = evaluate(problem, choices)
-        ps = PlannedStep(program, analysis, strategies, mesh)
-        ps.compile()
-        ps.args = ps.place(host)
-        time_steps(ps.compiled, ps.args, iters=2)
-        ps.predicted_s = cost / SCALE + profile.launch_overhead_s
-        ps.predicted_mem = mem
+    steps, times = random_plan_steps(analysis, problem, make_mesh(mesh_shape), args)
+    for ps in steps:
+        ps.predicted_s = ps.cost / SCALE + profile.launch_overhead_s
+        ps.predicted_mem = ps.mem
         ps.compiled_mem = memory_of(ps.compiled)["peak_bytes"]
-        steps.append(ps)
-    times = [[] for _ in steps]
-    for _ in range(args.rounds):
-        for i, ps in enumerate(steps):
-            times[i].append(time_steps(ps.compiled, ps.args, iters=args.iters))
     backend = jax.devices()[0].platform
     date = datetime.date.today().isoformat()
     out = (Path(args.out).resolve() if args.out
@@ -116,7 +103,36 @@ def main() -> None:
           args)
 
 
-def _plot(rows, path, args) -> None:
+def random_plan_steps(analysis, problem, mesh, args):
+    """``args.plans`` random plans of ``problem`` (one option per group), each compiled
+    (``PlannedStep`` with ``cost`` and ``mem`` as composed) and timed on ``mesh`` in
+    ``args.rounds`` interleaved rounds: (steps, seconds per step of each round)."""
+    from cfp.execute import PlannedStep, real_inputs, time_steps
+    from cfp.solver import evaluate
+    from cfp.workloads import trace_step
+    rng = random.Random(args.seed)
+    plans = [tuple(rng.randrange(len(g.options)) for g in problem.groups)
+             for _ in range(args.plans)]
+    workload = analysis.spec.build()
+    program, host = trace_step(workload), real_inputs(workload)
+    steps = []
+    for choices in plans:
+        cost, mem, strategies = evaluate(problem, choices)
+        ps = PlannedStep(program, analysis, strategies, mesh)
+        ps.compile()
+        ps.args = ps.place(host)
+        time_steps(ps.compiled, ps.args, iters=2)
+        ps.cost, ps.mem = cost, mem
+        steps.append(ps)
+    times = [[] for _ in steps]
+    for _ in range(args.rounds):
+        for i, ps in enumerate(steps):
+            times[i].append(time_steps(ps.compiled, ps.args, iters=args.iters))
+    return steps, times
+
+
+def _plot(rows, path, args, xlabel="predicted step s (composed profiles)") -> None:
+    """Measured against predicted step time, one dot per plan (rows: (predicted, measured))."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -125,7 +141,7 @@ def _plot(rows, path, args) -> None:
     ax.scatter(pred, meas, s=12)
     hi = max(pred + meas) * 1.1
     ax.plot([0, hi], [0, hi], "k--", lw=0.5)
-    ax.set_xlabel("predicted step s (composed profiles)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("measured step s")
     ax.set_title(f"{args.model} L{args.num_layers} mesh {args.mesh}", fontsize=9)
     fig.tight_layout()

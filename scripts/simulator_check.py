@@ -14,38 +14,29 @@ Appends to ``scripts/results/<date>-simulator-<backend>.csv`` and writes a PNG.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import math
 import os
-import random
 import statistics
 from pathlib import Path
+
+from composition_check import _plot, plan_arguments, random_plan_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="gpt")
-    ap.add_argument("--num-layers", type=int, default=4)
-    ap.add_argument("--mesh", default="8")
-    ap.add_argument("--plans", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--seed", type=int, default=0)
+    ap = plan_arguments()
     args = ap.parse_args()
     mesh_shape = tuple(int(x) for x in args.mesh.split("x"))
     os.environ.setdefault("XLA_FLAGS",
                           f"--xla_force_host_platform_device_count={math.prod(mesh_shape)}")
     import jax
-    from cfp.execute import PlannedStep, real_inputs, time_steps
     from cfp.measure import fit_cost_model
     from cfp.passes.analysis import run_analysis
     from cfp.passes.profile import ProfileOptions, run_profile
     from cfp.passes.search import SCALE, build_problem
-    from cfp.solver import evaluate
-    from cfp.workloads import WorkloadSpec, make_mesh, trace_step
+    from cfp.workloads import WorkloadSpec, make_mesh
 
     spec = WorkloadSpec(args.model, "tiny", None, "float32",
                         (("num_layers", args.num_layers),)).resolved()
@@ -54,23 +45,9 @@ def main() -> None:
     cost = fit_cost_model(mesh)
     profile = run_profile(analysis, ProfileOptions(cost="analytic", cost_model=cost))
     problem, _ = build_problem(analysis, profile, None)
-    rng = random.Random(args.seed)
-    plans = [tuple(rng.randrange(len(g.options)) for g in problem.groups)
-             for _ in range(args.plans)]
-    program, host = trace_step(spec.build()), real_inputs(spec.build())
-    steps = []
-    for choices in plans:
-        predicted, _, strategies = evaluate(problem, choices)
-        ps = PlannedStep(program, analysis, strategies, mesh)
-        ps.compile()
-        ps.args = ps.place(host)
-        time_steps(ps.compiled, ps.args, iters=2)
-        ps.predicted_s = predicted / SCALE
-        steps.append(ps)
-    times = [[] for _ in steps]
-    for _ in range(args.rounds):
-        for i, ps in enumerate(steps):
-            times[i].append(time_steps(ps.compiled, ps.args, iters=args.iters))
+    steps, times = random_plan_steps(analysis, problem, mesh, args)
+    for ps in steps:
+        ps.predicted_s = ps.cost / SCALE
     rows = [(ps.predicted_s, statistics.median(t)) for ps, t in zip(steps, times)]
     rho = _spearman([r[0] for r in rows], [r[1] for r in rows])
     apart = [(a, b) for a in rows for b in rows
@@ -91,7 +68,7 @@ def main() -> None:
           f"{100 * accuracy:.0f}% on {len(apart)} pairs over 10% apart; "
           f"rows appended to {out.relative_to(ROOT)}")
     _plot(rows, out.with_name(f"{out.stem}-{args.model}-L{args.num_layers}-{args.mesh}.png"),
-          args)
+          args, "predicted step s (analytic, fitted here)")
 
 
 def _spearman(x, y) -> float:
@@ -106,19 +83,6 @@ def _spearman(x, y) -> float:
     num = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
     den = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
     return num / den if den else float("nan")
-
-
-def _plot(rows, path, args) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(4, 4))
-    ax.scatter([r[0] for r in rows], [r[1] for r in rows], s=12)
-    ax.set_xlabel("predicted step s (analytic, fitted here)")
-    ax.set_ylabel("measured step s")
-    ax.set_title(f"{args.model} L{args.num_layers} mesh {args.mesh}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":
