@@ -106,12 +106,18 @@ class BlockAnalysis:
 
 def build_blocks(graph: Graph, mesh_shape: tuple[int, ...]) -> BlockAnalysis:
     """Group ``graph``'s operators into ParallelBlocks for a mesh of ``mesh_shape``."""
+    return with_strategies(group_blocks(graph), graph, mesh_shape)
+
+
+def group_blocks(graph: Graph) -> BlockAnalysis:
+    """The ParallelBlocks of ``graph``, without strategies: the grouping does not depend on
+    the mesh (``with_strategies`` adds a mesh's)."""
     b = _Builder(graph)
     b.seed_and_match()
     b.forward_flow()
     b.backward_attach()
     b.refine()
-    return with_strategies(b.finish(), graph, mesh_shape)
+    return b.finish()
 
 
 def with_strategies(ba: BlockAnalysis, graph: Graph, mesh_shape: tuple[int, ...]

@@ -209,13 +209,12 @@ class Program:
                 elif name == "scan":
                     outs = scan(eqn.params, ins, path + (("scan", id(eqn)),))
                 elif name in _REMAT:
-                    if eqn.params.get("prevent_cse") and eqn.params.get("differentiated"):
+                    body, consts, barrier = _remat_parts(eqn)
+                    if barrier:
                         ins = [v if isinstance(x, jcore.Literal)
                                else jax.lax.optimization_barrier(v)
                                for x, v in zip(eqn.invars, ins)]
-                    body = eqn.params["jaxpr"]
-                    outs = run(getattr(body, "jaxpr", body), getattr(body, "consts", ()), ins,
-                               path + (id(eqn),))
+                    outs = run(body, consts, ins, path + (id(eqn),))
                 else:
                     i = first.get(self.origins.get(path + (id(eqn),)))
                     if i is not None and before is not None:
@@ -338,13 +337,11 @@ class _Builder:
                 env.update(zip(eqn.outvars, outs))
                 continue
             if name in _REMAT:
-                if eqn.params.get("prevent_cse") and eqn.params.get("differentiated"):
+                body, consts, barrier = _remat_parts(eqn)
+                if barrier:
                     ins = [j if j in self.consts else self.traced(jax.lax.optimization_barrier, j)
                            for j in ins]
-                body = eqn.params["jaxpr"]
-                consts = body.consts if hasattr(body, "consts") else ()
-                outs = self.inline(getattr(body, "jaxpr", body), consts, ins,
-                                   path + (id(eqn),))
+                outs = self.inline(body, consts, ins, path + (id(eqn),))
                 env.update(zip(eqn.outvars, outs))
                 continue
             if name in _REFUSED and _contains_contraction(eqn):
@@ -399,6 +396,14 @@ class _Builder:
             self.slices[key] = self.traced(
                 lambda a: jax.lax.index_in_dim(a, i, 0, keepdims=False), stacked)
         return self.slices[key]
+
+
+def _remat_parts(eqn) -> tuple[Any, tuple, bool]:
+    """(body jaxpr, its consts, whether its inputs go behind an optimization barrier) of a
+    remat equation: the barrier is what JAX lowers a differentiated ``prevent_cse`` remat to."""
+    body = eqn.params["jaxpr"]
+    barrier = bool(eqn.params.get("prevent_cse") and eqn.params.get("differentiated"))
+    return getattr(body, "jaxpr", body), tuple(getattr(body, "consts", ())), barrier
 
 
 def _stack(*pieces):

@@ -22,7 +22,7 @@ from typing import Callable, Literal
 
 from cfp.measure import CostModel, Measurement
 from cfp.phases import Phases
-from cfp.windows import Boundary, Window, boundaries, layouts, split_windows
+from cfp.windows import Boundary, Window, boundaries, layouts, split_windows, window_space
 from cfp.worker import Worker, WorkerOptions
 
 log = logging.getLogger(__name__)
@@ -181,7 +181,7 @@ def _priced(analysis, options: ProfileOptions, windows, reps, start) -> ProfileR
     window_profiles = {}
     for k, rep in enumerate(reps):
         w = windows[rep]
-        space = tuple(len(analysis.blocks.blocks[b].strategies) for b in range(w.start, w.end))
+        space = tuple(window_space(analysis, w))
         results = {c: analytic.window_measurement(analysis, w, c, cost, names)
                    for c in itertools.product(*map(range, space))}
         window_profiles[k] = WindowProfile(k, tuple(range(w.start, w.end)), space, results)
@@ -239,17 +239,16 @@ def cluster_pricing(analysis, max_combinations: int, *, max_devices: int = 64,
     analytically (``"analytic"``) otherwise."""
     import jax
     from cfp.measure import WindowProgram
-    from cfp.workloads import make_mesh, trace_step
+    from cfp.workloads import AXIS_NAMES, make_mesh, trace_step
     n = math.prod(analysis.mesh_shape)
     if n > max_devices:
         return "analytic", f"{n} devices, more than the {max_devices} compiled for here"
     if len(jax.devices()) < n:
         return "analytic", f"{n} devices, JAX here has {len(jax.devices())}"
     windows, reps = split_windows(analysis, max_combinations)
-    programs = sum(math.prod(len(analysis.blocks.blocks[b].strategies)
-                             for b in range(windows[r].start, windows[r].end)) for r in reps)
+    programs = sum(math.prod(window_space(analysis, windows[r])) for r in reps)
     programs += len(needed_reshards(boundaries(analysis, windows), analysis.blocks.blocks,
-                                    ("m0", "m1", "m2")[:len(analysis.mesh_shape)]))
+                                    AXIS_NAMES[:len(analysis.mesh_shape)]))
     probe = WindowProgram(trace_step(analysis.spec.build()), analysis, windows[reps[0]],
                           make_mesh(analysis.mesh_shape))
     t0 = time.perf_counter()

@@ -354,13 +354,13 @@ def rank_meshes(spec, cluster, *, max_combinations: int, memory_budget_bytes: in
                 time_limit_s: float) -> list[MeshCandidate]:
     """Every logical mesh of the cluster's devices (up to 3 axes, laid row-major over its
     network levels) planned analytically, best predicted step time first."""
-    from cfp.blocks import build_blocks
+    from cfp.blocks import group_blocks
     from cfp.cluster import logical_meshes
     from cfp.passes.analysis import run_analysis
     from cfp.passes.profile import ProfileOptions, run_profile
     from cfp.workloads import trace_step
     graph = trace_step(spec.build()).graph()
-    grouping = build_blocks(graph, (1,))  # the blocks, whatever the mesh
+    grouping = group_blocks(graph)
     out = []
     for shape in logical_meshes(cluster.num_devices):
         try:
