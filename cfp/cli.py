@@ -148,6 +148,9 @@ def _options(args) -> RunOptions:
         if args.mesh == "auto":
             return RunOptions(spec, None, cluster.num_devices, workdir, modes, cluster)
         mesh_shape = cluster.mesh_shape if args.mesh is None else parse_mesh(args.mesh)
+        if math.prod(mesh_shape) != cluster.num_devices:
+            raise CfpError(f"mesh {args.mesh} has {math.prod(mesh_shape)} devices; cluster "
+                           f"{cluster.name} has {cluster.num_devices}")
         check_mesh(mesh_shape, cluster.num_devices)
         return RunOptions(spec, mesh_shape, cluster.num_devices, workdir, modes, cluster)
     if args.mesh == "auto":

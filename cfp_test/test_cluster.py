@@ -170,3 +170,6 @@ def test_mesh_auto_without_a_cluster_is_one_line(capsys):
     assert main(["--mesh", "auto"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--cluster" in err
+    assert main(["--cluster", "alpa-50x4", "--mesh", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cluster alpa-50x4 has 200" in err
