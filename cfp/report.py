@@ -410,8 +410,9 @@ def prediction_console(rec, cluster) -> None:
     say(f"predicted step time: {rec.predicted_s * 1e3:.3f} ms; "
         f"{rec.step_flops / rec.predicted_s / math.prod(rec.mesh_shape) / 1e12:.4g} TFLOP/s "
         f"per device")
+    budget = rec.memory_budget_bytes or cluster.memory_per_device_bytes
     say(f"memory per device: {rec.memory_bytes / 2**30:.3f} GB composed (budget "
-        f"{cluster.memory_per_device_bytes / 2**30:g} GB)")
+        f"{budget / 2**30:g} GB)")
 
 
 def meshes_console(ranked, cluster) -> None:
@@ -430,3 +431,40 @@ def meshes_console(ranked, cluster) -> None:
                 f"{c.prediction.predicted_s * 1e3:.3f} ms, "
                 f"{c.prediction.memory_bytes / 2**30:.3f} GB per device")
     say(f"mesh chosen: {'x'.join(map(str, ranked[0].mesh_shape))}")
+
+
+def stages_console(rec, cluster) -> None:
+    """Pipeline stages: layers, submesh, intra-op plan, predicted times and memory."""
+    plan = rec.plan
+    say(f"cluster {cluster.describe()}")
+    say(f"{rec.num_layers} layers, {rec.micro_batches} micro-batches of "
+        f"{rec.spec.batch_size // rec.micro_batches}; {len(plan.stages)} stages:")
+    for k, st in enumerate(rec.stages):
+        say(f"  stage {k}: layers {st.first_layer}-{st.last_layer} (blocks {st.blocks[0]}-"
+            f"{st.blocks[1] - 1}) on submesh {st.submesh[0]}x{st.submesh[1]} (mesh "
+            f"{'x'.join(map(str, st.mesh_shape))}): {st.time_s * 1e3:.3f} ms per micro-batch, "
+            f"{st.memory_bytes / 2**30:.3f} GB per device with {st.in_flight} in flight")
+        say(f"    strategies: {list(st.strategies)}")
+    say(f"predicted latency (1F1B: sum of stages + {rec.micro_batches - 1} x the slowest "
+        f"{plan.slowest_s * 1e3:.3f} ms): {plan.latency_s * 1e3:.3f} ms")
+    say(f"stage DP: {plan.t_max_tried} of {plan.t_max_candidates} slowest-stage bounds tried, "
+        f"{plan.dp_states} states, {rec.dp_s:.2f} s; {rec.priced} (stage, submesh) pairs "
+        f"priced on {rec.submeshes_analysed} submeshes in {rec.pricing_s:.1f} s; stages pass "
+        f"{rec.time_s:.1f} s")
+
+
+def staged_run_console(seconds: float, programs: int, loss_err: float, stages: int) -> None:
+    say(f"staged run here: {stages} stages as {programs} programs on their submeshes, "
+        f"micro-batches in GPipe order; loss and gradients match one device (loss rel. "
+        f"error {loss_err:.1e}); {seconds * 1e3:.1f} ms per step (median of 5; one program "
+        f"at a time here, so stages do not overlap and the 1F1B latency is not checked)")
+
+
+def stages_json(rec) -> dict:
+    """``stages/plan.json``: per stage its layers, submesh and shardings."""
+    return {"format": "cfp-stage-plan", "version": 1, "cluster": rec.cluster,
+            "micro_batches": rec.micro_batches, "predicted_latency_s": rec.plan.latency_s,
+            "stages": [{"layers": [st.first_layer, st.last_layer], "blocks": list(st.blocks),
+                        "submesh": list(st.submesh), "predicted_s": st.time_s,
+                        "memory_bytes": st.memory_bytes, "in_flight": st.in_flight, **st.plan}
+                       for st in rec.stages]}

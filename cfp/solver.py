@@ -16,6 +16,10 @@ the pair): they grow with the distinct layouts, not with the strategies. Memory:
 ``sum(persistent + held) + M <= budget`` with ``M >= transient`` of every chosen option. Costs
 are integers (the caller scales seconds to its profiles' resolution), so the optimum is exact.
 
+``solve_alike`` solves the quotient in which *alike* blocks (the same block of repeated layers)
+take one strategy: one group per window of one layer, whatever the depth. Its plan starts the
+whole problem (a hint), which may then give layers different strategies.
+
 Example:
     >>> p = Problem(groups=[Group((0,), [Option((0,), 5), Option((1,), 3)])], num_strategies=[2])
     >>> solve(p).choices
@@ -30,6 +34,9 @@ import time
 import numpy as np
 
 from cfp.errors import CfpError
+
+
+LP_MAX_VARIABLES = 200_000  # above this the search runs without its LP relaxation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +60,7 @@ class Problem:
     edges: dict = dataclasses.field(default_factory=dict)  # (i, j) -> int array [S_i, S_j]
     memory_budget: int | None = None
     ties: list = dataclasses.field(default_factory=list)  # (i, j): same strategy (one scan)
+    alike: list = dataclasses.field(default_factory=list)  # (i, j): same block, repeated layer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,10 +90,11 @@ def evaluate(problem: Problem, choices) -> tuple[int, int, tuple[int, ...]]:
     return cost, mem + trans, tuple(strat)
 
 
-def solve(problem: Problem, *, time_limit_s: float = 60.0, exclude=(), workers: int = 1
-          ) -> Solution | None:
+def solve(problem: Problem, *, time_limit_s: float = 60.0, exclude=(), workers: int = 1,
+          hint=None) -> Solution | None:
     """The cheapest plan (None when no plan meets the memory budget or all are excluded; a
-    ``CfpError`` when the time limit ends the search before it found a plan or proved none)."""
+    ``CfpError`` when the time limit ends the search before it found a plan or proved none).
+    ``hint``: option index per group of a plan to start from."""
     from ortools.sat.python import cp_model
     t0 = time.perf_counter()
     stats: dict[str, int] = {}
@@ -133,11 +142,18 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, exclude=(), workers: 
             m.Add(x[i, s] == x[j, s])
     for prev in exclude:  # no-good cuts: not this exact plan again
         m.AddBoolOr([y[g][c].Not() for g, c in enumerate(prev)])
+    if hint is not None:
+        for g, c in enumerate(hint):
+            for o, v in enumerate(y[g]):
+                m.AddHint(v, o == c)
     m.Minimize(sum(objective))
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = workers
-    solver.parameters.linearization_level = 2
+    # The LP relaxation guides the search well but its memory grows with the model: a 4-axis
+    # GPT-39B plan on 64 devices (500 000 booleans) needs 4 GB with it and 1.4 GB without.
+    solver.parameters.linearization_level = 2 if len(m.Proto().variables) <= LP_MAX_VARIABLES \
+        else 0
     status = solver.Solve(m)
     if status == cp_model.UNKNOWN:
         raise CfpError(f"the solver found no plan within its time limit ({time_limit_s:g} s) "
@@ -149,6 +165,84 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, exclude=(), workers: 
     return Solution(choices, strat, cost, mem,
                     "OPTIMAL" if status == cp_model.OPTIMAL else "FEASIBLE",
                     time.perf_counter() - t0, stats.get("edge_booleans", 0))
+
+
+def solve_alike(problem: Problem, *, time_limit_s: float = 60.0, exclude=()
+                ) -> Solution | None:
+    """The cheapest plan in which the blocks of ``problem.alike`` (the same block in repeated
+    layers) take the same strategy, solved on the quotient problem: groups whose blocks are
+    alike merge into one, whose options add up the members' costs and memory (so the budget
+    still holds for the whole model), and edges add up likewise. It has one group per window
+    of one layer, whatever the depth, so it solves in a fraction of the whole problem's time
+    and starts that one."""
+    t0 = time.perf_counter()
+    parent = list(range(len(problem.num_strategies)))
+
+    def find(b):
+        while parent[b] != b:
+            parent[b] = parent[parent[b]]
+            b = parent[b]
+        return b
+
+    for i, j in list(problem.ties) + list(problem.alike):
+        parent[find(i)] = find(j)
+    members: dict[tuple, list[int]] = {}  # class of each block, in order -> groups
+    for g, grp in enumerate(problem.groups):
+        members.setdefault(tuple(find(b) for b in grp.blocks), []).append(g)
+    rep_of = {}  # block -> the block of its merged group's first member at its position
+    groups, origin = [], []
+    for gs in members.values():
+        first = problem.groups[gs[0]]
+        for g in gs:
+            rep_of.update(zip(problem.groups[g].blocks, first.blocks))
+        common = set.intersection(*[{o.strategies for o in problem.groups[g].options}
+                                    for g in gs])
+        opts = []
+        for st in sorted(common):
+            picked = [next(o for o in problem.groups[g].options if o.strategies == st)
+                      for g in gs]
+            opts.append(Option(st, sum(o.cost for o in picked), sum(o.memory for o in picked),
+                               max(o.transient for o in picked)))
+        groups.append(Group(first.blocks, opts))
+        origin.append(gs)
+    position = {b: (q, k) for q, grp in enumerate(groups) for k, b in enumerate(grp.blocks)}
+    edges: dict = {}
+    for (i, j), table in problem.edges.items():
+        ri, rj = rep_of[i], rep_of[j]
+        if ri == rj:  # both sides in one class: a cost on the diagonal, folded into options
+            q, k = position[ri]
+            diag = np.diagonal(np.asarray(table))
+            groups[q] = Group(groups[q].blocks, [dataclasses.replace(
+                o, cost=o.cost + int(diag[o.strategies[k]])) for o in groups[q].options])
+            continue
+        edges[ri, rj] = edges.get((ri, rj), 0) + np.asarray(table)
+    ties = sorted({(rep_of[i], rep_of[j]) for i, j in list(problem.ties) + list(problem.alike)
+                   if rep_of[i] != rep_of[j]})
+    quotient = Problem(groups, problem.num_strategies, edges, problem.memory_budget, ties)
+
+    def lift(choices_q):
+        out = [0] * len(problem.groups)
+        for q, c in enumerate(choices_q):
+            st = groups[q].options[c].strategies
+            for g in origin[q]:
+                out[g] = next(o for o, opt in enumerate(problem.groups[g].options)
+                              if opt.strategies == st)
+        return tuple(out)
+
+    excluded_q = []
+    for prev in exclude:  # a plan whose layers are alike excludes its quotient choice
+        strat = evaluate(problem, prev)[2]
+        excluded_q.append(tuple(next((o for o, opt in enumerate(grp.options)
+                                      if opt.strategies == tuple(strat[b] for b in grp.blocks)),
+                                     -1) for grp in groups))
+    sol = solve(quotient, time_limit_s=time_limit_s,
+                exclude=[c for c in excluded_q if -1 not in c and lift(c) in set(exclude)])
+    if sol is None:
+        return None
+    choices = lift(sol.choices)
+    cost, mem, strat = evaluate(problem, choices)
+    return Solution(choices, strat, cost, mem, sol.status, time.perf_counter() - t0,
+                    sol.edge_booleans)
 
 
 def _groups(table) -> list[list[int]]:

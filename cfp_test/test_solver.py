@@ -3,7 +3,8 @@ import random
 import numpy as np
 import pytest
 
-from cfp.solver import Group, Option, Problem, brute_force, chain_dp, evaluate, solve
+from cfp.solver import (Group, Option, Problem, brute_force, chain_dp, evaluate, solve,
+                        solve_alike)
 
 
 def _random_chain(rng, groups=4, blocks_per=2, strategies=3, budget=None):
@@ -92,3 +93,32 @@ def test_ties_bind_where_the_free_optimum_differs():
         if len({strategies[b] for b in (0, 2, 4)}) > 1:
             return
     raise AssertionError("the free optimum tied the copies on every instance")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_alike_layers_solve_on_the_quotient(seed):
+    """Three layers of two blocks, each block alike across layers: the quotient's optimum is
+    the brute-force optimum over the plans whose layers are alike, also with a skip edge
+    between two copies of one block (a cost on the diagonal) and a memory budget."""
+    rng = random.Random(300 + seed)
+    free = _random_chain(rng, groups=3)
+    free.edges[(0, 4)] = np.array([[rng.randint(0, 9) for _ in range(3)] for _ in range(3)])
+    alike = [(0, 2), (2, 4), (1, 3), (3, 5)]
+    budget = sorted(evaluate(free, c)[1] for c in [(o,) * 3 for o in range(9)])[4]
+    p = Problem(free.groups, free.num_strategies, free.edges, budget, [], alike)
+    want = brute_force(Problem(free.groups, free.num_strategies, free.edges, budget, alike))
+    sol = solve_alike(p)
+    assert sol.objective == want[0] == evaluate(p, sol.choices)[0]
+    assert sol.memory <= budget
+    assert len({sol.strategies[b] for b in (0, 2, 4)}) == 1
+
+
+def test_whole_problem_mixes_layers_under_a_tight_budget():
+    """Fast layers need 10 bytes, lean ones 5: within 25 bytes, plans with alike layers must
+    all be lean (cost 60); the whole problem runs two fast and one lean (cost 40)."""
+    from cfp.passes.search import top_plans
+    layer = [Option((0,), 10, 10), Option((1,), 20, 5)]
+    p = Problem([Group((b,), layer) for b in range(3)], [2, 2, 2], {}, 25, [], [(0, 1), (1, 2)])
+    assert solve_alike(p).objective == 60
+    assert top_plans(p, 1, 10.0)[0].objective == 40
+    assert top_plans(p, 1, 10.0, alike_only=True)[0].objective == 60

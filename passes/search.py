@@ -19,7 +19,7 @@ import numpy as np
 
 from cfp.errors import CfpError
 from cfp.phases import Phases
-from cfp.solver import Group, Option, Problem, Solution, evaluate, solve
+from cfp.solver import Group, Option, Problem, Solution, evaluate, solve, solve_alike
 from cfp.windows import (held_for_backward, inputs_read_earlier, layouts, memory_terms,
                          option_memory)
 
@@ -203,8 +203,25 @@ def build_problem(analysis, profile, memory_budget_bytes: int | None
             copies.setdefault(origin, []).append(b.index)
     ties = [(c[k], c[k + 1]) for c in copies.values() for k in range(len(c) - 1)]
     problem = Problem(groups, [len(b.strategies) for b in blocks], edges, memory_budget_bytes,
-                      ties)
+                      ties, alike_blocks(analysis))
     return problem, combos
+
+
+def alike_blocks(analysis) -> list[tuple[int, int]]:
+    """Pairs of blocks at the same offset of consecutive instances of one segment type (the
+    same block of repeated layers) that have the same strategies."""
+    blocks = analysis.blocks.blocks
+    last: dict[int, object] = {}
+    out = []
+    for seg in analysis.segments.instances:
+        prev = last.get(seg.type)
+        last[seg.type] = seg
+        if prev is None or prev.end - prev.start != seg.end - seg.start:
+            continue
+        for a, b in zip(range(prev.start, prev.end), range(seg.start, seg.end)):
+            if [t.axes for t in blocks[a].strategies] == [t.axes for t in blocks[b].strategies]:
+                out.append((a, b))
+    return out
 
 
 def smallest_memory(problem: Problem) -> int:
@@ -213,21 +230,41 @@ def smallest_memory(problem: Problem) -> int:
         (max(min(o.transient for o in g.options) for g in problem.groups),), default=0)
 
 
-def top_plans(problem: Problem, k: int, time_limit_s: float):
+def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool = False):
+    """The ``k`` cheapest plans, cheapest first. Each starts from the cheapest plan whose
+    repeated layers are alike (``solve_alike``: quick at any depth). Unless ``alike_only``,
+    the whole problem then runs from it within ``time_limit_s``, free to give layers
+    different strategies, which pays under a tight memory budget."""
     sols = []
     k = max(1, k)
     if problem.memory_budget is not None and smallest_memory(problem) > problem.memory_budget:
         k = 0  # a lower bound already over the budget: no solve can succeed
     for _ in range(k):
-        try:
-            sol = solve(problem, time_limit_s=time_limit_s, exclude=[s.choices for s in sols])
-        except CfpError:  # out of time: the plans found so far are the candidates
-            if sols:
-                break
-            raise
+        t0 = time.perf_counter()
+        exclude = [s.choices for s in sols]
+        start = solve_alike(problem, time_limit_s=time_limit_s, exclude=exclude) \
+            if problem.alike else None
+        if alike_only and start is not None:
+            sol = dataclasses.replace(start, status=f"{start.status} among plans whose "
+                                                    f"repeated layers are alike")
+        else:
+            try:
+                sol = solve(problem, time_limit_s=time_limit_s, exclude=exclude,
+                            hint=start.choices if start else None)
+            except CfpError:  # out of time: the plans found so far are the candidates
+                if start is None and sols:
+                    break
+                if start is None:
+                    raise
+                sol = None
+            if start is not None and (sol is None or sol.objective >= start.objective):
+                sol = dataclasses.replace(
+                    start, status="OPTIMAL" if sol is not None and sol.status == "OPTIMAL"
+                    else f"FEASIBLE (the best plan whose repeated layers are alike: "
+                         f"{start.status} among those)")
         if sol is None:
             break
-        sols.append(sol)
+        sols.append(dataclasses.replace(sol, solve_s=time.perf_counter() - t0))
     if not sols:
         need = smallest_memory(problem)
         raise CfpError(f"no plan fits the memory budget of "
@@ -331,16 +368,18 @@ class Prediction:
     solve_s: float
     step_flops: float
     pricing: str  # the profile's cost: "model" (compile-only) or "analytic"
+    memory_budget_bytes: int | None = None
 
 
 def predict_plan(analysis, profile, memory_budget_bytes: int | None,
-                 time_limit_s: float) -> Prediction:
+                 time_limit_s: float, *, alike_only: bool = False) -> Prediction:
     """The best plan of the priced profile, with its predicted step time and memory."""
     problem, _ = build_problem(analysis, profile, memory_budget_bytes)
-    sol = top_plans(problem, 1, time_limit_s)[0]
+    sol = top_plans(problem, 1, time_limit_s, alike_only=alike_only)[0]
     return Prediction(tuple(analysis.mesh_shape), tuple(sol.strategies),
                       predicted_seconds(problem, sol.choices, profile.launch_overhead_s),
-                      sol.memory, sol.status, sol.solve_s, plan_flops(analysis), profile.cost)
+                      sol.memory, sol.status, sol.solve_s, plan_flops(analysis), profile.cost,
+                      memory_budget_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,7 +392,8 @@ class MeshCandidate:
 def rank_meshes(spec, cluster, *, max_combinations: int, memory_budget_bytes: int | None,
                 time_limit_s: float) -> list[MeshCandidate]:
     """Every logical mesh of the cluster's devices (up to 3 axes, laid row-major over its
-    network levels) planned analytically, best predicted step time first."""
+    network levels) planned analytically, best predicted step time first. Shapes are ranked
+    by their best plan whose repeated layers are alike; the chosen one is then planned whole."""
     from cfp.blocks import group_blocks
     from cfp.cluster import logical_meshes
     from cfp.passes.analysis import run_analysis
@@ -368,8 +408,8 @@ def rank_meshes(spec, cluster, *, max_combinations: int, memory_budget_bytes: in
             profile = run_profile(analysis, ProfileOptions(
                 cost="analytic", max_combinations=max_combinations,
                 cost_model=cluster.cost_model(shape)))
-            out.append(MeshCandidate(shape, predict_plan(analysis, profile, memory_budget_bytes,
-                                                         time_limit_s)))
+            out.append(MeshCandidate(shape, predict_plan(
+                analysis, profile, memory_budget_bytes, time_limit_s, alike_only=True)))
         except CfpError as e:
             out.append(MeshCandidate(shape, None, str(e)))
     return sorted(out, key=lambda c: (c.prediction is None,
