@@ -48,8 +48,9 @@ def _presets_text() -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m cfp", description=__doc__.splitlines()[0],
                 formatter_class=_Help)
-    p.add_argument("--mode", choices=MODES, default=None,
-                   help="the pass to run; all three in order when left out")
+    p.add_argument("--mode", choices=MODES + ("stages",), default=None,
+                   help="the pass to run; all three in order when left out; 'stages' plans "
+                        "pipeline stages (run here and checked when there is no --cluster)")
     p.add_argument("-v", "--verbose", action="store_true", help="log the library's progress")
     w = p.add_argument_group("workload")
     w.add_argument("--model", default="gpt",
@@ -113,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="validate only the predicted plans, not the rule-file baselines too")
     s.add_argument("--iters", type=int, default=None,
                    help="steps per measurement (at least 5 steps and 0.3 s when left out)")
+    st = p.add_argument_group("stages")
+    st.add_argument("--micro-batches", type=int, default=8,
+                    help="micro-batches per step; must divide the batch size")
     return p
 
 
@@ -134,7 +138,8 @@ def _options(args) -> RunOptions:
         if getattr(args, k) is not None)
     positive = overrides + tuple((k, getattr(args, k)) for k in (
         "batch_size", "num_devices", "max_combinations", "validate_top", "iters",
-        "memory_budget", "profile_budget", "time_limit", "device_flops", "device_bandwidth")
+        "memory_budget", "profile_budget", "time_limit", "device_flops", "device_bandwidth",
+        "micro_batches")
         if getattr(args, k) is not None)
     for k, v in positive:
         if v <= 0:
@@ -174,7 +179,7 @@ def _check_devices(opts: RunOptions, args) -> None:
     if opts.cluster is not None:
         return  # planned, not run: analysis and analytic pricing need no devices
     make_mesh(opts.mesh_shape)
-    if ("search" in opts.modes and args.memory_budget is None
+    if (("search" in opts.modes or "stages" in opts.modes) and args.memory_budget is None
             and jax.devices()[0].platform == "cpu"):
         raise CfpError("on CPU the virtual devices share host memory: give --memory-budget GB "
                        "(per device)")
@@ -401,4 +406,44 @@ def _predict(opts: RunOptions, args, wd, analysis) -> None:
     report.say(f"wrote {path}")
 
 
-_RUNNERS = {"analysis": _run_analysis, "profile": _run_profile, "search": _run_search}
+def _run_stages(opts: RunOptions, args) -> None:
+    from cfp import report
+    from cfp.passes.stages import StageOptions, micro_batch_spec, run_stages
+    from cfp.plan import write_plan
+    micro_batch_spec(opts.spec, args.micro_batches)  # a batch it does not divide: no work
+    cluster = opts.cluster or _local_cluster(opts, args)
+    report.say("***********Stages Pass****************")
+    rec = run_stages(opts.spec, cluster, StageOptions(
+        args.micro_batches, _memory_budget_bytes(args, opts, required=True),
+        args.max_combinations,
+        args.time_limit))
+    report.stages_console(rec, cluster)
+    if opts.cluster is None:
+        from cfp.execute import numerics_error, reference_loss_and_grads
+        from cfp.passes.stages import run_staged
+        got, seconds, programs = run_staged(opts.spec, rec.stages, args.micro_batches, iters=5)
+        loss_err, grad_excess = numerics_error(got, reference_loss_and_grads(opts.spec.build()))
+        if loss_err > 1e-4 or grad_excess > 0:
+            raise RuntimeError(f"the staged step does not match the single-device step (loss "
+                               f"rel. error {loss_err:.2e}, gradients off by {grad_excess:.2e} "
+                               f"beyond tolerance)")
+        report.staged_run_console(seconds, programs, loss_err, len(rec.stages))
+    path = _workdir(opts).path / "stages" / "plan.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_plan(path, report.stages_json(rec))
+    report.say(f"wrote {path}")
+
+
+def _local_cluster(opts: RunOptions, args):
+    """This machine's devices as one node, priced by --device-preset (a100 when left out)."""
+    from cfp.cluster import Cluster, Level
+    model = _cost_model(args, (opts.num_devices,))
+    return Cluster("here", (Level("node", 1, model.alpha[0], model.beta[0]),
+                            Level("device", opts.num_devices, model.alpha[0], model.beta[0])),
+                   _memory_budget_bytes(args, opts, required=True), model.device_flops,
+                   model.device_bandwidth, ("priced by the " + (args.device_preset or "a100")
+                                            + " device preset",))
+
+
+_RUNNERS = {"analysis": _run_analysis, "profile": _run_profile, "search": _run_search,
+            "stages": _run_stages}

@@ -88,6 +88,25 @@ class Cluster:
             beta.append(max(self.levels[i].beta_s_per_byte for i in lv))
         return CostModel(tuple(alpha), tuple(beta), self.device_flops, self.device_bandwidth)
 
+    @property
+    def nodes(self) -> tuple[int, int]:
+        """(nodes, devices per node): the outermost level over the rest."""
+        if len(self.levels) == 1:
+            return 1, self.levels[0].size
+        return self.levels[0].size, math.prod(level.size for level in self.levels[1:])
+
+    def submesh(self, nodes: int, devices_per_node: int) -> "Cluster":
+        """The cluster of ``nodes`` of its nodes, ``devices_per_node`` devices of each: a
+        pipeline stage's submesh. The levels inside a node become one, at the slowest's
+        alpha and beta."""
+        inner = self.levels[1:] or self.levels
+        levels = ((dataclasses.replace(self.levels[0], size=nodes),) if len(self.levels) > 1
+                  else (dataclasses.replace(self.levels[0], size=1),))
+        levels += (Level(inner[-1].name, devices_per_node, max(lv.alpha_s for lv in inner),
+                         max(lv.beta_s_per_byte for lv in inner)),)
+        return dataclasses.replace(self, name=f"{self.name}[{nodes}x{devices_per_node}]",
+                                   levels=levels)
+
     def describe(self) -> str:
         levels = " x ".join(f"{lv.size} {lv.name}s ({1 / lv.beta_s_per_byte / 1e9:g} GB/s, "
                             f"alpha {lv.alpha_s:g} s)" for lv in self.levels)

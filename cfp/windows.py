@@ -187,6 +187,22 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
     inside them; only the largest transient counts in a step's peak. ``held`` and ``terms``
     (``memory_terms``) are what the caller computed already, for many combinations."""
     terms = terms or memory_terms(analysis, window, read_earlier, held)
+    size = _sizer(analysis, window, combo, axis_names)
+    adding = sum(size(*t) for t in terms.adding)
+    held_internal = sum(size(*t) for t in terms.held_internal)
+    return adding, max(0, measured.temp_bytes - held_internal)
+
+
+def held_memory(analysis, window: Window, combo, axis_names, terms: "MemoryTerms") -> int:
+    """The bytes per device of the activations a window holds for the backward pass under
+    ``combo`` (part of ``option_memory``'s adding-up bytes): what each micro-batch in flight
+    in a pipeline stage holds."""
+    size = _sizer(analysis, window, combo, axis_names)
+    return sum(size(*t) for t in terms.held)
+
+
+def _sizer(analysis, window: Window, combo, axis_names):
+    """Bytes per device of a memory term (value, block position or None, labels)."""
     blocks = [analysis.blocks.blocks[b] for b in range(window.start, window.end)]
     axes = [b.strategies[k].axes for b, k in zip(blocks, combo)]
     g, mesh_shape = analysis.graph, analysis.mesh_shape
@@ -197,9 +213,7 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
         return shard_bytes(g.values[v].shape, _itemsize(g.values[v].dtype), spec, mesh_shape,
                            axis_names)
 
-    adding = sum(size(*t) for t in terms.adding)
-    held_internal = sum(size(*t) for t in terms.held_internal)
-    return adding, max(0, measured.temp_bytes - held_internal)
+    return size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +223,7 @@ class MemoryTerms:
 
     adding: tuple  # step inputs not read earlier, step outputs, held activations
     held_internal: tuple  # held activations that do not leave the window (in its temporaries)
+    held: tuple = ()  # every held activation (also in ``adding``)
 
 
 def memory_terms(analysis, window: Window, read_earlier: frozenset[int] = frozenset(),
@@ -230,14 +245,14 @@ def memory_terms(analysis, window: Window, read_earlier: frozenset[int] = frozen
     outputs, leaving = set(g.outputs), set(sub.live_outs)
     adding += [(v,) + made.get(v, (None, None)) for v in sub.live_outs if v in outputs]
     kept = held_for_backward(g) if held is None else held
-    internal = []
+    internal, held_terms = [], []
     for i in sub.ops:
         for v in g.ops[i].outputs:
             if v in kept:
-                adding.append((v,) + made[v])
+                held_terms.append((v,) + made[v])
                 if v not in leaving:
                     internal.append((v,) + made[v])
-    return MemoryTerms(tuple(adding), tuple(internal))
+    return MemoryTerms(tuple(adding + held_terms), tuple(internal), tuple(held_terms))
 
 
 def held_for_backward(g) -> frozenset[int]:
