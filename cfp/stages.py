@@ -29,6 +29,7 @@ Example: two layers on one node of two devices, where data parallelism gains onl
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import itertools
@@ -152,7 +153,7 @@ def plan_stages(num_layers: int, num_nodes: int, devices_per_node: int, price: P
                 F[s, k] = total[best, devices]
                 choice[s, k] = np.where(np.isfinite(F[s, k]), keep[best], -1)
                 states += N + 1
-        least, plan = math.inf, None
+        least, plan, top = math.inf, None, 0.0
         for S in range(1, max_s + 1):
             if not np.isfinite(F[S, 0, N]):
                 continue
@@ -163,12 +164,13 @@ def plan_stages(num_layers: int, num_nodes: int, devices_per_node: int, price: P
                 stages.append(Stage(k, i, m, c))
                 k, d = i + 1, d - m.num_devices
             candidate = StagePlan(tuple(stages), B)
+            top = max(top, candidate.slowest_s)
             if plan is None or candidate.latency_s < plan.latency_s:
                 plan = candidate
-        solved[t_max] = (least, plan)
+        solved[t_max] = (least, plan, top)
         return solved[t_max]
 
-    floor, best = solve(math.inf)
+    floor, best, _ = solve(math.inf)
     if best is None:
         return None
     # Least sums covering layers k..L-1 (``after``) or 0..k-1 (``before``) on exactly d devices,
@@ -207,8 +209,10 @@ def plan_stages(num_layers: int, num_nodes: int, devices_per_node: int, price: P
     def hopeless(t: float) -> bool:  # a plan new at t has a stage of time t
         return max(least_with[t], floor) + (B - 1) * t >= best.latency_s
 
-    # Bisect for the least bound any plan meets (feasibility grows with the bound), then try
-    # the bounds from there up that could still improve.
+    # Bisect for the least bound any plan meets (feasibility grows with the bound). Then walk
+    # the bounds down: the plans found under a bound stay optimal under every bound down to
+    # their slowest stage, so the next bound tried is the first below that; and once the
+    # least sum plus (B - 1) times the least bound cannot beat the best, no lower bound can.
     open_ = [t for t in times if not hopeless(t)]
     lo, hi = 0, len(open_)
     while lo < hi:
@@ -217,12 +221,16 @@ def plan_stages(num_layers: int, num_nodes: int, devices_per_node: int, price: P
             lo = mid + 1
         else:
             hi = mid
-    for t in open_[lo:]:
-        if hopeless(t):
-            continue
-        plan = solve(t)[1]
-        if plan is not None and plan.latency_s < best.latency_s:
+    k = len(open_) - 1
+    while k >= lo:
+        least, plan, top = solve(open_[k])
+        if plan is None:
+            break
+        if plan.latency_s < best.latency_s:
             best = plan
+        if least + (B - 1) * open_[lo] >= best.latency_s:
+            break
+        k = min(k, bisect.bisect_left(open_, top)) - 1
     return dataclasses.replace(best, dp_states=states, t_max_tried=len(solved),
                                t_max_candidates=len(times))
 

@@ -51,7 +51,7 @@ def test_submesh_shapes():
 def test_dp_matches_brute_force(seed):
     rng = random.Random(seed)
     layers = rng.randint(1, 5)
-    nodes, per_node = rng.choice([(1, 2), (1, 4), (2, 2), (2, 4)])
+    nodes, per_node = rng.choice([(1, 2), (1, 4), (2, 2), (2, 4), (1, 3), (2, 3)])
     budget = rng.choice([None, rng.randint(0, 150), rng.randint(100, 600)])
     kw = dict(micro_batches=rng.randint(1, 8), memory_budget_bytes=budget)
     calls = {}

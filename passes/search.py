@@ -230,11 +230,20 @@ def smallest_memory(problem: Problem) -> int:
         (max(min(o.transient for o in g.options) for g in problem.groups),), default=0)
 
 
+ALIKE_FROM_OPTIONS = 2000  # options over all groups above which a solve starts alike
+
+
+def _options(problem: Problem) -> int:
+    return sum(len(g.options) for g in problem.groups)
+
+
 def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool = False):
-    """The ``k`` cheapest plans, cheapest first. Each starts from the cheapest plan whose
-    repeated layers are alike (``solve_alike``: quick at any depth). Unless ``alike_only``,
-    the whole problem then runs from it within ``time_limit_s``, free to give layers
-    different strategies, which pays under a tight memory budget."""
+    """The ``k`` cheapest plans, cheapest first. A large problem (deep, or on a large mesh)
+    starts each from the cheapest plan whose repeated layers are alike (``solve_alike``:
+    quick at any depth); unless ``alike_only``, the whole problem then runs from it within
+    ``time_limit_s``, free to give layers different strategies, which pays under a tight
+    memory budget. A small one is solved whole at once: there the alike problem is hardly
+    smaller, and proving it optimal can take as long as the whole."""
     sols = []
     k = max(1, k)
     if problem.memory_budget is not None and smallest_memory(problem) > problem.memory_budget:
@@ -243,7 +252,8 @@ def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool
         t0 = time.perf_counter()
         exclude = [s.choices for s in sols]
         start = solve_alike(problem, time_limit_s=time_limit_s, exclude=exclude) \
-            if problem.alike else None
+            if problem.alike and (alike_only or _options(problem) > ALIKE_FROM_OPTIONS) \
+            else None
         if alike_only and start is not None:
             sol = dataclasses.replace(start, status=f"{start.status} among plans whose "
                                                     f"repeated layers are alike")

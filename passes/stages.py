@@ -100,7 +100,6 @@ def run_stages(spec, cluster, options: StageOptions) -> StagesRecord:
     first = pricing(Submesh(1, 1))  # the units are the same on every mesh
     units = first.units
     solved: dict[tuple, tuple | None] = {}
-
     pricing_s = 0.0
 
     def price(k: int, i: int, m: Submesh) -> StageCost | None:
@@ -119,8 +118,10 @@ def run_stages(spec, cluster, options: StageOptions) -> StagesRecord:
                        memory_budget_bytes=options.memory_budget_bytes)
     dp_s = time.perf_counter() - t0 - pricing_s
     if plan is None:
+        budget = options.memory_budget_bytes
         raise CfpError(f"no split of the {len(units)} layers into stages on {cluster.name} "
-                       f"fits {options.memory_budget_bytes / 2**30:.3f} GB per device")
+                       + (f"fits {budget / 2**30:.3f} GB per device" if budget is not None
+                          else "has a plan on every stage"))
     layouts = []
     for p, st in enumerate(plan.stages):
         pr = pricing(st.submesh)
@@ -135,7 +136,7 @@ def run_stages(spec, cluster, options: StageOptions) -> StagesRecord:
     rec = StagesRecord(spec, cluster.name, options.micro_batches, len(units), plan,
                        tuple(layouts), len(solved), len(pricings), pricing_s, dp_s,
                        time.perf_counter() - start)
-    log.info("stages pass: %.1f s, %d solves over %d submeshes", rec.time_s, rec.priced,
+    log.info("stages pass: %.1f s, %d stages priced on %d submeshes", rec.time_s, rec.priced,
              rec.submeshes_analysed)
     return rec
 
