@@ -214,9 +214,9 @@ def run_staged(spec, stages, micro_batches: int, *, iters: int = 0):
             runs.append((stage_of[op.index], [op.index]))
     programs = []
     for p, ops in runs:
-        sub = sharding.sub_program(g, ops)
+        sub, mine = sharding.sub_program(g, ops), set(ops)
         fn = jax.jit(sharding.sub_function(prog, sub, constraints={
-            i: c for i, c in constraints[p].items() if i in set(ops)}, mesh=meshes[p]))
+            i: c for i, c in constraints[p].items() if i in mine}, mesh=meshes[p]))
         programs.append((meshes[p], sub, fn))
     flat = [jax.tree_util.tree_leaves((params, piece)) for piece in pieces]
 
