@@ -19,10 +19,9 @@ MODELS = [("users_models:flax_dropout", "adam"), ("users_models:equinox_attentio
           ("users_models:optax_attention", "adam"), ("users_models:optax_attention", "adafactor")]
 
 
-# Three on one mesh each here; the other five cases (Flax's tracing is the slowest) run with
-# the slow tests (bash scripts/slow_tests.sh).
+# Two here; the other six cases (Flax's tracing is the slowest) run with the slow tests
+# (bash scripts/slow_tests.sh).
 FAST = [("users_models:equinox_attention", "adam", (8,)),
-        ("users_models:optax_attention", "adam", (2, 4)),
         ("users_models:optax_attention", "adafactor", (8,))]
 CASES = [pytest.param(model, optimizer, mesh_shape,
                       marks=[] if (model, optimizer, mesh_shape) in FAST else [pytest.mark.slow])
