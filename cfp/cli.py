@@ -411,6 +411,10 @@ def _run_stages(opts: RunOptions, args) -> None:
     from cfp.passes.stages import StageOptions, micro_batch_spec, run_stages
     from cfp.plan import write_plan
     micro_batch_spec(opts.spec, args.micro_batches)  # a batch it does not divide: no work
+    if opts.cluster is None and _draws_randomness(opts.spec.build()):
+        raise CfpError("the staged run here checks the step against one device, but this "
+                       "loss draws randomness from a key, which micro-batches draw apart: "
+                       "plan its stages with --cluster instead")
     cluster = opts.cluster or _local_cluster(opts, args)
     report.say("***********Stages Pass****************")
     rec = run_stages(opts.spec, cluster, StageOptions(
@@ -432,6 +436,14 @@ def _run_stages(opts: RunOptions, args) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_plan(path, report.stages_json(rec))
     report.say(f"wrote {path}")
+
+
+def _draws_randomness(workload) -> bool:
+    """Whether the loss takes a key, or the batch holds one (dropout keys as step data)."""
+    import jax
+    from cfp.jax_compat import dtype_name, is_key
+    return workload.loss_takes_key or any(
+        is_key(dtype_name(x.dtype)) for x in jax.tree_util.tree_leaves(workload.abstract_batch()))
 
 
 def _local_cluster(opts: RunOptions, args):

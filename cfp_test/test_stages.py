@@ -227,3 +227,20 @@ def test_a_stage_pays_for_what_crosses_to_later_stages():
     sent = sum(alpha + n * beta for n in later.values())
     assert first.time_s == pytest.approx(cost[inside].sum() / SCALE + edges / SCALE + sent,
                                          rel=1e-9)
+
+
+def test_staged_run_of_users_models(tmp_path, capsys):
+    """An Equinox model (its module class made per build) is staged and checked here; a Flax
+    model with dropout keys in its batch is refused in one line, since micro-batches draw other
+    masks than the whole batch, and nothing is written."""
+    from cfp.cli import main
+    common = ["--mode", "stages", "--batch-size", "8", "--micro-batches", "4",
+              "--memory-budget", "2"]
+    assert main(common + ["--model", "users_models:equinox_attention",
+                          "--workdir", str(tmp_path / "eqx")]) == 0
+    assert "loss and gradients match one device" in capsys.readouterr().out
+    assert main(common + ["--model", "users_models:flax_dropout",
+                          "--workdir", str(tmp_path / "flax")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "draws randomness from a key" in err
+    assert not (tmp_path / "flax" / "stages").exists()

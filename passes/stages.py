@@ -166,14 +166,14 @@ def run_staged(spec, stages, micro_batches: int, *, iters: int = 0):
     from cfp.passes.analysis import run_analysis
     from cfp.workloads import AXIS_NAMES, trace_step
     mb_spec = micro_batch_spec(spec, micro_batches)
-    workload = spec.build()
-    params, batch = example_inputs(workload)
+    mb_workload = mb_spec.build()
+    params = example_inputs(mb_workload)[0]  # the same values as the step's, its own types
+    batch = example_inputs(spec.build())[1]
     size = spec.batch_size // micro_batches
     pieces = [jax.tree_util.tree_map(
         lambda x, m=m: x[m * size:(m + 1) * size]
         if getattr(x, "ndim", 0) and x.shape[0] == spec.batch_size else x, batch)
         for m in range(micro_batches)]
-    mb_workload = mb_spec.build()
     prog = trace_program(mb_workload.grad_fn(), params, pieces[0])
     g = prog.graph()
     step_graph = trace_step(mb_workload).graph()
