@@ -114,10 +114,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="validate only the predicted plans, not the rule-file baselines too")
     s.add_argument("--iters", type=int, default=None,
                    help="steps per measurement (at least 5 steps and 0.3 s when left out)")
+    h = p.add_argument_group(
+        "several processes", "one python -m cfp per host, each with the same flags but "
+        "--process-id; on a Slurm or Open MPI cluster the count and rank are read from it")
+    h.add_argument("--coordinator", default=os.environ.get("JAX_COORDINATOR_ADDRESS"),
+                   help="HOST:PORT of process 0; its workers' runtimes use the ports above it "
+                        "(JAX_COORDINATOR_ADDRESS when left out)")
+    h.add_argument("--num-processes", type=int, default=_env_int("SLURM_NTASKS",
+                                                                 "OMPI_COMM_WORLD_SIZE") or 1,
+                   help="processes taking part, one per host")
+    h.add_argument("--process-id", type=int, default=_env_int("SLURM_PROCID",
+                                                              "OMPI_COMM_WORLD_RANK") or 0,
+                   help="this process's rank; process 0 writes the work dir and reports")
+    h.add_argument("--join-timeout", type=int, default=30,
+                   help="seconds every process's workers wait for the others to join; one "
+                        "that does not join in time stops the run")
     st = p.add_argument_group("stages")
     st.add_argument("--micro-batches", type=int, default=8,
                     help="micro-batches per step; must divide the batch size")
     return p
+
+
+def _env_int(*names: str) -> int | None:
+    for name in names:
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +150,12 @@ class RunOptions:
     workdir: Path | None
     modes: tuple[str, ...]
     cluster: object = None  # cfp.cluster.Cluster; mesh_shape None: --mesh auto, chosen later
+    runtime: object = None  # cfp.multihost.Runtime when several processes take part
+
+    @property
+    def reports(self) -> bool:
+        """Whether this process writes the work dir and prints (process 0 of several)."""
+        return self.runtime is None or self.runtime.process_id == 0
 
 
 def _options(args) -> RunOptions:
@@ -147,6 +175,9 @@ def _options(args) -> RunOptions:
     spec = WorkloadSpec(args.model, args.config, args.batch_size, args.dtype, overrides)
     workdir = Path(args.workdir) if args.workdir else None
     modes = (args.mode,) if args.mode else MODES
+    if args.cluster is not None and args.num_processes > 1:
+        raise CfpError("--cluster plans without running anything: run it in one process "
+                       "(without --num-processes)")
     if args.cluster is not None:
         from cfp.cluster import load_cluster
         cluster = load_cluster(args.cluster)
@@ -168,7 +199,25 @@ def _options(args) -> RunOptions:
         mesh_shape = parse_mesh(args.mesh)
         num = math.prod(mesh_shape) if args.num_devices is None else args.num_devices
     check_mesh(mesh_shape, num)
-    return RunOptions(spec, mesh_shape, num, workdir, modes)
+    return RunOptions(spec, mesh_shape, num, workdir, modes, runtime=_runtime(args, num))
+
+
+def _runtime(args, num_devices: int):
+    """The processes taking part, when there are several (``--num-processes``)."""
+    from cfp.multihost import Runtime
+    if args.num_processes < 1:
+        raise CfpError(f"--num-processes must be positive, got {args.num_processes}")
+    if args.num_processes == 1:
+        return None
+    if not args.coordinator:
+        raise CfpError("several processes need --coordinator HOST:PORT (process 0's host)")
+    if args.mode == "stages":
+        raise CfpError("--mode stages runs in one process: plan stages for a cluster with "
+                       "--cluster, or run them here without --num-processes")
+    if num_devices % args.num_processes:
+        raise CfpError(f"{num_devices} devices do not split evenly over "
+                       f"{args.num_processes} processes")
+    return Runtime(args.coordinator, args.num_processes, args.process_id, args.join_timeout)
 
 
 def _check_devices(opts: RunOptions, args) -> None:
@@ -178,7 +227,13 @@ def _check_devices(opts: RunOptions, args) -> None:
     from cfp.workloads import make_mesh
     if opts.cluster is not None:
         return  # planned, not run: analysis and analytic pricing need no devices
-    make_mesh(opts.mesh_shape)
+    if opts.runtime is not None:  # the global mesh exists only in the workers' runtime
+        local, n = len(jax.local_devices()), opts.runtime.num_processes
+        if local * n < opts.num_devices:
+            raise CfpError(f"{opts.num_devices} devices over {n} processes need "
+                           f"{opts.num_devices // n} per process; JAX sees {local} here")
+    else:
+        make_mesh(opts.mesh_shape)
     if (("search" in opts.modes or "stages" in opts.modes) and args.memory_budget is None
             and jax.devices()[0].platform == "cpu"):
         raise CfpError("on CPU the virtual devices share host memory: give --memory-budget GB "
@@ -206,6 +261,8 @@ def _setup_devices(num_devices: int) -> None:
              if not f.startswith("--xla_force_host_platform_device_count")]
     if "jax" not in sys.modules:
         os.environ["XLA_FLAGS"] = " ".join(flags + [flag])
+        # A GPU is shared by this process and its measurement worker: neither takes it all.
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 def _check_workdir(workdir: Path) -> None:
@@ -226,14 +283,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         opts = _options(args)
         # A described cluster is compiled for here only up to 64 devices (cluster_pricing).
-        _setup_devices(opts.num_devices if opts.cluster is None or opts.num_devices <= 64
+        _setup_devices(opts.num_devices // opts.runtime.num_processes if opts.runtime
+                       else opts.num_devices if opts.cluster is None or opts.num_devices <= 64
                        else 8)
+        if not opts.reports:
+            from cfp import report
+            report.silence()
         if opts.mesh_shape is None:
             opts = dataclasses.replace(opts, mesh_shape=_choose_mesh(opts, args))
         if not args.workdir:
             opts = dataclasses.replace(opts, workdir=_default_workdir(opts))
         opts = dataclasses.replace(opts, spec=opts.spec.resolved())
-        _check_workdir(opts.workdir)
+        if opts.reports:
+            _check_workdir(opts.workdir)
         _check_devices(opts, args)
         from cfp.jax_compat import enable_compilation_cache
         enable_compilation_cache(_cache_dir(args))  # before anything compiles
@@ -284,6 +346,8 @@ def _run_analysis(opts: RunOptions, args) -> None:
     report.say("***********Analysis Pass****************")
     rec = run_analysis(opts.spec, opts.mesh_shape)
     report.analysis_console(rec)
+    if not opts.reports:  # each process analyses for itself; process 0 keeps the record
+        return
     wd = _workdir(opts)
     path = wd.write_analysis(rec)
     report.write_analysis_dumps(rec, wd.path / "debug_analysis_global")
@@ -345,12 +409,21 @@ def _profile_options(opts: RunOptions, args):
         compilation_cache=_cache_dir(args))
 
 
+def _analysis(opts: RunOptions, wd):
+    """The analysis record: process 0's from the work dir; any other process analyses again,
+    so that no shared file system is needed (its workers check it traced process 0's step)."""
+    if opts.reports:
+        return wd.read_analysis()
+    from cfp.passes.analysis import run_analysis
+    return run_analysis(opts.spec, opts.mesh_shape)
+
+
 def _run_profile(opts: RunOptions, args) -> None:
     from cfp import report
-    from cfp.passes.profile import run_profile
+    from cfp.passes.profile import MemoryCheckpoint, run_profile
     wd = _workdir(opts)
-    analysis = wd.read_analysis()
-    options = _profile_options(opts, args)
+    analysis = _analysis(opts, wd)
+    options = dataclasses.replace(_profile_options(opts, args), runtime=opts.runtime)
     report.say("***********Profiling Pass****************")
     if opts.cluster is not None:
         from cfp.passes.profile import cluster_pricing
@@ -358,12 +431,15 @@ def _run_profile(opts: RunOptions, args) -> None:
         report.say(f"priced for {opts.cluster.name} ({cost}): {why}")
         options = dataclasses.replace(options, cost=cost,
                                       cost_model=opts.cluster.cost_model(opts.mesh_shape))
-    checkpoint = wd.profile_checkpoint(analysis, options.cost, options.max_combinations)
+    checkpoint = (wd.profile_checkpoint(analysis, options.cost, options.max_combinations)
+                  if opts.reports else MemoryCheckpoint())
     progress = report.ProfileProgress()
     try:
         rec = run_profile(analysis, options, checkpoint, progress)
     finally:
         progress.close()
+    if not opts.reports:
+        return
     out = wd.write_profile(rec, analysis)
     report.profile_console(rec, analysis.plan_space_log10())
     report.say(f"wrote {out / 'profile.pkl'} and {out / 'profile.csv'}")
@@ -373,15 +449,19 @@ def _run_search(opts: RunOptions, args) -> None:
     from cfp import report
     from cfp.passes.search import SearchOptions, run_search
     wd = _workdir(opts)
-    analysis = wd.read_analysis()
+    analysis = _analysis(opts, wd)
     if opts.cluster is not None:
         return _predict(opts, args, wd, analysis)
-    profile = wd.read_profile(analysis, args.cost, args.max_combinations)
+    # Across processes the search runs on process 0's profile.
+    profile = wd.read_profile(analysis, args.cost, args.max_combinations) if opts.reports else None
     budget = _memory_budget_bytes(args, opts, required=True)
     options = SearchOptions(budget, args.time_limit, args.validate_top,
-                            args.validate_baselines, args.iters)
+                            args.validate_baselines, args.iters, runtime=opts.runtime,
+                            compilation_cache=_cache_dir(args))
     report.say("***********Search Pass****************")
     rec = run_search(analysis, profile, options)
+    if not opts.reports:
+        return
     wd.write_search(rec)
     report.search_console(rec, opts.num_devices)
     report.write_search_dumps(wd.path, analysis, profile, rec)

@@ -86,8 +86,8 @@ class PlannedStep:
         return self.compiled
 
     def place(self, flat_inputs):
-        import jax
-        return [jax.device_put(x, s) for x, s in zip(flat_inputs, self.in_shardings)]
+        from cfp.multihost import put
+        return [put(x, s) for x, s in zip(flat_inputs, self.in_shardings)]
 
 
 
@@ -99,15 +99,18 @@ def time_steps(compiled, args, *, iters: int | None = None, min_steps: int = 5,
     thing (dispatch overlapped with the previous step, which ranked mlp plans differently here)
     and, hundreds deep, starves XLA CPU's collective rendezvous."""
     import jax
-    n, t0 = 0, time.perf_counter()
+    from cfp.multihost import slowest
+    n, total_s = 0, 0.0
     while True:
+        t0 = time.perf_counter()
         jax.block_until_ready(compiled(*args))
+        total_s += slowest(time.perf_counter() - t0)  # across processes: the slowest's
         n += 1
         if iters is not None and n >= iters:
             break
-        if iters is None and n >= min_steps and time.perf_counter() - t0 >= min_seconds:
+        if iters is None and n >= min_steps and total_s >= min_seconds:
             break
-    return (time.perf_counter() - t0) / n
+    return total_s / n
 
 
 def example_inputs(workload, seed: int = 0):
@@ -138,6 +141,7 @@ def sharded_loss_and_grads(workload, analysis, strategies, mesh, storage=None):
     plan's layouts."""
     import jax
     from cfp.graph import trace_program
+    from cfp.multihost import put, to_host
     from jax.sharding import NamedSharding, PartitionSpec
     params, batch = example_inputs(workload)
     prog = trace_program(workload.grad_fn(), params, batch)
@@ -155,10 +159,11 @@ def sharded_loss_and_grads(workload, analysis, strategies, mesh, storage=None):
     specs = [ins[v] for v in step_inputs[:n_params] + step_inputs[n_params + n_opt:]]
     shard = lambda s: NamedSharding(mesh, PartitionSpec(*s))  # noqa: E731
     fn, _ = step_function(prog, constraints=mapped, mesh=mesh)
-    flat = jax.tree_util.tree_leaves((params, batch))
+    flat = [np.asarray(x) if not is_key(dtype_name(x.dtype)) else x
+            for x in jax.tree_util.tree_leaves((params, batch))]
     out = jax.jit(fn, in_shardings=[shard(s) for s in specs])(
-        *[jax.device_put(x, shard(s)) for x, s in zip(flat, specs)])
-    return out[0], list(out[1:])
+        *[put(x, shard(s)) for x, s in zip(flat, specs)])
+    return to_host(out[0]), [to_host(x) for x in out[1:]]
 
 
 def reference_loss_and_grads(workload):

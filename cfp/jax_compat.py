@@ -78,3 +78,18 @@ def random_keys(name: str, shape: tuple[int, ...], seed: int):
     import math
     keys = jax.random.split(jax.random.key(seed, impl=_key_impl(name)), max(1, math.prod(shape)))
     return keys[:math.prod(shape)].reshape(shape)
+
+
+def join_runtime(address: str, num_processes: int, process_id: int, *, join_timeout_s: int,
+                 heartbeat_timeout_s: int) -> None:
+    """Join JAX's multi-controller runtime at ``address`` (``jax.distributed.initialize``),
+    with cross-process collectives switched on for CPU devices (gloo). A process that does not
+    join within ``join_timeout_s``, or stops sending heartbeats for ``heartbeat_timeout_s``,
+    ends every process of the runtime (JAX aborts them)."""
+    try:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except AttributeError:  # a JAX whose CPU client has cross-process collectives already
+        log.info("JAX has no option jax_cpu_collectives_implementation")
+    jax.distributed.initialize(address, num_processes=num_processes, process_id=process_id,
+                               initialization_timeout=join_timeout_s,
+                               heartbeat_timeout_seconds=heartbeat_timeout_s)

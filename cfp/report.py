@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import math
+import sys
 from pathlib import Path
 
 from cfp.jax_compat import is_key
@@ -13,6 +14,12 @@ from cfp.jax_compat import is_key
 
 def say(line: str = "") -> None:
     print(line, flush=True)
+
+
+def silence() -> None:
+    """Print nothing from here on (a process other than 0 of several: process 0 reports)."""
+    import os
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the rest of the process
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,12 +12,21 @@ compiling a batch, the rest is sent again one combination at a time until the cu
 Any other exception is a bug in cfp and is raised in the parent with the worker's traceback.
 The worker ignores SIGINT: Ctrl-C reaches the parent, which stops it. The worker reports its wall seconds per
 phase (tracing, compiling, running, resharding timing) with each reply.
+
+Across processes (``WorkerOptions.runtime``, ``cfp.multihost``) each start of the worker joins
+a fresh runtime, and the workers of every process measure the same combinations in lockstep:
+each verdict that decides whether a program runs is process 0's, each timing the slowest
+process's, each result process 0's. After a death, the next generation's workers agree on
+what it is charged to from every process's account (``_agree_on_death``); a program that
+fails while running ends every worker and is charged ``worker_died``. The worker also serves
+its parent's ``share`` and ``gather`` and runs whole passes (``call``) on the global mesh.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import multiprocessing as mp
+import os
 import signal
 import statistics
 import time
@@ -25,6 +34,7 @@ import traceback
 from typing import Iterator
 
 from cfp.errors import CfpError
+from cfp import multihost
 from cfp.jax_compat import JAX_ERRORS
 from cfp.measure import Measurement
 from cfp.phases import Phases
@@ -39,6 +49,7 @@ class WorkerOptions:
     batch: int  # combinations compiled before timing
     cost_model: object | None = None  # cfp.measure.CostModel for cost == "model"
     compilation_cache: str | None = None  # JAX's persistent compilation cache directory
+    runtime: multihost.Runtime | None = None  # the processes measured across, when several
 
 
 class WorkerBug(RuntimeError):
@@ -54,20 +65,36 @@ class Worker:
         self.phases = phases or Phases()
         self.proc = None
         self.overhead_s = 0.0
+        self.log_path = None  # the worker's output, across processes
 
     def _start(self):
         t0 = time.perf_counter()
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_main, args=(child,) + self.args, daemon=True)
+        runtime = self.options.runtime
+        generation = multihost.next_generation() if runtime is not None else 0
+        self.proc = ctx.Process(target=_main, args=(child,) + self.args + (generation,),
+                                daemon=True)
         self.proc.start()
         child.close()
         kind, payload = self._recv()
+        if kind == "joining":
+            self.log_path = payload
+            kind, payload = self._recv()
+            if kind == "died":
+                payload = self.log_path
+                raise CfpError(
+                    f"not every one of the {runtime.num_processes} processes joined the "
+                    f"runtime at {runtime.address(generation)} within "
+                    f"{runtime.join_timeout_s} s (one has stopped or was never started; worker "
+                    f"log {payload}); what was measured is kept: relaunch every process to "
+                    f"resume")
         if kind == "bug":
             raise WorkerBug(f"the measurement worker failed:\n{payload}")
         if kind == "error":  # the step cannot be measured as analysed
             raise CfpError(payload)
         if kind != "ready":
+            self.proc.join(timeout=5)
             raise CfpError(f"the measurement worker died while starting (exit code "
                            f"{self.proc.exitcode})")
         self.overhead_s, setup_phases = payload
@@ -102,6 +129,8 @@ class Worker:
             self.proc.join(timeout=10)
             if self.proc.is_alive():
                 self.proc.kill()
+            elif self.proc.exitcode == 0 and self.log_path:  # kept only when it failed
+                os.remove(self.log_path)
 
     def measure_window(self, window, combos: list[tuple], best_s: float | None
                        ) -> Iterator[tuple[tuple, Measurement]]:
@@ -128,19 +157,59 @@ class Worker:
                 elif kind == "bug":
                     raise WorkerBug(f"the measurement worker failed:\n{payload}")
                 else:  # died
-                    self.proc.join(timeout=5)
-                    code = self.proc.exitcode
-                    self.proc = None
-                    suspects = [c for c in in_flight if c in pending]
-                    log.warning("the measurement worker died (exit code %s) with %d "
-                                "combinations in flight", code, len(suspects))
-                    if len(suspects) == 1:
-                        pending.remove(suspects[0])
-                        yield suspects[0], Measurement(
-                            "worker_died", note=f"worker exit code {code}")
+                    charged, note = self._agree_on_death([c for c in in_flight
+                                                          if c in pending])
+                    if charged is not None:
+                        pending.remove(charged)
+                        yield charged, Measurement("worker_died", note=note)
                     else:  # died compiling a batch: find the culprit one by one
                         one_at_a_time = True
                     break
+
+    def _agree_on_death(self, suspects: list) -> tuple[tuple | None, str]:
+        """The combination a death is charged to (``None``: find it one at a time) and why.
+        Across processes every process's worker leaves when one dies; the next generation
+        gathers each process's account, and a worker that left because a peer did is no
+        witness."""
+        self.proc.join(timeout=5)
+        code, self.proc = self.proc.exitcode, None
+        # Across processes every worker dies with one: the report says what it was charged.
+        log.log(logging.INFO if self.options.runtime is not None else logging.WARNING,
+                "the measurement worker died (exit code %s) with %d combinations in flight",
+                code, len(suspects))
+        accounts = self.gather((code, suspects))
+        witnesses = [a for a in accounts if a[0] != multihost.PEER_LOST_EXIT] or accounts
+        union = sorted({c for _, s in witnesses for c in s})
+        if len(union) != 1:
+            return None, ""
+        codes = ", ".join(f"{c}" for c, s in witnesses if union[0] in s)
+        return union[0], f"worker exit code {codes}"
+
+    def share(self, value):
+        """Process 0's ``value`` (``cfp.multihost.share``), through the worker's runtime."""
+        return self._ask("share", value)
+
+    def gather(self, value) -> list:
+        """Every process's ``value`` (``cfp.multihost.gather``)."""
+        return self._ask("gather", value)
+
+    def call(self, fn, *args):
+        """``fn(*args)`` run in the worker on the global mesh, with process 0's ``args``."""
+        return self._ask("call", (fn, args))
+
+    def _ask(self, kind, payload):
+        self.ensure()
+        self.conn.send((kind, payload))
+        kind, payload = self._recv()
+        if kind == "bug":
+            raise WorkerBug(f"the measurement worker failed:\n{payload}")
+        if kind == "error":
+            raise CfpError(payload)
+        if kind != "value":
+            self.proc.join(timeout=5)
+            raise CfpError(f"the worker died (exit code {self.proc.exitcode}); what was "
+                           f"measured is kept: run again to resume")
+        return payload
 
     def measure_reshards(self, items: list[tuple]) -> dict[tuple, float]:
         """Seconds of each resharding ``(shape, dtype, src spec, dst spec)``."""
@@ -157,15 +226,20 @@ class Worker:
         return known
 
 
-def _main(conn, analysis, options: WorkerOptions):
+def _main(conn, analysis, options: WorkerOptions, generation: int = 0):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     phases = Phases()
     try:
+        if options.runtime is not None:
+            conn.send(("joining", _quiet_log(options.runtime, generation)))
+            multihost.join(options.runtime, generation)
         from cfp.jax_compat import enable_compilation_cache
         enable_compilation_cache(options.compilation_cache)
         state = _setup(analysis, phases)
         state["phases"] = phases
         conn.send(("ready", (state["overhead"], phases.take())))
+    except multihost.RuntimeLost:
+        os._exit(multihost.PEER_LOST_EXIT)
     except CfpError as e:  # the step cannot be measured as analysed: the user's to fix
         conn.send(("error", str(e)))
         return
@@ -184,8 +258,32 @@ def _main(conn, analysis, options: WorkerOptions):
                 with phases("resharding timing"):
                     known = _measure_reshards(state, options, msg[1])
                 conn.send(("reshards", (known, phases.take())))
+            elif msg[0] == "share":
+                conn.send(("value", multihost.share(msg[1])))
+            elif msg[0] == "gather":
+                conn.send(("value", multihost.gather(msg[1])))
+            elif msg[0] == "call":
+                fn, args = msg[1]
+                conn.send(("value", multihost.share(fn(*multihost.share(args)))))
+        except multihost.RuntimeLost:
+            os._exit(multihost.PEER_LOST_EXIT)
+        except CfpError as e:
+            conn.send(("error", str(e)))
         except Exception:  # noqa: BLE001 - a bug: the parent raises it with this traceback
             conn.send(("bug", traceback.format_exc()))
+
+
+def _quiet_log(runtime, generation: int) -> str:
+    """Send this worker's output (JAX's and the collective library's chatter, and JAX's
+    report when the runtime aborts the process) to a log file; its path."""
+    import tempfile
+    path = os.path.join(tempfile.gettempdir(),
+                        f"cfp-worker-p{runtime.process_id}-g{generation}-{os.getpid()}.log")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    return path
 
 
 def _setup(analysis, phases: Phases):
@@ -196,6 +294,11 @@ def _setup(analysis, phases: Phases):
         if program.graph().fingerprint() != analysis.graph.fingerprint():
             raise CfpError("the step traced now differs from the one analysed: rerun "
                            "--mode analysis")
+        fingerprints = multihost.gather(analysis.graph.fingerprint())
+        differ = [i for i, fp in enumerate(fingerprints) if fp != fingerprints[0]]
+        if differ:  # each process analyses for itself: no shared work dir is needed
+            raise CfpError(f"process {differ[0]} traced another step than process 0: run "
+                           f"the same cfp, JAX and flags on every host")
     with phases("running"):
         mesh = make_mesh(analysis.mesh_shape)
         overhead = launch_overhead(mesh)
@@ -238,6 +341,7 @@ def _measure_window(conn, state, options: WorkerOptions, window, combos, best_s,
 
 
 def _compile_one(wp, combo):
+    import hashlib
     import time as _time
     from cfp.measure import memory_of, normalized_hlo
     from cfp.sharding import collectives
@@ -248,61 +352,78 @@ def _compile_one(wp, combo):
         return Measurement("compile_error", note=f"{type(e).__name__}: {str(e)[:300]}")
     colls = tuple((c.kind, c.axes, c.bytes) for c in collectives(exe.as_text(), wp.mesh_shape))
     program = (normalized_hlo(exe), repr(shardings), repr(exe.output_shardings))
-    mem = dict(memory_of(exe), unnamed_collectives=tuple(wp.unnamed_collectives(exe, combo)))
+    mem = dict(memory_of(exe), unnamed_collectives=tuple(wp.unnamed_collectives(exe, combo)),
+               program_sha1=hashlib.sha1(program[0].encode()).hexdigest())
     return (exe, shardings, _time.perf_counter() - t0, mem, colls,
             wp.check_compiled(exe, combo), program)
 
 
 def _time_batch(conn, state, options, wp, ready, host_inputs, best_s):
-    import jax
-    from cfp.measure import model_cost, time_runs
+    """Time each compiled combination of ``ready``; across processes, a combination runs only
+    where every process compiled it and process 0 finds it worth running, and its result is
+    process 0's (whose times are the slowest process's)."""
     for combo, got in ready:
-        if isinstance(got, Measurement):
-            conn.send(("result", (combo, got)))
-            continue
-        exe, shardings, compile_s, mem, colls, note, program = got
         conn.send(("start", combo))
-        twin = state["programs"].get(program)
-        if twin is not None:  # the same program as a combination measured before: reuse
-            m = dataclasses.replace(twin[1], compile_s=compile_s, same_program_as=twin[0],
-                                    note=f"the same program as {list(twin[0])}, measured once")
-            conn.send(("result", (combo, m)))
-            continue
-        if note:
-            m = Measurement("mismatch", compile_s=compile_s, collectives=colls, note=note, **mem)
-        elif mem["peak_bytes"] > options.memory_budget_bytes:
-            m = Measurement("oom", compile_s=compile_s, collectives=colls,
-                            note=f"compiled peak {mem['peak_bytes']} B over the budget", **mem)
-        elif options.cost == "model":
-            t, colls = model_cost(exe, wp.mesh_shape, options.cost_model)
-            m = Measurement("ok", t, t, t, 0, compile_s, collectives=colls, **mem)
+        failed = [f for f in multihost.gather(got if isinstance(got, Measurement) else None)
+                  if f is not None]
+        if failed:
+            m = failed[0]
         else:
-            args = [jax.device_put(x, s) for x, s in zip(host_inputs, shardings)]
-            try:
-                times, early = time_runs(exe, args, best_s=best_s)
-            except JAX_ERRORS as e:  # XLA failed running it (out of device memory, say)
-                status = "oom" if "RESOURCE_EXHAUSTED" in str(e) else "run_error"
-                conn.send(("result", (combo, Measurement(
-                    status, compile_s=compile_s, collectives=colls,
-                    note=f"{type(e).__name__}: {str(e)[:300]}", **mem))))
-                continue
-            times = [max(0.0, t - state["overhead"]) for t in times]
-            med = statistics.median(times)
-            m = Measurement("ok", med, min(times), max(times), len(times), compile_s,
-                            collectives=colls, note="stopped early: 1.5x slower than the best"
-                            if early else "", **mem)
-            del args
+            m = multihost.share(_verdict(state, options, wp, got))
+            if m is None:
+                m = _run(state, combo, got, host_inputs, best_s)
+            m = multihost.share(m)
+            if m.status in ("ok", "mismatch", "oom") and not m.note.startswith("stopped early"):
+                state["programs"].setdefault(got[-1], (combo, m))
         if m.status == "ok" and (best_s is None or m.time_s < best_s):
             best_s = m.time_s
-        if m.status in ("ok", "mismatch", "oom") and not m.note.startswith("stopped early"):
-            state["programs"][program] = (combo, m)
         conn.send(("result", (combo, m)))
     return best_s
 
 
+def _verdict(state, options, wp, got) -> Measurement | None:
+    """The measurement a compiled combination gets without running (a program measured
+    before, a mismatch, over the memory budget, priced by the model), or ``None``: run it."""
+    from cfp.measure import model_cost
+    exe, shardings, compile_s, mem, colls, note, program = got
+    twin = state["programs"].get(program)
+    if twin is not None:  # the same program as a combination measured before: reuse
+        return dataclasses.replace(twin[1], compile_s=compile_s, same_program_as=twin[0],
+                                   note=f"the same program as {list(twin[0])}, measured once")
+    if note:
+        return Measurement("mismatch", compile_s=compile_s, collectives=colls, note=note, **mem)
+    if mem["peak_bytes"] > options.memory_budget_bytes:
+        return Measurement("oom", compile_s=compile_s, collectives=colls,
+                           note=f"compiled peak {mem['peak_bytes']} B over the budget", **mem)
+    if options.cost == "model":
+        t, colls = model_cost(exe, wp.mesh_shape, options.cost_model)
+        return Measurement("ok", t, t, t, 0, compile_s, collectives=colls, **mem)
+    return None
+
+
+def _run(state, combo, got, host_inputs, best_s) -> Measurement:
+    from cfp.measure import time_runs
+    exe, shardings, compile_s, mem, colls, _, _ = got
+    args = [multihost.put(x, s) for x, s in zip(host_inputs, shardings)]
+    try:
+        times, early = time_runs(exe, args, best_s=best_s)
+    except JAX_ERRORS as e:  # XLA failed running it (out of device memory, say)
+        if multihost.processes() > 1:  # the others wait on this run: all workers end
+            log.error("combination %s failed running: %s", list(combo), e)
+            os._exit(multihost.RUN_FAILED_EXIT)
+        status = "oom" if "RESOURCE_EXHAUSTED" in str(e) else "run_error"
+        return Measurement(status, compile_s=compile_s, collectives=colls,
+                           note=f"{type(e).__name__}: {str(e)[:300]}", **mem)
+    times = [max(0.0, t - state["overhead"]) for t in times]
+    med = statistics.median(times)
+    return Measurement("ok", med, min(times), max(times), len(times), compile_s,
+                       collectives=colls, note="stopped early: 1.5x slower than the best"
+                       if early else "", **mem)
+
+
 def _measure_reshards(state, options, items):
     """Seconds per resharding: timed, or with ``cost == "model"`` priced from its compiled
-    collectives; ``None`` where XLA could not compile or run it."""
+    collectives; ``None`` where XLA could not compile or run it (on any process)."""
     import jax
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
@@ -313,19 +434,25 @@ def _measure_reshards(state, options, items):
     for shape, dtype, src, dst in items:
         s_src = NamedSharding(mesh, PartitionSpec(*src))
         s_dst = NamedSharding(mesh, PartitionSpec(*dst))
-        f = jax.jit(lambda a: a, in_shardings=s_src, out_shardings=s_dst)
         key = (shape, dtype, src, dst)
         try:
-            if options.cost == "model":  # compiled for its collectives: no data needed
-                abstract = jax.ShapeDtypeStruct(shape, to_dtype(dtype), sharding=s_src)
-                out[key] = model_cost(f.lower(abstract).compile(), tuple(mesh.devices.shape),
-                                      options.cost_model)[0]
-                continue
-            x = jax.device_put(np.ones(shape, dtype=np.float32).astype(dtype)
-                               if dtype != "bfloat16" else jax.numpy.ones(shape, dtype), s_src)
-            times, _ = time_runs(f, (x,), best_s=None)
+            compiled = jax.jit(lambda a: a, in_shardings=s_src, out_shardings=s_dst).lower(
+                jax.ShapeDtypeStruct(shape, to_dtype(dtype), sharding=s_src)).compile()
         except JAX_ERRORS:
+            compiled = None
+        if not all(multihost.gather(compiled is not None)):
             out[key] = None
-            continue
-        out[key] = max(0.0, statistics.median(times) - state["overhead"])
-    return out
+        elif options.cost == "model":  # priced from its collectives: no data needed
+            out[key] = model_cost(compiled, tuple(mesh.devices.shape), options.cost_model)[0]
+        else:
+            x = multihost.put(np.ones(shape, to_dtype(dtype)), s_src)
+            try:
+                times, _ = time_runs(compiled, (x,), best_s=None)
+            except JAX_ERRORS as e:
+                if multihost.processes() > 1:  # the others wait on this run: all workers end
+                    log.error("resharding %s failed running: %s", key, e)
+                    os._exit(multihost.RUN_FAILED_EXIT)
+                out[key] = None
+                continue
+            out[key] = max(0.0, statistics.median(times) - state["overhead"])
+    return multihost.share(out)

@@ -14,7 +14,7 @@ from cfp.workloads import WorkloadSpec, make_mesh
 def test_users_own_step_and_optimizer_through_three_passes(tmp_path, capsys):
     plan = autoshard("zoo_extra:einsum_net_momentum", mesh="4", workdir=tmp_path,
                      memory_budget_gb=1, max_combinations=16, validate_top=1,
-                     extra_args=["--iters", "2"])
+                     extra_args=["--iters", "2", "--no-validate-baselines"])
     assert "numerical check against one device" in capsys.readouterr().out
     assert len(plan["blocks"]) == 4 and plan["mesh"]["axes"] == ["m0"]
     w = zoo_extra.einsum_net_momentum()

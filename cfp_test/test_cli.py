@@ -28,6 +28,13 @@ def _run(capsys, *argv):
     (["--model", "moe", "--batch-size", "1", "--seq-len", "8"], "expert_group_size"),
     (["--batch-size", "0"], "positive"),
     (["--workdir", "/proc/cfp-cannot-write-here"], "cannot write to the work dir"),
+    (["--num-processes", "2"], "need --coordinator"),
+    (["--num-processes", "2", "--coordinator", "hostA"], "HOST:PORT"),
+    (["--num-processes", "2", "--coordinator", "hostA:1234", "--process-id", "2"],
+     "--process-id must be in 0..1"),
+    (["--num-processes", "3", "--coordinator", "hostA:1234"], "do not split evenly"),
+    (["--num-processes", "2", "--coordinator", "hostA:1234", "--cluster", "a100-8"],
+     "run it in one process"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     rc, out, err = _run(capsys, "--mode", "analysis", *argv)

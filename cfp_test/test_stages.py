@@ -229,6 +229,7 @@ def test_a_stage_pays_for_what_crosses_to_later_stages():
                                          rel=1e-9)
 
 
+@pytest.mark.slow  # the staged run stays in the suite through test_staged_run_matches_one_device
 def test_staged_run_of_users_models(tmp_path, capsys):
     """An Equinox model (its module class made per build) is staged and checked here; a Flax
     model with dropout keys in its batch is refused in one line, since micro-batches draw other

@@ -6,7 +6,9 @@ its blocks' strategies, checks it against the compiled HLO, and times it on the 
 worker process (``cfp.worker``). It then times every resharding a boundary between windows can
 need, and returns a ``ProfileRecord`` holding every window type's results. Each result is
 handed to ``checkpoint`` as it comes (the CLI saves it to the work dir, so an interrupted run
-resumes where it stopped). With ``cost="model"`` nothing runs: compiled programs are priced by
+resumes where it stopped). Across processes (``ProfileOptions.runtime``) every process's
+worker measures the same combinations in lockstep, and what is known and when the budget is
+spent are process 0's to say. With ``cost="model"`` nothing runs: compiled programs are priced by
 the analytic model; with ``cost="analytic"`` nothing compiles either: each combination and
 resharding is priced from the analysis alone (``cfp.analytic``), for meshes too large to
 compile for here.
@@ -37,6 +39,7 @@ class ProfileOptions:
     batch: int = 16  # combinations compiled before timing them
     cost_model: CostModel | None = None  # for cost == "model" or "analytic"
     compilation_cache: str | None = None  # JAX's persistent compilation cache directory
+    runtime: object = None  # cfp.multihost.Runtime: measure across these processes' devices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,14 +104,16 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
     windows, reps = split_windows(analysis, options.max_combinations)
     if options.cost == "analytic":
         return _priced(analysis, options, windows, reps, start)
-    known = [_known(k, windows[rep], analysis, checkpoint) for k, rep in enumerate(reps)]
-    notify("start", num_types=len(reps), total=sum(len(todo) for _, _, todo in known),
-           known=sum(len(results) for _, results, _ in known))
     worker = Worker(analysis, WorkerOptions(
         options.cost, options.memory_budget_bytes, options.batch, options.cost_model,
-        options.compilation_cache), phases)
+        options.compilation_cache, options.runtime), phases)
     compiled, window_profiles = 0, {}
     try:
+        # Across processes what is known is process 0's checkpoint's.
+        known = worker.share([_known(k, windows[rep], analysis, checkpoint)
+                              for k, rep in enumerate(reps)])
+        notify("start", num_types=len(reps), total=sum(len(todo) for _, _, todo in known),
+               known=sum(len(results) for _, results, _ in known))
         for k, rep in enumerate(reps):
             window_profiles[k], n = _profile_window(k, windows[rep], *known[k],
                                                     worker, options, checkpoint, start, notify)
@@ -148,7 +153,7 @@ def _profile_window(k, window: Window, space, results, todo, worker: Worker,
     best = min((m.time_s for m in results.values() if m.status == "ok"), default=None)
     done = 0
     for i in range(0, len(todo), options.batch):
-        if _spent(options, start):
+        if worker.share(_spent(options, start)):
             for c in todo[i:]:
                 results[c] = Measurement("not_measured", note="--profile-budget spent")
             notify("not_measured", k=k, count=len(todo) - i)
@@ -216,12 +221,12 @@ def _profile_reshards(analysis, bounds, worker, checkpoint, options, start, noti
     names = ("m0", "m1", "m2")[:len(analysis.mesh_shape)]
     blocks = analysis.blocks.blocks
     needed = needed_reshards(bounds, blocks, names)
-    known = dict(checkpoint.load_reshards())
+    known = worker.share(dict(checkpoint.load_reshards()))  # process 0's
     todo = sorted(needed - set(known), key=repr)
     notify("reshards", boundaries=len(bounds), needed=len(needed),
            known=len(needed) - len(todo))
     for i in range(0, len(todo), 16):
-        if _spent(options, start):
+        if worker.share(_spent(options, start)):
             notify("not_measured", k=None, count=len(todo) - i)
             break
         known.update(worker.measure_reshards(todo[i:i + 16]))

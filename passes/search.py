@@ -7,6 +7,8 @@ joins, priced from the resharding table. It solves it, asks for the next-best pl
 (``validate_top``), adds the baseline plans that are plans of the problem
 (``baseline_candidates``), runs each end to end on the mesh in interleaved rounds, keeps the
 measured fastest, checks it against the single-device step, and returns a ``SearchRecord``.
+Across processes (``SearchOptions.runtime``) it runs in a worker that joins their runtime
+(``cfp.worker``), on process 0's plans, timed by the slowest process.
 """
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ class SearchOptions:
     rounds: int = 5  # most measurements per plan, interleaved across plans
     min_rounds: int = 3  # fewest; more only while the kept plan's range overlaps another's
     check_numerics: bool = True  # on configurations small enough for one device
+    runtime: object = None  # cfp.multihost.Runtime: run across these processes' devices
+    compilation_cache: str | None = None  # for the worker that runs it across processes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +90,19 @@ class SearchRecord:
 def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
     """Search, validate and check a plan for ``analysis`` from ``profile``; see the module
     docstring."""
+    if options.runtime is not None:  # in a worker that joins the processes' runtime
+        from cfp.worker import Worker, WorkerOptions
+        worker = Worker(analysis, WorkerOptions(
+            "measure", options.memory_budget_bytes, 1,
+            compilation_cache=options.compilation_cache, runtime=options.runtime))
+        try:
+            return worker.call(run_search, analysis, profile,
+                               dataclasses.replace(options, runtime=None))
+        finally:
+            worker.close()
     from cfp.execute import check_numerics, real_inputs
     from cfp.measure import memory_of
+    from cfp.multihost import share
     from cfp.workloads import make_mesh, trace_step
     start = time.perf_counter()
     phases = Phases()
@@ -99,6 +114,7 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
         if options.validate_baselines:
             sols += [sol for _, sol in baseline_candidates(analysis, problem,
                                                            [s.strategies for s in sols])]
+        sols = share(sols)  # the solver's time limit makes its answer one process's to give
     with phases("tracing"):
         workload = analysis.spec.build()
         mesh = make_mesh(analysis.mesh_shape)

@@ -1,0 +1,111 @@
+"""Two processes of four virtual devices each, run as two hosts would run them: the passes
+match one process of eight devices; a process killed mid-profile stops the other in one line,
+and a relaunch resumes."""
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cfp.passes.analysis import run_analysis
+from cfp.passes.profile import ProfileOptions, run_profile
+from cfp.workloads import WorkloadSpec
+
+FLAGS = ["--model", "mlp", "--max-combinations", "8", "--memory-budget", "1",
+         "--workdir", "wd", "--compilation-cache", "none", "--join-timeout", "10",
+         "--num-processes", "2"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(dirs, port, *extra):
+    """One ``python -m cfp`` per process, each in its own directory (its own session, so
+    that it can be killed with its worker)."""
+    return [subprocess.Popen(
+        [sys.executable, "-m", "cfp", *FLAGS, "--coordinator", f"127.0.0.1:{port}",
+         "--process-id", str(i), *extra], cwd=d, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True) for i, d in enumerate(dirs)]
+
+
+def _finish(procs, timeout_s=240):
+    outs = [p.communicate(timeout=timeout_s) for p in procs]
+    return [(p.returncode, *out) for p, out in zip(procs, outs)]
+
+
+def _measured(workdir: Path) -> int:
+    return sum(len(_record(f).results) for f in workdir.glob("window_*.pkl"))
+
+
+def _record(path: Path):
+    with open(path, "rb") as f:
+        pickle.load(f)  # the header
+        return pickle.load(f)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Analysis; a profile whose process 1 is killed after two results; then the whole job
+    again, which resumes the profile and searches."""
+    root = tmp_path_factory.mktemp("multihost")
+    dirs = [root / "p0", root / "p1"]
+    for d in dirs:
+        d.mkdir()
+    port = _free_port()
+    analysis = _finish(_launch(dirs, port, "--mode", "analysis"))
+    procs = _launch(dirs, port + 10, "--mode", "profile")
+    window = dirs[0] / "wd" / "window_0.pkl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and procs[0].poll() is None:
+        if window.exists() and len(_record(window).results) >= 2:
+            break
+        time.sleep(0.1)
+    os.killpg(procs[1].pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    survivor = procs[0].wait(timeout=120)
+    stop_s = time.monotonic() - killed_at
+    survivor_err = procs[0].stderr.read()
+    procs[1].wait()
+    known = _measured(dirs[0] / "wd")
+    whole = _finish(_launch(dirs, port + 20, "--validate-top", "1", "--no-validate-baselines"))
+    return {"dirs": dirs, "analysis": analysis, "survivor": (survivor, survivor_err, stop_s),
+            "known": known, "whole": whole}
+
+
+def test_killed_process_stops_the_other_and_a_relaunch_resumes(runs):
+    code, err, stop_s = runs["survivor"]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and stop_s < 60, (code, stop_s, err)
+    assert len(lines) == 1 and "relaunch every process to resume" in lines[0], err
+    assert 2 <= runs["known"] < 6  # the kill came mid-profile
+    (code0, out0, err0), (code1, out1, _) = runs["whole"]
+    assert code0 == 0 and code1 == 0, err0
+    assert f"({runs['known']} measured before)" in out0
+    assert f"compiled in this run: {6 - runs['known']}" in out0
+    assert out1 == ""  # process 1 reports nothing
+
+
+def test_two_processes_match_one(runs):
+    p0, p1 = runs["dirs"]
+    assert all(code == 0 for code, _, _ in runs["analysis"])
+    assert list(p1.iterdir()) == []  # process 1 writes nothing
+    spec = WorkloadSpec("mlp", "tiny", None, "float32", ()).resolved()
+    one = run_profile(run_analysis(spec, (8,)), ProfileOptions(max_combinations=8,
+                                                               memory_budget_bytes=2**30))
+    two = _record(p0 / "wd" / "profile.pkl")
+    for k, wp in one.window_profiles.items():
+        got = two.window_profiles[k].results
+        assert set(got) == set(wp.results)
+        for combo, m in wp.results.items():
+            assert (got[combo].status, got[combo].program_sha1) == (m.status, m.program_sha1)
+    search = _record(p0 / "wd" / "search.pkl")
+    assert search.numerics["loss_rel_err"] < 1e-6 and search.numerics["grad_excess_over_tol"] == 0
+    assert any(any(spec) for spec in search.in_specs)  # the kept plan splits something
