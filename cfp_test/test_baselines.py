@@ -162,6 +162,35 @@ def test_benchmark_table_and_chart(tmp_path, capsys):
     assert (tmp_path / "2026-01-01-cpu.png").stat().st_size > 0
 
 
+def test_benchmark_questions(tmp_path, capsys):
+    """The method's questions: cfp_own against the cost model's measured pick and the best
+    manual plan; a row where the cost model's pick is faster says so (the control)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from benchmark import FIELDS, OVERHEAD_FIELDS, PLAN_FIELDS, append_rows
+    from summarize import main as summarize
+    times = {"a": {"cfp": 1.0, "cfp_own": 1.0, "analytic": 2.0, "analytic_top1": 3.0,
+                   "dp": 1.5, "megatron": 4.0},
+             "b": {"cfp": 1.0, "cfp_own": 2.0, "analytic": 1.0, "analytic_top1": 1.0,
+                   "dp": 1.0, "megatron": 4.0}}
+    append_rows(tmp_path / "2026-01-01-cpu.csv", FIELDS, [
+        dict(workload=w, mesh="8", plan=p, round=r, step_s=t * (1 + 0.01 * r), backend="cpu",
+             devices=8) for w, plans in times.items() for p, t in plans.items() for r in range(5)],
+        keys=("workload", "mesh", "plan"))
+    append_rows(tmp_path / "2026-01-01-cpu-plans.csv", PLAN_FIELDS, [
+        dict(workload=w, mesh="8", plan=p, same_program_as_cfp=False,
+             same_program_as_cfp_own=w == "b" and p == "dp") for w in times for p in times[w]],
+        keys=("workload", "mesh", "plan"))
+    append_rows(tmp_path / "2026-01-01-cpu-overheads.csv", OVERHEAD_FIELDS, [
+        dict(workload=w, mesh="8", launch_s=0.01) for w in times])
+    summarize(str(tmp_path / "2026-01-01-cpu.csv"))
+    out = capsys.readouterr().out
+    assert "| a | 8 | 1.0% | 0.50 [0.50, 0.50] | 0.33 [0.33, 0.33] | dp | 0.67 [0.67, 0.67]: met |" in out
+    assert "| b | 8 | 0.5% | 2.00 [2.00, 2.00] | 2.00 [2.00, 2.00] | dp | tie: tie |" in out
+    assert "cfp_own faster than analytic (upper end below 1) on 1 of 2 rows" in out
+
+
 def test_enumerated_spaces():
     """The exhaustive check's two spaces on a toy problem: two instances of window type 0
     (blocks 0, 1) and one of type 1 (block 2), three options each."""

@@ -1,15 +1,22 @@
-"""cfp's plan against the plans people use, timed side by side in one process.
+"""cfp's plans against the cost model's and the plans people use, timed side by side.
 
-For one workload and mesh: run cfp's three passes (timing each), the analytic plan (search
-over ``--cost model`` profiles with alpha-beta fitted here, its top prediction taken as is),
-and every baseline in ``cfp/baseline_rules/`` that applies, plus the single-device step. All
-plans are compiled, then timed in interleaved rounds (the order rotates each round), so drift
-hits every plan alike. Appends one row per timed round to ``<out>/<date>-<backend>.csv``
-(workload, mesh, plan, round, step_s, backend, devices), the pass overheads to
-``<date>-<backend>-overheads.csv``, each plan's compiled collectives to
-``<date>-<backend>-plans.csv``, and prints cfp's time over each baseline's as the median of
-per-round ratios with a bootstrap 95% interval; a plan whose compiled program equals cfp's
-(names aside) is a tie. ``--plot`` redraws the chart from the CSVs.
+For one workload and mesh, in one process: run cfp's three passes (timing each), then time
+- ``cfp``: the plan search ships (its own predictions and the baselines validated together);
+- ``cfp_own``: the fastest of search's own predictions as search measured them, no baseline
+  among the candidates: what profiling alone finds;
+- ``analytic``: CP-SAT over ``--cost model`` profiles of the same windows (alpha-beta fitted
+  here), its top K plans (K as many as search's own) measured the same way, the fastest kept;
+- ``analytic_top1``: the cost model's one pick, taken without measuring, as Alpa does;
+- every baseline in ``cfp/baseline_rules/`` that applies, and the single-device step.
+All plans are compiled, then timed in interleaved rounds (the order rotates each round), so
+drift hits every plan alike. Appends one row per timed round to ``<out>/<date>-<backend>.csv``
+(workload, mesh, plan, round, step_s, backend, devices), the pass overheads and the launch
+overhead to ``<date>-<backend>-overheads.csv``, each plan's compiled collectives to
+``<date>-<backend>-plans.csv``, and prints each plan's time against cfp's, then the two
+questions: does profiling beat the cost model (``cfp_own`` over ``analytic``), and does it beat
+what users write (``cfp_own`` over the best manual baseline), each as the median of per-round
+ratios with a bootstrap 95% interval; a plan whose compiled program equals the other's (names
+aside) is a tie. ``--plot`` redraws the chart from the CSVs.
 
     python scripts/benchmark.py --model gpt --mesh 2x4 --hidden-size 128 --num-heads 8
 """
@@ -30,9 +37,11 @@ sys.path.insert(0, str(ROOT))
 
 FIELDS = ["workload", "mesh", "plan", "round", "step_s", "backend", "devices"]
 OVERHEAD_FIELDS = ["workload", "mesh", "analysis_s", "profile_s", "search_s", "compiled",
-                   "model_profile_s", "backend", "devices"]
+                   "model_profile_s", "launch_s", "backend", "devices"]
+# Plans that are not a rule users write: what the manual baselines are compared against.
+NOT_MANUAL = ("cfp", "cfp_own", "analytic", "analytic_top1", "single_device")
 PLAN_FIELDS = ["workload", "mesh", "plan", "source", "collectives", "comm_bytes", "compile_s",
-               "same_program_as_cfp", "backend", "devices"]
+               "same_program_as_cfp", "same_program_as_cfp_own", "backend", "devices"]
 
 
 def workload_parser(doc: str, *, model: str, rounds: int, min_seconds: float,
@@ -130,15 +139,18 @@ def normalized_hlo(compiled) -> str:
     return normalize(compiled)
 
 
-def same_program_as_cfp(results_csv: Path) -> set:
-    """{(workload, mesh, plan)} whose compiled program is cfp's, from the ``-plans.csv`` beside
-    a ``<date>-<backend>.csv``."""
+def same_program_as_cfp(results_csv: Path, plan: str = "cfp") -> set:
+    """{(workload, mesh, plan)} whose compiled program is ``plan``'s (cfp's or cfp_own's), from
+    the ``-plans.csv`` beside a ``<date>-<backend>.csv``."""
     import pandas as pd
     path = Path(results_csv).with_name(Path(results_csv).stem + "-plans.csv")
+    column = f"same_program_as_{plan}"
     if not path.exists():
         return set()
     p = pd.read_csv(path, dtype={"mesh": str})
-    return {(r.workload, r.mesh, r.plan) for r in p.itertuples() if r.same_program_as_cfp}
+    if column not in p:
+        return set()
+    return {(r.workload, r.mesh, r.plan) for r in p.itertuples() if getattr(r, column) is True}
 
 
 def bootstrap_ratio(a, b, n=2000, seed=0):
@@ -166,14 +178,24 @@ def append_rows(path: Path, fields, rows, keys=("workload", "mesh")) -> None:
     tmp.replace(path)
 
 
-def build_plans(a, workdir: Path, mesh, analysis, program, run_fp):
-    """Plan name -> PlannedStep: cfp's, the analytic one, and every baseline that applies."""
+def build_plans(a, workdir: Path, mesh, analysis, program, run_fp, host):
+    """Plan name -> PlannedStep (see the module docstring for the names)."""
     from cfp.baselines import applies, baseline_plan, load_rules
     from cfp.execute import PlannedStep
+    from cfp.passes.search import fastest_within_budget
+    from cfp.records import read_record
+    from cfp.workdir import SEARCH_FORMAT
     blocks = json.loads((workdir / "plan.json").read_text())["blocks"]
+    rec = read_record(workdir / "search.pkl", SEARCH_FORMAT, run_fp, hint="run search first")
+    own = [c for c in rec.candidates if c.source == "predicted"]
+    budget = int(a.memory_budget * 2**30) if a.memory_budget else None
+    analytic = analytic_plans(a, workdir, analysis, run_fp, len(own))
     plans = {"cfp": PlannedStep(program, analysis, [b["strategy_index"] for b in blocks], mesh),
-             "analytic": PlannedStep(program, analysis,
-                                     analytic_plan(a, workdir, analysis, run_fp), mesh)}
+             "cfp_own": PlannedStep(program, analysis,
+                                    own[fastest_within_budget(own, budget)].strategies, mesh),
+             "analytic": PlannedStep(program, analysis, fastest_measured(
+                 analytic, program, analysis, mesh, host, budget), mesh),
+             "analytic_top1": PlannedStep(program, analysis, analytic[0], mesh)}
     for name, rule in load_rules().items():
         if applies(rule, analysis):
             bp = baseline_plan(rule, analysis)
@@ -181,14 +203,26 @@ def build_plans(a, workdir: Path, mesh, analysis, program, run_fp):
     return plans
 
 
-def analytic_plan(a, workdir: Path, analysis, run_fp):
-    """The plan CP-SAT picks from the ``--cost model`` profiles, taken without measuring."""
+def analytic_plans(a, workdir: Path, analysis, run_fp, k: int) -> list:
+    """The ``k`` best plans CP-SAT finds over the ``--cost model`` profiles, best first."""
     from cfp.workdir import WorkDir
     from cfp.passes.search import build_problem, top_plans
     profile = WorkDir(workdir, run_fp).read_profile(analysis, "model", a.max_combinations)
     budget = int(a.memory_budget * 2**30) if a.memory_budget else None
     problem, _ = build_problem(analysis, profile, budget)
-    return top_plans(problem, 1, 60.0)[0].strategies
+    return [sol.strategies for sol in top_plans(problem, k, 60.0)]
+
+
+def fastest_measured(plans: list, program, analysis, mesh, host, budget) -> list:
+    """Of ``plans``, the measured fastest whose compiled peak fits ``budget``, timed the way
+    search validates its own."""
+    import statistics
+    from cfp.measure import memory_of
+    from cfp.passes.search import SearchOptions, measure_plans
+    steps, times = measure_plans(program, analysis, plans, mesh, host, SearchOptions(budget))
+    fits = [i for i, ps in enumerate(steps)
+            if budget is None or memory_of(ps.compiled)["peak_bytes"] <= budget] or [0]
+    return plans[min(fits, key=lambda i: statistics.median(times[i]))]
 
 
 class SingleDevice:
@@ -234,14 +268,14 @@ def benchmark(a) -> None:
         append_rows(out / f"{stem}-overheads.csv", OVERHEAD_FIELDS, [dict(
             workload=label, mesh=a.mesh, analysis_s=f"{t_an:.2f}", profile_s=f"{t_pr:.2f}",
             search_s=f"{t_se:.2f}", compiled=prof.compiled, model_profile_s=f"{t_model:.2f}",
-            backend=backend, devices=n_dev)])
+            launch_s=f"{prof.launch_overhead_s:.3e}", backend=backend, devices=n_dev)])
 
     workload = spec.build()
     mesh = make_mesh(mesh_shape)
     program = trace_step(workload)
-    plans = build_plans(a, workdir, mesh, analysis, program, run_fp)
-    plans["single_device"] = SingleDevice(workload)
     host = real_inputs(workload)
+    plans = build_plans(a, workdir, mesh, analysis, program, run_fp, host)
+    plans["single_device"] = SingleDevice(workload)
     for name, ps in plans.items():
         t0 = time.perf_counter()
         ps.compile()
@@ -260,7 +294,8 @@ def benchmark(a) -> None:
                  backend=backend, devices=n_dev) for n in names for r, t in enumerate(times[n])]
     append_rows(out / f"{stem}.csv", FIELDS, rows)
     source = {"cfp": json.loads((workdir / "plan.json").read_text()).get("source", ""),
-              "analytic": "cost model", "single_device": "unsharded"}
+              "cfp_own": "search's own predictions", "analytic": "cost model, top K measured",
+              "analytic_top1": "cost model, unmeasured", "single_device": "unsharded"}
     plan_rows = []
     for n in names:
         cs = collectives(plans[n].compiled.as_text(), mesh_shape)
@@ -271,7 +306,8 @@ def benchmark(a) -> None:
                               collectives=" ".join(f"{k}:{v}" for k, v in sorted(kinds.items())),
                               comm_bytes=sum(c.bytes for c in cs),
                               compile_s=f"{plans[n].compile_s:.2f}",
-                              same_program_as_cfp=hlo[n] == hlo["cfp"], backend=backend,
+                              same_program_as_cfp=hlo[n] == hlo["cfp"],
+                              same_program_as_cfp_own=hlo[n] == hlo["cfp_own"], backend=backend,
                               devices=n_dev))
     append_rows(out / f"{stem}-plans.csv", PLAN_FIELDS, plan_rows)
 
@@ -287,6 +323,17 @@ def benchmark(a) -> None:
             m, lo, hi = bootstrap_ratio(times["cfp"], times[n])
             rel = f"{m:.3f} [{lo:.3f}, {hi:.3f}]"
         print(f"{n:<14}{med:>12.6f}  {rel:<26} {row['collectives']}")
+    manual = min((n for n in names if n not in NOT_MANUAL),
+                 key=lambda n: float(np.median(times[n])))
+    for question, other in (("profiling against the cost model", "analytic"),
+                            (f"profiling against the best manual plan ({manual})", manual)):
+        if hlo["cfp_own"] == hlo[other]:
+            print(f"{question}: cfp_own / {other} tie (same program)")
+        else:
+            m, lo, hi = bootstrap_ratio(times["cfp_own"], times[other])
+            print(f"{question}: cfp_own / {other} {m:.3f} [{lo:.3f}, {hi:.3f}]")
+    print(f"launch overhead: {prof.launch_overhead_s * 1e3:.3f} ms, "
+          f"{prof.launch_overhead_s / float(np.median(times['cfp_own'])):.1%} of cfp_own's step")
     print(f"passes: analysis {t_an:.1f} s, profile {t_pr:.1f} s ({prof.compiled} compiled), "
           f"search {t_se:.1f} s; analytic profile {t_model:.1f} s")
 

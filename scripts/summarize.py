@@ -2,7 +2,8 @@
 
 Per workload and mesh: cfp's median step, then cfp's time over each plan's (median of per-round
 ratios, bootstrap 95% interval; ``tie`` where the compiled programs are the same), and whether
-the done-bar holds against the best mesh baseline (upper end <= 1.05, or a tie).
+the done-bar holds against the best manual baseline (upper end <= 1.05, or a tie); then, where
+the CSV has ``cfp_own``, the method's two questions (``questions``).
 
     python scripts/summarize.py scripts/results/2026-11-22-cpu.csv
     python scripts/summarize.py scripts/results/2026-11-22-enum-cpu-summary.csv
@@ -14,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmark import bootstrap_ratio, same_program_as_cfp  # noqa: E402
+from benchmark import NOT_MANUAL, bootstrap_ratio, same_program_as_cfp  # noqa: E402
 
 
 def main(path: str) -> None:
@@ -37,7 +38,7 @@ def main(path: str) -> None:
             tie = (w, m, plan) in same
             cells.append("tie" if tie else f"{med:.2f} [{lo:.2f}, {hi:.2f}]")
             tally[plan][0 if hi < 1 and not tie else 2 if lo > 1 and not tie else 1] += 1
-            if plan != "single_device":
+            if plan not in NOT_MANUAL:
                 t = float(pd.Series(b).median())
                 if best is None or t < best[1]:
                     best = (plan, t, hi, tie)
@@ -47,6 +48,50 @@ def main(path: str) -> None:
     print("\n| against | cfp faster | tie or within noise | cfp slower |\n|---|---|---|---|")
     for plan, (f, t, sl) in tally.items():
         print(f"| {plan} | {f} | {t} | {sl} |")
+    if "cfp_own" in set(df.plan):
+        questions(path, df)
+
+
+def questions(path: str, df) -> None:
+    """The method's two questions per row: does profiling beat the cost model (``cfp_own``
+    over ``analytic``, and over its unmeasured ``analytic_top1``), and does it beat what users
+    write (``cfp_own`` over the best manual baseline; the bar: upper end at most 1.05); with
+    the launch overhead's share of ``cfp_own``'s step."""
+    import pandas as pd
+    same = same_program_as_cfp(path, "cfp_own")
+    overheads = Path(path).with_name(Path(path).stem + "-overheads.csv")
+    launch = {}
+    if overheads.exists():
+        o = pd.read_csv(overheads, dtype={"mesh": str})
+        if "launch_s" in o:
+            launch = {(r.workload, r.mesh): r.launch_s for r in o.itertuples()}
+    print("\n| workload | mesh | launch share | cfp_own / analytic | cfp_own / analytic_top1 "
+          "| best manual | cfp_own / best manual: bar |\n|---|---|---|---|---|---|---|")
+    faster = rows = 0
+    for (w, m), sub in df.groupby(["workload", "mesh"], sort=False):
+        if "cfp_own" not in set(sub.plan):
+            continue
+        steps = {p: sub[sub.plan == p].sort_values("round").step_s.values
+                 for p in dict.fromkeys(sub.plan)}
+        own = steps["cfp_own"]
+
+        def ratio(plan):
+            if (w, m, plan) in same:
+                return "tie", None
+            med, lo, hi = bootstrap_ratio(own, steps[plan])
+            return f"{med:.2f} [{lo:.2f}, {hi:.2f}]", hi
+        manual = min((p for p in steps if p not in NOT_MANUAL),
+                     key=lambda p: float(pd.Series(steps[p]).median()))
+        vs_analytic, hi_a = ratio("analytic")
+        vs_manual, hi_m = ratio(manual)
+        rows += 1
+        faster += hi_a is not None and hi_a < 1
+        share = (f"{launch[(w, m)] / float(pd.Series(own).median()):.1%}"
+                 if (w, m) in launch else "n/a")
+        bar = "tie" if hi_m is None else "met" if hi_m <= 1.05 else "missed"
+        print(f"| {w} | {m} | {share} | {vs_analytic} | {ratio('analytic_top1')[0]} | {manual} "
+              f"| {vs_manual}: {bar} |")
+    print(f"\ncfp_own faster than analytic (upper end below 1) on {faster} of {rows} rows")
 
 
 def enum_table(path: str) -> None:
