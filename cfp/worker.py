@@ -362,8 +362,6 @@ def _time_batch(conn, state, options, wp, ready, host_inputs, best_s):
     """Time each compiled combination of ``ready``; across processes, a combination runs only
     where every process compiled it and process 0 finds it worth running, and its result is
     process 0's (whose times are the slowest process's)."""
-    if options.cost == "measure":
-        _warm_up(conn, state, options, wp, ready, host_inputs)
     for combo, got in ready:
         conn.send(("start", combo))
         failed = [f for f in multihost.gather(got if isinstance(got, Measurement) else None)
@@ -381,30 +379,6 @@ def _time_batch(conn, state, options, wp, ready, host_inputs, best_s):
             best_s = m.time_s
         conn.send(("result", (combo, m)))
     return best_s
-
-
-def _warm_up(conn, state, options, wp, ready, host_inputs) -> None:
-    """Run once every combination of the batch that will be timed, before timing any: the
-    first timings after compiling a batch ran up to 1.8x slow here (a gpt window, 8 CPU
-    devices), one warm-up run each notwithstanding, and warming the whole batch first
-    removed that."""
-    import jax
-    compiled = [c for c, got in ready if not isinstance(got, Measurement)]
-    everywhere = set.intersection(*map(set, multihost.gather(compiled)))
-    to_run = multihost.share([c for c, got in ready if c in everywhere
-                              and _verdict(state, options, wp, got) is None])
-    conn.send(("compiling", to_run))  # what is in flight, should a run kill the worker
-    for combo, got in ready:
-        if combo in to_run:
-            exe, shardings = got[0], got[1]
-            args = [multihost.put(x, s) for x, s in zip(host_inputs, shardings)]
-            try:
-                jax.block_until_ready(exe(*args))
-            except JAX_ERRORS as e:  # timed next, and recorded there
-                if multihost.processes() > 1:  # the others wait on this run: all workers end
-                    log.error("combination %s failed running: %s", list(combo), e)
-                    os._exit(multihost.RUN_FAILED_EXIT)
-            del args
 
 
 def _verdict(state, options, wp, got) -> Measurement | None:
