@@ -33,8 +33,8 @@ import time
 import traceback
 from typing import Iterator
 
-from cfp.errors import CfpError
 from cfp import multihost
+from cfp.errors import CfpError
 from cfp.jax_compat import JAX_ERRORS
 from cfp.measure import Measurement
 from cfp.phases import Phases
@@ -82,13 +82,12 @@ class Worker:
             self.log_path = payload
             kind, payload = self._recv()
             if kind == "died":
-                payload = self.log_path
                 raise CfpError(
                     f"not every one of the {runtime.num_processes} processes joined the "
                     f"runtime at {runtime.address(generation)} within "
                     f"{runtime.join_timeout_s} s (one has stopped or was never started; worker "
-                    f"log {payload}); what was measured is kept: relaunch every process to "
-                    f"resume")
+                    f"log {self.log_path}); what was measured is kept: relaunch every process "
+                    f"to resume")
         if kind == "bug":
             raise WorkerBug(f"the measurement worker failed:\n{payload}")
         if kind == "error":  # the step cannot be measured as analysed
