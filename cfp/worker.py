@@ -212,15 +212,7 @@ class Worker:
 
     def measure_reshards(self, items: list[tuple]) -> dict[tuple, float]:
         """Seconds of each resharding ``(shape, dtype, src spec, dst spec)``."""
-        self.ensure()
-        self.conn.send(("reshard", items))
-        kind, payload = self._recv()
-        if kind == "bug":
-            raise WorkerBug(f"the measurement worker failed:\n{payload}")
-        if kind != "reshards":
-            raise CfpError(f"the measurement worker died while timing reshardings (exit code "
-                           f"{self.proc.exitcode}); profile again to retry them")
-        known, phases = payload
+        known, phases = self._ask("reshard", items)
         self.phases.add(phases)
         return known
 
@@ -256,7 +248,7 @@ def _main(conn, analysis, options: WorkerOptions, generation: int = 0):
             elif msg[0] == "reshard":
                 with phases("resharding timing"):
                     known = _measure_reshards(state, options, msg[1])
-                conn.send(("reshards", (known, phases.take())))
+                conn.send(("value", (known, phases.take())))
             elif msg[0] == "share":
                 conn.send(("value", multihost.share(msg[1])))
             elif msg[0] == "gather":
