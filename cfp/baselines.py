@@ -264,3 +264,17 @@ def baseline_plan(rule: Rule, analysis) -> BaselinePlan:
                                          mesh_shape)
     return BaselinePlan(rule.name, tuple(chosen[b.index] for b in ba.blocks),
                         (storage, state_out))
+
+
+def baseline_strategy_indices(analysis) -> dict[str, tuple[int | None, ...]]:
+    """Per rule-file baseline that applies and fixes every block's strategy, the index of
+    each block's strategy in its block's list (``None`` where the analysis kept no such
+    strategy)."""
+    out = {}
+    for name, rule in load_rules().items():
+        if rule.axes is None or rule.storage != "plan" or not applies(rule, analysis):
+            continue
+        bp = baseline_plan(rule, analysis)
+        out[name] = tuple(next((i for i, t in enumerate(b.strategies) if t.axes == st.axes), None)
+                          for b, st in zip(analysis.blocks.blocks, bp.strategies))
+    return out

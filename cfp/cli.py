@@ -89,7 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--cost", choices=("measure", "model"), default="measure",
                    help="measure on the devices, or price compiled programs analytically")
     f.add_argument("--max-combinations", type=int, default=32,
-                   help="largest strategy space profiled as one window")
+                   help="largest strategy space profiled as one window (with "
+                        "--whole-segments: combinations measured per window)")
+    f.add_argument("--whole-segments", action="store_true",
+                   help="profile every segment as one window; where its space is over "
+                        "--max-combinations, measure the combinations cheapest by an additive "
+                        "analytic price and those the baselines use")
     f.add_argument("--profile-budget", type=float, default=None,
                    help="seconds for the whole profile pass; what it does not reach is "
                         "not_measured, and profiling again measures it")
@@ -403,7 +408,8 @@ def _cost_model(args, mesh_shape):
 def _profile_options(opts: RunOptions, args):
     from cfp.passes.profile import ProfileOptions
     return ProfileOptions(
-        cost=args.cost, max_combinations=args.max_combinations, budget_s=args.profile_budget,
+        cost=args.cost, max_combinations=args.max_combinations,
+        whole_segments=args.whole_segments, budget_s=args.profile_budget,
         memory_budget_bytes=_memory_budget_bytes(args, opts),
         cost_model=_cost_model(args, opts.mesh_shape) if args.cost == "model" else None,
         compilation_cache=_cache_dir(args))
@@ -431,7 +437,8 @@ def _run_profile(opts: RunOptions, args) -> None:
         report.say(f"priced for {opts.cluster.name} ({cost}): {why}")
         options = dataclasses.replace(options, cost=cost,
                                       cost_model=opts.cluster.cost_model(opts.mesh_shape))
-    checkpoint = (wd.profile_checkpoint(analysis, options.cost, options.max_combinations)
+    checkpoint = (wd.profile_checkpoint(analysis, options.cost, options.max_combinations,
+                                        options.whole_segments)
                   if opts.reports else MemoryCheckpoint())
     progress = report.ProfileProgress()
     try:
@@ -453,7 +460,8 @@ def _run_search(opts: RunOptions, args) -> None:
     if opts.cluster is not None:
         return _predict(opts, args, wd, analysis)
     # Across processes the search runs on process 0's profile.
-    profile = wd.read_profile(analysis, args.cost, args.max_combinations) if opts.reports else None
+    profile = (wd.read_profile(analysis, args.cost, args.max_combinations, args.whole_segments)
+               if opts.reports else None)
     budget = _memory_budget_bytes(args, opts, required=True)
     options = SearchOptions(budget, args.time_limit, args.validate_top,
                             args.validate_baselines, args.iters, runtime=opts.runtime,
@@ -474,9 +482,11 @@ def _predict(opts: RunOptions, args, wd, analysis) -> None:
     from cfp.passes.search import predict_plan
     from cfp.plan import make_plan, write_plan
     try:
-        profile = wd.read_profile(analysis, "analytic", args.max_combinations)
+        profile = wd.read_profile(analysis, "analytic", args.max_combinations,
+                                  args.whole_segments)
     except CfpError:
-        profile = wd.read_profile(analysis, "model", args.max_combinations)
+        profile = wd.read_profile(analysis, "model", args.max_combinations,
+                                  args.whole_segments)
     report.say("***********Search Pass (predicted, nothing runs)****************")
     rec = predict_plan(analysis, profile, _memory_budget_bytes(args, opts), args.time_limit)
     report.prediction_console(rec, opts.cluster)

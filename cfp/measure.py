@@ -7,7 +7,10 @@ kernel's OOM killer ends the worker, not the pass.
   constraints (``compile``), checked against the compiled HLO (``check_compiled``).
 - ``valid_inputs``: random live-ins valid for their role (ids in range, no zeros, no inf).
 - ``time_runs``: warm-up, then repeated timed runs (median, min, max), stopping early once a
-  combination is already 1.5x slower than the best so far.
+  combination is already 1.5x slower than the best so far; ``time_rounds`` does the same for
+  several programs in interleaved rounds.
+- ``time_in_context``: what a resharding adds to the op producing its value (paired,
+  interleaved, with a bootstrap interval).
 - ``launch_overhead``: the fixed cost of launching a program, subtracted from every window time.
 - ``model_cost``: the analytic backend: Alpa's alpha-beta collectives plus a roofline for compute.
 """
@@ -306,6 +309,88 @@ def time_runs(fn, args, *, best_s: float | None, warmup: int = 1, min_runs: int 
     return times, False
 
 
+def time_rounds(programs: Sequence[tuple], *, best_s: float | None, warmup: int = 1,
+                min_rounds: int = 5, max_rounds: int = 30,
+                rel_error: float = 0.02) -> list[tuple[list[float], bool]]:
+    """Timed runs of several ``(fn, args)`` in interleaved rounds, per program its times
+    (seconds) and whether it stopped early because it was already 1.5x slower than the best
+    (``best_s`` or the best of these).
+
+    Each round runs every program still being timed once, so a change of the machine's speed
+    during the batch falls on all of them alike instead of on whichever ran then. A program
+    leaves after ``min_rounds`` once its median's standard error is within ``rel_error``
+    (see ``time_runs``), or at ``max_rounds``."""
+    import jax
+    from cfp.multihost import slowest
+    for fn, args in programs:
+        for _ in range(warmup):
+            jax.block_until_ready(fn(*args))
+    times: list[list[float]] = [[] for _ in programs]
+    early = [False] * len(programs)
+    live = list(range(len(programs)))
+    rounds = 0
+    while live:
+        for i in live:
+            fn, args = programs[i]
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[i].append(slowest(time.perf_counter() - t0))  # one decision everywhere
+        rounds += 1
+        best = min([statistics.median(t) for t, e in zip(times, early) if t and not e]
+                   + ([best_s] if best_s else []))
+        still = []
+        for i in live:
+            if rounds >= 3 and statistics.median(times[i]) > 1.5 * best:
+                early[i] = True
+            elif rounds < max_rounds and (rounds < min_rounds
+                                          or median_rel_error(times[i]) > rel_error):
+                still.append(i)
+        live = still
+    return list(zip(times, early))
+
+
+def time_in_context(producer, with_reshard, args, *, min_rounds: int = 5,
+                    max_rounds: int = 15, rel_width: float = 0.1,
+                    warmup: int = 2) -> tuple[float, float, float]:
+    """Seconds a resharding adds after the op producing its value: ``producer`` alone and
+    ``with_reshard`` (the same op, its result resharded) timed in pairs, interleaved, the
+    order alternating per round. Returns the median of the per-round differences and its
+    95% bootstrap interval; where the interval does not lie above 0, the resharding
+    counts as 0. Rounds stop after ``min_rounds`` once the interval is narrower than
+    ``rel_width`` of the resharded program's median, or at ``max_rounds``.
+
+    Both programs launch alike, so the launch cost drops out of the difference, and the
+    resharding is timed on a value just written, as in the step."""
+    import jax
+    from cfp.multihost import slowest
+    for _ in range(warmup):
+        jax.block_until_ready(producer(*args)), jax.block_until_ready(with_reshard(*args))
+    diffs, whole = [], []
+    for r in range(max_rounds):
+        pair = {}
+        for name, fn in (("p", producer), ("r", with_reshard))[::1 if r % 2 else -1]:
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            pair[name] = slowest(time.perf_counter() - t0)  # one decision on every process
+        diffs.append(pair["r"] - pair["p"])
+        whole.append(pair["r"])
+        if len(diffs) >= min_rounds:
+            low, high = median_interval(diffs)
+            if high - low <= rel_width * statistics.median(whole):
+                break
+    return (0.0 if low <= 0 else statistics.median(diffs)), low, high
+
+
+def median_interval(samples: Sequence[float], *, resamples: int = 1000,
+                    seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of the median of ``samples`` (a fixed seed: the same samples
+    give the same interval on every process)."""
+    x = np.asarray(samples, float)
+    rng = np.random.default_rng(seed)
+    medians = np.median(x[rng.integers(0, len(x), size=(resamples, len(x)))], axis=1)
+    return float(np.percentile(medians, 2.5)), float(np.percentile(medians, 97.5))
+
+
 def median_rel_error(times: Sequence[float]) -> float:
     """Standard error of the median of ``times``, relative to the median."""
     med = statistics.median(times)
@@ -433,3 +518,9 @@ def _sliced_allreduces(text: str) -> set[str]:
         if m.group(1).startswith("all-reduce"):
             names.add(m.group(1))
     return names
+
+
+def fit_cost_model_for(mesh_shape) -> CostModel:
+    """``fit_cost_model`` on a mesh of this shape over JAX's devices (run in the worker)."""
+    from cfp.workloads import make_mesh
+    return fit_cost_model(make_mesh(tuple(mesh_shape)))

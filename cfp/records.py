@@ -19,7 +19,7 @@ from typing import Any
 
 from cfp.errors import CfpError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 @dataclasses.dataclass(frozen=True)

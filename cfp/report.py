@@ -169,6 +169,11 @@ class ProfileProgress:
                         else f"combinations of window type {f['k']}")
                 self._line(f"profile budget spent: {f['count']} {what} not measured "
                            f"(profile again to measure them)")
+            elif event == "ranked":
+                self._line(f"window type {f['k']}: {f['space']} combinations; measuring the "
+                           f"{f['cheapest']} cheapest by the additive analytic price"
+                           + (f" and {f['baselines']} more that baselines use"
+                              if f["baselines"] else ""))
             elif event == "reshards":
                 self.where = "timing reshardings"
                 self._line(f"boundaries between window instances: {f['boundaries']}; distinct "
@@ -220,6 +225,10 @@ def profile_console(rec, model_space_log10: float) -> None:
         f"compiled in this run: {rec.compiled}")
     if rec.cost != "analytic":
         say(f"launch overhead subtracted: {rec.launch_overhead_s * 1e3:.3f} ms per program")
+    if rec.reshard_interval_s:
+        say(f"reshardings timed after the op producing their value: "
+            f"{len(rec.reshard_interval_s)}; {rec.reshards_counted_zero()} of them add "
+            f"nothing measurable (95% interval not above 0) and count as 0")
     say(f"whole-model plan space: 10^{model_space_log10:.1f} plans, covered by "
         f"{len(rec.windows)} window instances of {len(rec.window_profiles)} types")
     phases_console("profile", rec.time_s, rec.phase_s)

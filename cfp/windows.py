@@ -45,11 +45,15 @@ class Boundary:
     dst_labels: tuple
 
 
-def split_windows(analysis, max_combinations: int) -> tuple[list[Window], list[int]]:
+def split_windows(analysis, max_combinations: int, whole_segments: bool = False
+                  ) -> tuple[list[Window], list[int]]:
     """Window instances over the whole block sequence, and per window type the index of its
-    representative instance (inside the segment's representative)."""
+    representative instance (inside the segment's representative). With ``whole_segments``
+    every segment is one window, however large its space (``cfp.ranking`` chooses which of
+    its combinations are measured)."""
     sa = analysis.segments
-    offsets = {t: _cuts(analysis, sa.instances[r], max_combinations)
+    offsets = {t: ([(0, sa.instances[r].end - sa.instances[r].start)] if whole_segments
+                   else _cuts(analysis, sa.instances[r], max_combinations))
                for t, r in enumerate(sa.representatives)}
     window_type: dict[tuple[int, int], int] = {}
     windows = []

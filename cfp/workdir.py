@@ -43,25 +43,29 @@ class WorkDir:
     def profile_dir(self, cost: str) -> Path:
         return self.path if cost == "measure" else self.path / cost
 
-    def profile_fingerprint(self, analysis, cost: str, max_combinations: int) -> tuple:
+    def profile_fingerprint(self, analysis, cost: str, max_combinations: int,
+                            whole_segments: bool = False) -> tuple:
         return self.run_fp + (("graph", analysis.graph.fingerprint()),
                               ("blocks", blocks_fingerprint(analysis)), ("cost", cost),
-                              ("max_combinations", max_combinations))
+                              ("max_combinations", max_combinations),
+                              ("whole_segments", whole_segments))
 
-    def profile_checkpoint(self, analysis, cost: str, max_combinations: int
-                           ) -> "ProfileCheckpoint":
-        return ProfileCheckpoint(self.profile_dir(cost),
-                                 self.profile_fingerprint(analysis, cost, max_combinations))
+    def profile_checkpoint(self, analysis, cost: str, max_combinations: int,
+                           whole_segments: bool = False) -> "ProfileCheckpoint":
+        return ProfileCheckpoint(self.profile_dir(cost), self.profile_fingerprint(
+            analysis, cost, max_combinations, whole_segments))
 
     def write_profile(self, rec, analysis) -> Path:
         out = self.profile_dir(rec.cost)
-        fp = self.profile_fingerprint(analysis, rec.cost, rec.max_combinations)
+        fp = self.profile_fingerprint(analysis, rec.cost, rec.max_combinations,
+                                      rec.whole_segments)
         write_record(out / "profile.pkl", PROFILE_FORMAT, fp, rec)
         write_profile_csv(out / "profile.csv", rec)
         return out
 
-    def read_profile(self, analysis, cost: str = "measure", max_combinations: int = 32):
-        fp = self.profile_fingerprint(analysis, cost, max_combinations)
+    def read_profile(self, analysis, cost: str = "measure", max_combinations: int = 32,
+                     whole_segments: bool = False):
+        fp = self.profile_fingerprint(analysis, cost, max_combinations, whole_segments)
         return read_record(self.profile_dir(cost) / "profile.pkl", PROFILE_FORMAT, fp,
                            hint="run --mode profile first (with the same flags)")
 

@@ -1,9 +1,10 @@
 """A measurement worker process, so that an XLA abort or an OOM kill ends it, not the pass.
 
 The parent sends jobs over a pipe, the analysis record among the start-up arguments; the worker
-re-traces the step (checking it against the analysis), compiles a batch of combinations first and then times them with nothing else
-running (a compile beside a timing corrupts it on a machine with few cores), streaming one
-result per combination.
+re-traces the step (checking it against the analysis), compiles a batch of combinations first
+and then times them with nothing else running (a compile beside a timing corrupts it on a
+machine with few cores), in interleaved rounds (a change of the machine's speed during the
+batch falls on every combination alike), streaming one result per combination.
 
 Failures: a JAX/XLA error raised while compiling or running a combination is that
 combination's ``compile_error`` or ``run_error``, with XLA's message; a worker killed by a
@@ -142,8 +143,8 @@ class Worker:
             in_flight: list = []
             while True:
                 kind, payload = self._recv()
-                if kind in ("compiling", "start"):
-                    in_flight = list(payload) if kind == "compiling" else [payload]
+                if kind in ("compiling", "timing"):
+                    in_flight = list(payload)
                 elif kind == "result":
                     combo, m = payload
                     pending.remove(combo)
@@ -210,8 +211,9 @@ class Worker:
                            f"measured is kept: run again to resume")
         return payload
 
-    def measure_reshards(self, items: list[tuple]) -> dict[tuple, float]:
-        """Seconds of each resharding ``(shape, dtype, src spec, dst spec)``."""
+    def measure_reshards(self, items: list[tuple]) -> dict[tuple, tuple | None]:
+        """``(seconds, interval low, interval high)`` of each resharding ``(shape, dtype,
+        src spec, dst spec)`` (see ``_measure_reshards``)."""
         known, phases = self._ask("reshard", items)
         self.phases.add(phases)
         return known
@@ -350,26 +352,48 @@ def _compile_one(wp, combo):
 
 
 def _time_batch(conn, state, options, wp, ready, host_inputs, best_s):
-    """Time each compiled combination of ``ready``; across processes, a combination runs only
-    where every process compiled it and process 0 finds it worth running, and its result is
-    process 0's (whose times are the slowest process's)."""
-    for combo, got in ready:
-        conn.send(("start", combo))
+    """Time the compiled combinations of ``ready`` together, in interleaved rounds
+    (``_run``). Across processes, a combination runs only where every process compiled it and
+    process 0 finds it worth running (``_verdict``), and its result is process 0's (whose
+    times are the slowest process's). A combination compiled to the program of another in
+    the batch is not run: it gets that one's measurement."""
+    verdicts, runnable, first_of, twin_of = {}, [], {}, {}  # keyed by position in ready
+    for i, (combo, got) in enumerate(ready):
         failed = [f for f in multihost.gather(got if isinstance(got, Measurement) else None)
                   if f is not None]
         if failed:
-            m = failed[0]
-        else:
+            verdicts[i] = failed[0]
+            continue
+        twin_of[i] = multihost.share(first_of.get(got[-1]))
+        if twin_of[i] is None:
             m = multihost.share(_verdict(state, options, wp, got))
             if m is None:
-                m = _run(state, combo, got, host_inputs, best_s)
-            m = multihost.share(m)
-            if m.status in ("ok", "mismatch", "oom") and not m.note.startswith("stopped early"):
-                state["programs"].setdefault(got[-1], (combo, m))
+                first_of[got[-1]] = i
+                runnable.append(i)
+            else:
+                verdicts[i] = m
+    if runnable:
+        conn.send(("timing", [ready[i][0] for i in runnable]))
+        timed = _run(state, [ready[i] for i in runnable], host_inputs, best_s)
+        verdicts.update(zip(runnable, multihost.share(timed)))
+    for i, (combo, got) in enumerate(ready):
+        if twin_of.get(i) is not None:
+            j = twin_of[i]
+            verdicts[i] = _twin(ready[j][0], verdicts[j], got[2])
+        m = verdicts[i]
+        if (not isinstance(got, Measurement) and m.status in ("ok", "mismatch", "oom")
+                and not m.note.startswith("stopped early")):
+            state["programs"].setdefault(got[-1], (combo, m))
         if m.status == "ok" and (best_s is None or m.time_s < best_s):
             best_s = m.time_s
         conn.send(("result", (combo, m)))
     return best_s
+
+
+def _twin(combo, m: Measurement, compile_s: float) -> Measurement:
+    """The measurement of a combination compiled to the same program as ``combo``."""
+    return dataclasses.replace(m, compile_s=compile_s, same_program_as=combo,
+                               note=f"the same program as {list(combo)}, measured once")
 
 
 def _verdict(state, options, wp, got) -> Measurement | None:
@@ -379,8 +403,7 @@ def _verdict(state, options, wp, got) -> Measurement | None:
     exe, shardings, compile_s, mem, colls, note, program = got
     twin = state["programs"].get(program)
     if twin is not None:  # the same program as a combination measured before: reuse
-        return dataclasses.replace(twin[1], compile_s=compile_s, same_program_as=twin[0],
-                                   note=f"the same program as {list(twin[0])}, measured once")
+        return _twin(twin[0], twin[1], compile_s)
     if note:
         return Measurement("mismatch", compile_s=compile_s, collectives=colls, note=note, **mem)
     if mem["peak_bytes"] > options.memory_budget_bytes:
@@ -392,58 +415,91 @@ def _verdict(state, options, wp, got) -> Measurement | None:
     return None
 
 
-def _run(state, combo, got, host_inputs, best_s) -> Measurement:
-    from cfp.measure import time_runs
-    exe, shardings, compile_s, mem, colls, _, _ = got
-    args = [multihost.put(x, s) for x, s in zip(host_inputs, shardings)]
-    try:
-        times, early = time_runs(exe, args, best_s=best_s)
-    except JAX_ERRORS as e:  # XLA failed running it (out of device memory, say)
-        if multihost.processes() > 1:  # the others wait on this run: all workers end
-            log.error("combination %s failed running: %s", list(combo), e)
-            os._exit(multihost.RUN_FAILED_EXIT)
-        status = "oom" if "RESOURCE_EXHAUSTED" in str(e) else "run_error"
-        return Measurement(status, compile_s=compile_s, collectives=colls,
-                           note=f"{type(e).__name__}: {str(e)[:300]}", **mem)
-    times = [max(0.0, t - state["overhead"]) for t in times]
-    med = statistics.median(times)
-    return Measurement("ok", med, min(times), max(times), len(times), compile_s,
-                       collectives=colls, note="stopped early: 1.5x slower than the best"
-                       if early else "", **mem)
+def _run(state, runnable, host_inputs, best_s) -> list[Measurement]:
+    """Measurements of the compiled combinations ``runnable`` ((combination, compiled),
+    ...), in order: each run once alone (a program XLA fails running is that combination's
+    ``run_error`` or ``oom``), then the rest timed in interleaved rounds
+    (``measure.time_rounds``), the launch overhead subtracted."""
+    import jax
+    from cfp.measure import time_rounds
+    out, programs = {}, []
+    for k, (combo, got) in enumerate(runnable):
+        exe, shardings, compile_s, mem, colls, _, _ = got
+        args = [multihost.put(x, s) for x, s in zip(host_inputs, shardings)]
+        try:
+            jax.block_until_ready(exe(*args))  # the warm-up run
+        except JAX_ERRORS as e:  # XLA failed running it (out of device memory, say)
+            if multihost.processes() > 1:  # the others wait on this run: all workers end
+                log.error("combination %s failed running: %s", list(combo), e)
+                os._exit(multihost.RUN_FAILED_EXIT)
+            status = "oom" if "RESOURCE_EXHAUSTED" in str(e) else "run_error"
+            out[k] = Measurement(status, compile_s=compile_s, collectives=colls,
+                                 note=f"{type(e).__name__}: {str(e)[:300]}", **mem)
+            continue
+        programs.append((k, got, exe, args))
+    timed = time_rounds([(exe, args) for _, _, exe, args in programs], best_s=best_s,
+                        warmup=0)
+    for (k, got, _, _), (times, early) in zip(programs, timed):
+        _, _, compile_s, mem, colls, _, _ = got
+        times = [max(0.0, t - state["overhead"]) for t in times]
+        out[k] = Measurement(
+            "ok", statistics.median(times), min(times), max(times), len(times), compile_s,
+            collectives=colls, note="stopped early: 1.5x slower than the best" if early else "",
+            **mem)
+    return [out[k] for k in range(len(runnable))]
 
 
 def _measure_reshards(state, options, items):
-    """Seconds per resharding: timed, or with ``cost == "model"`` priced from its compiled
-    collectives; ``None`` where XLA could not compile or run it (on any process)."""
+    """Per resharding ``(seconds, interval low, interval high)``: timed after the op
+    producing its value (``measure.time_in_context``), or with ``cost == "model"`` priced
+    from its compiled collectives; ``None`` where XLA could not compile or run it (on any
+    process)."""
     import jax
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
     from cfp.jax_compat import to_dtype
-    from cfp.measure import model_cost, time_runs
+    from cfp.measure import model_cost, time_in_context
     mesh = state["mesh"]
     out = {}
     for shape, dtype, src, dst in items:
         s_src = NamedSharding(mesh, PartitionSpec(*src))
         s_dst = NamedSharding(mesh, PartitionSpec(*dst))
         key = (shape, dtype, src, dst)
+        op = _producer_op(dtype)
+        arg = jax.ShapeDtypeStruct(shape, to_dtype(dtype), sharding=s_src)
+        producers = state.setdefault("producers", {})  # (shape, dtype, src) -> compiled
         try:
-            compiled = jax.jit(lambda a: a, in_shardings=s_src, out_shardings=s_dst).lower(
-                jax.ShapeDtypeStruct(shape, to_dtype(dtype), sharding=s_src)).compile()
+            with_reshard = jax.jit(op, in_shardings=s_src, out_shardings=s_dst).lower(
+                arg).compile()
+            if key[:3] not in producers:
+                producers[key[:3]] = jax.jit(op, in_shardings=s_src,
+                                             out_shardings=s_src).lower(arg).compile()
+            producer = producers[key[:3]]
         except JAX_ERRORS:
-            compiled = None
-        if not all(multihost.gather(compiled is not None)):
+            with_reshard = None
+        if not all(multihost.gather(with_reshard is not None)):
             out[key] = None
         elif options.cost == "model":  # priced from its collectives: no data needed
-            out[key] = model_cost(compiled, tuple(mesh.devices.shape), options.cost_model)[0]
+            t = model_cost(with_reshard, tuple(mesh.devices.shape), options.cost_model)[0]
+            out[key] = (t, t, t)
         else:
             x = multihost.put(np.ones(shape, to_dtype(dtype)), s_src)
             try:
-                times, _ = time_runs(compiled, (x,), best_s=None)
+                out[key] = time_in_context(producer, with_reshard, (x,))
             except JAX_ERRORS as e:
                 if multihost.processes() > 1:  # the others wait on this run: all workers end
                     log.error("resharding %s failed running: %s", key, e)
                     os._exit(multihost.RUN_FAILED_EXIT)
                 out[key] = None
-                continue
-            out[key] = max(0.0, statistics.median(times) - state["overhead"])
     return multihost.share(out)
+
+
+def _producer_op(dtype: str):
+    """The op a timed resharding's value comes from: elementwise, of its shape and dtype
+    (PRNG keys have no arithmetic: there the value passes through unchanged)."""
+    from cfp.jax_compat import is_key
+    if is_key(dtype):
+        return lambda a: a
+    if dtype == "bool":
+        return lambda a: ~a
+    return lambda a: a + a

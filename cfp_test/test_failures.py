@@ -89,9 +89,8 @@ class _KillingWorker(Worker):
 
     def _recv(self):
         msg = super()._recv()
-        if msg[0] in ("compiling", "start"):
-            flight = msg[1] if msg[0] == "compiling" else [msg[1]]
-            if self.culprit in flight:
+        if msg[0] in ("compiling", "timing"):
+            if self.culprit in msg[1]:
                 os.kill(self.proc.pid, signal.SIGKILL)
         return msg
 

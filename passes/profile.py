@@ -3,7 +3,9 @@
 ``run_profile(analysis, options)`` splits each unique segment into windows that fit
 ``max_combinations`` (``cfp.windows``), and for each window type compiles every combination of
 its blocks' strategies, checks it against the compiled HLO, and times it on the mesh in a
-worker process (``cfp.worker``). It then times every resharding a boundary between windows can
+worker process (``cfp.worker``). With ``whole_segments`` each segment is one window, and where
+its space exceeds ``max_combinations`` only the combinations ``cfp.ranking`` chooses are
+measured. It then times every resharding a boundary between windows can
 need, and returns a ``ProfileRecord`` holding every window type's results. Each result is
 handed to ``checkpoint`` as it comes (the CLI saves it to the work dir, so an interrupted run
 resumes where it stopped). Across processes (``ProfileOptions.runtime``) every process's
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 class ProfileOptions:
     cost: Literal["measure", "model", "analytic"] = "measure"
     max_combinations: int = 32  # per window; larger segments are split into windows
+    whole_segments: bool = False  # one window per segment, measured in part (cfp.ranking)
     budget_s: float | None = None  # wall-clock budget of the whole pass; the rest not_measured
     memory_budget_bytes: int = 2**62  # per device; over it a combination is recorded oom
     batch: int = 16  # combinations compiled before timing them
@@ -60,13 +63,21 @@ class ProfileRecord:
     representatives: tuple[int, ...]
     window_profiles: dict  # window type -> WindowProfile
     boundaries: tuple[Boundary, ...]
-    reshard_s: dict  # (shape, dtype, src spec, dst spec) -> seconds
+    reshard_s: dict  # (shape, dtype, src spec, dst spec) -> seconds (None: cannot)
     launch_overhead_s: float
     cost: str
     max_combinations: int
     time_s: float
     compiled: int  # combinations compiled in this run
     phase_s: dict  # wall seconds per phase of this run (cfp.phases)
+    whole_segments: bool = False
+    # resharding -> 95% interval (s) of what it adds after its producer; where the interval
+    # does not lie above 0 the resharding counts as 0 (measure.time_in_context)
+    reshard_interval_s: dict = dataclasses.field(default_factory=dict)
+
+    def reshards_counted_zero(self) -> int:
+        """Timed reshardings whose interval does not lie above 0, so counted as 0."""
+        return sum(1 for low, _ in self.reshard_interval_s.values() if low <= 0)
 
     def plan_space_log10(self) -> float:
         """log10 of the number of whole-model combinations the windows span."""
@@ -101,7 +112,7 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
     checkpoint = checkpoint or MemoryCheckpoint()
     notify = on_result or (lambda event, **fields: None)
     phases = Phases()
-    windows, reps = split_windows(analysis, options.max_combinations)
+    windows, reps = split_windows(analysis, options.max_combinations, options.whole_segments)
     if options.cost == "analytic":
         return _priced(analysis, options, windows, reps, start)
     worker = Worker(analysis, WorkerOptions(
@@ -109,8 +120,9 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
         options.compilation_cache, options.runtime), phases)
     compiled, window_profiles = 0, {}
     try:
+        chosen = _chosen(analysis, windows, reps, options, worker, notify)
         # Across processes what is known is process 0's checkpoint's.
-        known = worker.share([_known(k, windows[rep], analysis, checkpoint)
+        known = worker.share([_known(k, windows[rep], analysis, checkpoint, chosen.get(k))
                               for k, rep in enumerate(reps)])
         notify("start", num_types=len(reps), total=sum(len(todo) for _, _, todo in known),
                known=sum(len(results) for _, results, _ in known))
@@ -119,8 +131,8 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
                                                     worker, options, checkpoint, start, notify)
             compiled += n
         bounds = boundaries(analysis, windows)
-        reshard = _profile_reshards(analysis, bounds, worker, checkpoint, options, start,
-                                    notify)
+        timed = _profile_reshards(analysis, bounds, worker, checkpoint, options, start,
+                                  notify)
         worker.ensure()
         overhead = worker.overhead_s
     except BaseException:  # Ctrl-C included: what was measured is in the checkpoint
@@ -128,20 +140,51 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
         raise
     finally:
         worker.close()
-    rec = ProfileRecord(tuple(windows), tuple(reps), window_profiles, tuple(bounds), reshard,
-                        overhead, options.cost, options.max_combinations,
-                        time.perf_counter() - start, compiled, dict(phases.seconds))
+    rec = ProfileRecord(tuple(windows), tuple(reps), window_profiles, tuple(bounds),
+                        {k: t and t[0] for k, t in timed.items()}, overhead, options.cost,
+                        options.max_combinations, time.perf_counter() - start, compiled,
+                        dict(phases.seconds),
+                        options.whole_segments,
+                        {k: t[1:] for k, t in timed.items() if t and options.cost == "measure"})
     log.info("profile pass: %.1f s, phases %s", rec.time_s, rec.phase_s)
     return rec
 
 
-def _known(k, window: Window, analysis, checkpoint) -> tuple[tuple, dict, list]:
+def _known(k, window: Window, analysis, checkpoint, chosen=None) -> tuple[tuple, dict, list]:
     """(strategies per block, results an earlier run measured, combinations still to
-    measure) of window type k; what a budget cut off is measured now."""
+    measure: ``chosen`` or every one) of window type k; what a budget cut off is measured
+    now."""
     space = tuple(len(analysis.blocks.blocks[b].strategies)
                   for b in range(window.start, window.end))
     results = {c: m for c, m in checkpoint.load_window(k).items() if m.status != "not_measured"}
-    return space, results, [c for c in itertools.product(*map(range, space)) if c not in results]
+    every = chosen if chosen is not None else itertools.product(*map(range, space))
+    return space, results, [c for c in every if c not in results]
+
+
+def _chosen(analysis, windows, reps, options: ProfileOptions, worker, notify) -> dict:
+    """Per window type whose space is over ``max_combinations`` (with whole segments), the
+    combinations measured (``cfp.ranking``): the cheapest by the additive analytic price,
+    with a cost model fitted on the mesh where none is given, and those the baselines use."""
+    from cfp import ranking
+    from cfp.workloads import AXIS_NAMES
+    large = [k for k, rep in enumerate(reps)
+             if ranking.space_size(analysis, windows[rep]) > options.max_combinations]
+    if not large:
+        return {}
+    cost = options.cost_model
+    if cost is None:
+        from cfp.measure import fit_cost_model_for
+        cost = worker.call(fit_cost_model_for, tuple(analysis.mesh_shape))
+    names = AXIS_NAMES[:len(analysis.mesh_shape)]
+    out = {}
+    for k in large:
+        w = windows[reps[k]]
+        also = ranking.baseline_combinations(analysis, w, windows)
+        out[k] = ranking.ranked_combinations(analysis, w, options.max_combinations, cost,
+                                             names, also)
+        notify("ranked", k=k, space=ranking.space_size(analysis, w),
+               cheapest=options.max_combinations, baselines=len(out[k]) - options.max_combinations)
+    return out
 
 
 def _profile_window(k, window: Window, space, results, todo, worker: Worker,
@@ -184,17 +227,18 @@ def _priced(analysis, options: ProfileOptions, windows, reps, start) -> ProfileR
     names = AXIS_NAMES[:len(analysis.mesh_shape)]
     cost = options.cost_model
     window_profiles = {}
+    chosen = _chosen(analysis, windows, reps, options, None, lambda event, **f: None)
     for k, rep in enumerate(reps):
         w = windows[rep]
         space = tuple(window_space(analysis, w))
         results = {c: analytic.window_measurement(analysis, w, c, cost, names)
-                   for c in itertools.product(*map(range, space))}
+                   for c in chosen.get(k, itertools.product(*map(range, space)))}
         window_profiles[k] = WindowProfile(k, tuple(range(w.start, w.end)), space, results)
     bounds = boundaries(analysis, windows)
     reshard = _priced_reshards(analysis, bounds, cost)
     return ProfileRecord(tuple(windows), tuple(reps), window_profiles, tuple(bounds), reshard,
                          0.0, "analytic", options.max_combinations,
-                         time.perf_counter() - start, 0, {})
+                         time.perf_counter() - start, 0, {}, options.whole_segments)
 
 
 def _priced_reshards(analysis, bounds, cost: CostModel) -> dict:
@@ -218,6 +262,7 @@ def needed_reshards(bounds, blocks, names) -> set[tuple]:
 
 
 def _profile_reshards(analysis, bounds, worker, checkpoint, options, start, notify) -> dict:
+    """Resharding -> (seconds, interval low, interval high), or None where it cannot run."""
     names = ("m0", "m1", "m2")[:len(analysis.mesh_shape)]
     blocks = analysis.blocks.blocks
     needed = needed_reshards(bounds, blocks, names)

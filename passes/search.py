@@ -305,15 +305,9 @@ def baseline_candidates(analysis, problem: Problem, known) -> list[tuple[str, So
     the plan keeps them, one strategy per scan body, and within the memory budget. Search
     validates them next to its own predictions, so a plan people already use is measured too,
     not only predicted."""
-    from cfp.baselines import applies, baseline_plan, load_rules
+    from cfp.baselines import baseline_strategy_indices
     out, seen = [], set(known)
-    for name, rule in load_rules().items():
-        if rule.axes is None or rule.storage != "plan" or not applies(rule, analysis):
-            continue
-        bp = baseline_plan(rule, analysis)
-        idx = []
-        for b, st in zip(analysis.blocks.blocks, bp.strategies):
-            idx.append(next((i for i, t in enumerate(b.strategies) if t.axes == st.axes), None))
+    for name, idx in baseline_strategy_indices(analysis).items():
         if None in idx or tuple(idx) in seen:
             continue
         choices = []

@@ -60,6 +60,8 @@ def workload_parser(doc: str, *, model: str, rounds: int, min_seconds: float,
     p.add_argument("--min-seconds", type=float, default=min_seconds,
                    help="per plan and round: at least 5 steps or this long")
     p.add_argument("--max-combinations", type=int, default=max_combinations)
+    p.add_argument("--whole-segments", action="store_true",
+                   help="profile whole segments, measured in part (cfp --whole-segments)")
     p.add_argument("--out", default=str(ROOT / "scripts" / "results"))
     p.add_argument("--date", default=datetime.date.today().isoformat())
     return p
@@ -105,7 +107,8 @@ def cfp_flags(a) -> list[str]:
             flags += [f"--{name.replace('_', '-')}", str(getattr(a, name))]
     if a.memory_budget is not None:
         flags += ["--memory-budget", str(a.memory_budget)]
-    return flags + ["--max-combinations", str(a.max_combinations)]
+    return flags + ["--max-combinations", str(a.max_combinations)] + (
+        ["--whole-segments"] if a.whole_segments else [])
 
 
 def workload_label(a) -> str:
@@ -114,6 +117,8 @@ def workload_label(a) -> str:
                       ("h", "hidden_size"), ("nh", "num_heads"), ("e", "num_experts")):
         if getattr(a, name) is not None:
             parts.append(f"{key}{getattr(a, name)}")
+    if getattr(a, "whole_segments", False):
+        parts.append("whole")
     return "-".join(parts)
 
 
@@ -207,7 +212,8 @@ def analytic_plans(a, workdir: Path, analysis, run_fp, k: int) -> list:
     """The ``k`` best plans CP-SAT finds over the ``--cost model`` profiles, best first."""
     from cfp.workdir import WorkDir
     from cfp.passes.search import build_problem, top_plans
-    profile = WorkDir(workdir, run_fp).read_profile(analysis, "model", a.max_combinations)
+    profile = WorkDir(workdir, run_fp).read_profile(analysis, "model", a.max_combinations,
+                                                      a.whole_segments)
     budget = int(a.memory_budget * 2**30) if a.memory_budget else None
     problem, _ = build_problem(analysis, profile, budget)
     return [sol.strategies for sol in top_plans(problem, k, 60.0)]
@@ -259,7 +265,8 @@ def benchmark(a) -> None:
     t_model = run_cfp(cfp_flags(a) + ["--workdir", str(workdir), "--cost", "model",
                                       "--device-preset", "here"], "profile")
     from cfp.workdir import WorkDir
-    prof = WorkDir(workdir, run_fp).read_profile(analysis, "measure", a.max_combinations)
+    prof = WorkDir(workdir, run_fp).read_profile(analysis, "measure", a.max_combinations,
+                                                    a.whole_segments)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{a.date}-{backend}"

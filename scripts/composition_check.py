@@ -7,6 +7,12 @@ profiles, then compiles and runs every plan on the mesh, interleaved over rounds
 step time by medians, memory against the full step's ``memory_analysis()``.
 
     python scripts/composition_check.py --model gpt --num-layers 4 --mesh 8 --plans 20
+    python scripts/composition_check.py --model gpt --num-layers 2 --hidden-size 256 \
+        --seq-len 128 --num-heads 8 --mesh 8          # the compute-bound size
+
+Besides the errors, fits measured on predicted step time: the slope of one regressor with no
+intercept, and the weights of the prediction's terms (window times, reshardings between
+windows; the launch is subtracted first), each with a 95% bootstrap interval over the plans.
 
 Writes ``scripts/results/<date>-composition-<backend>.csv`` (appending) and a PNG.
 """
@@ -28,7 +34,12 @@ def plan_arguments() -> argparse.ArgumentParser:
     """The options of a check that runs random whole-model plans (also simulator_check.py)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="gpt")
+    ap.add_argument("--config", default="tiny")
     ap.add_argument("--num-layers", type=int, default=4)
+    for name in ("batch-size", "seq-len", "hidden-size", "num-heads", "num-experts"):
+        ap.add_argument(f"--{name}", type=int, default=None)
+    ap.add_argument("--max-combinations", type=int, default=32)
+    ap.add_argument("--whole-segments", action="store_true")
     ap.add_argument("--mesh", default="8")
     ap.add_argument("--plans", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
@@ -47,10 +58,18 @@ def main() -> None:
     for x in mesh_shape:
         n_dev *= x
     os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={n_dev}")
+    from benchmark import workload_label
     from cfp.cli import main as cli
-    workdir = ROOT / "profiles" / f"{args.model}-tiny-L{args.num_layers}-{args.mesh}"
-    base = ["--model", args.model, "--num-layers", str(args.num_layers), "--mesh", args.mesh,
-            "--workdir", str(workdir)]
+    label = workload_label(args)
+    workdir = ROOT / "profiles" / f"{label}-{args.mesh}"
+    base = ["--model", args.model, "--config", args.config, "--mesh", args.mesh,
+            "--workdir", str(workdir), "--max-combinations", str(args.max_combinations)]
+    for name in ("num_layers", "batch_size", "seq_len", "hidden_size", "num_heads",
+                 "num_experts"):
+        if getattr(args, name) is not None:
+            base += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if args.whole_segments:
+        base.append("--whole-segments")
     if not (workdir / "analysis.pkl").exists():
         assert cli(base + ["--mode", "analysis"]) == 0
     if not (workdir / "profile.pkl").exists():
@@ -65,11 +84,13 @@ def main() -> None:
 
     analysis = read_record(workdir / "analysis.pkl", ANALYSIS_FORMAT, None, hint="")
     run_fp = run_fingerprint(analysis.spec, mesh_shape)
-    profile = WorkDir(workdir, run_fp).read_profile(analysis)
+    profile = WorkDir(workdir, run_fp).read_profile(analysis, "measure", args.max_combinations,
+                                                    args.whole_segments)
     problem, _ = build_problem(analysis, profile, None)
     steps, times = random_plan_steps(analysis, problem, make_mesh(mesh_shape), args)
     for ps in steps:
         ps.predicted_s = ps.cost / SCALE + profile.launch_overhead_s
+        ps.windows_s = sum(g.options[c].cost for g, c in zip(problem.groups, ps.choices)) / SCALE
         ps.predicted_mem = ps.mem
         ps.compiled_mem = memory_of(ps.compiled)["peak_bytes"]
     backend = jax.devices()[0].platform
@@ -86,21 +107,43 @@ def main() -> None:
             meas = statistics.median(times[i])
             terr = (ps.predicted_s - meas) / meas
             merr = (ps.predicted_mem - ps.compiled_mem) / ps.compiled_mem
-            rows.append((ps.predicted_s, meas, terr, merr))
-            f.write(f"{args.model}-L{args.num_layers},{args.mesh},{backend},{n_dev},{i},"
+            rows.append((ps.predicted_s, meas, terr, merr, ps.windows_s,
+                         ps.predicted_s - ps.windows_s - profile.launch_overhead_s))
+            f.write(f"{label},{args.mesh},{backend},{n_dev},{i},"
                     f"{ps.predicted_s:.6g},{meas:.6g},{terr:.4f},{ps.predicted_mem},"
                     f"{ps.compiled_mem},{merr:.4f}\n")
     abs_t = sorted(abs(r[2]) for r in rows)
     abs_m = sorted(abs(r[3]) for r in rows)
     pairs = [(a, b) for a in rows for b in rows if a is not b]
     agree = sum((a[0] < b[0]) == (a[1] < b[1]) for a, b in pairs) / max(1, len(pairs))
-    print(f"{args.model}-L{args.num_layers} mesh {args.mesh} ({backend}, {n_dev} devices), "
+    slope, slope_ci = fit_with_interval([[r[0]] for r in rows], [r[1] for r in rows])
+    weights, weights_ci = fit_with_interval(
+        [[r[4], r[5]] for r in rows], [r[1] - profile.launch_overhead_s for r in rows])
+    print(f"{label} mesh {args.mesh} ({backend}, {n_dev} devices), "
           f"{len(rows)} random plans: median |time error| {100 * statistics.median(abs_t):.1f}% "
           f"(max {100 * abs_t[-1]:.1f}%), median |memory error| "
           f"{100 * statistics.median(abs_m):.1f}% (max {100 * abs_m[-1]:.1f}%), pairwise "
-          f"order agreement {100 * agree:.0f}%; rows appended to {out.relative_to(ROOT)}")
-    _plot(rows, out.with_name(f"{out.stem}-{args.model}-L{args.num_layers}-{args.mesh}.png"),
-          args)
+          f"order agreement {100 * agree:.0f}%; slope of measured on predicted "
+          f"{slope[0]:.2f} [{slope_ci[0][0]:.2f}, {slope_ci[0][1]:.2f}]; term weights: "
+          f"windows {weights[0]:.2f} [{weights_ci[0][0]:.2f}, {weights_ci[0][1]:.2f}], "
+          f"reshardings {weights[1]:.2f} [{weights_ci[1][0]:.2f}, {weights_ci[1][1]:.2f}]; "
+          f"rows appended to {out}")
+    _plot(rows, out.with_name(f"{out.stem}-{label}-{args.mesh}.png"), args)
+
+
+def fit_with_interval(x, y, *, resamples: int = 2000, seed: int = 0):
+    """Least-squares coefficients of ``y`` on the columns of ``x`` (no intercept) and a 95%
+    bootstrap interval of each, resampling the rows."""
+    import numpy as np
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    coef = np.linalg.lstsq(x, y, rcond=None)[0]
+    rng = np.random.default_rng(seed)
+    draws = []
+    for _ in range(resamples):
+        k = rng.integers(0, len(y), len(y))
+        draws.append(np.linalg.lstsq(x[k], y[k], rcond=None)[0])
+    low, high = np.percentile(draws, [2.5, 97.5], axis=0)
+    return coef.tolist(), list(zip(low.tolist(), high.tolist()))
 
 
 def random_plan_steps(analysis, problem, mesh, args):
@@ -122,7 +165,7 @@ def random_plan_steps(analysis, problem, mesh, args):
         ps.compile()
         ps.args = ps.place(host)
         time_steps(ps.compiled, ps.args, iters=2)
-        ps.cost, ps.mem = cost, mem
+        ps.cost, ps.mem, ps.choices = cost, mem, choices
         steps.append(ps)
     times = [[] for _ in steps]
     for _ in range(args.rounds):

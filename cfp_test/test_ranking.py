@@ -1,0 +1,69 @@
+"""Whole segments measured in part: the ranking that chooses which combinations run."""
+import itertools
+import random
+
+import numpy as np
+
+from cfp import ranking
+from cfp.measure import CostModel
+from cfp.passes.analysis import run_analysis
+from cfp.passes.profile import ProfileOptions, run_profile
+from cfp.passes.search import baseline_candidates, build_problem
+from cfp.workloads import WorkloadSpec
+
+COST = CostModel((1e-5, 1e-5), (1e-9, 1e-9), 1e11, 1e10)
+
+
+def _brute_force(prices, edges):
+    out = []
+    for combo in itertools.product(*[range(len(p)) for p in prices]):
+        cost = sum(p[s] for p, s in zip(prices, combo))
+        cost += sum(t[combo[i], combo[j]] for (i, j), t in edges.items())
+        out.append((cost, combo))
+    return sorted(out)
+
+
+def test_k_cheapest_is_exact():
+    """Against every combination priced: the same k cheapest, in order, with edges between
+    blocks that are not neighbours too. Control: the same search without the edges picks
+    other combinations, so the edges are what the comparison tests."""
+    rng = random.Random(0)
+    prices = [[rng.uniform(1, 10) for _ in range(rng.randint(2, 4))] for _ in range(5)]
+    edges = {(i, j): np.array([[rng.uniform(0, 8) for _ in prices[j]] for _ in prices[i]])
+             for i, j in [(0, 1), (1, 2), (2, 3), (3, 4), (0, 3), (1, 4)]}
+    want = _brute_force(prices, edges)[:20]
+    got = ranking.k_cheapest(prices, edges, 20)
+    assert [c for _, c in got] == [c for _, c in want]
+    assert np.allclose([p for p, _ in got], [p for p, _ in want])
+    blind = ranking.k_cheapest(prices, {}, 20)
+    assert [c for _, c in blind] != [c for _, c in want]
+
+
+def test_a_whole_segment_profile_measures_the_ranked_and_the_baselines():
+    """gpt on 2x2 with whole segments and 8 combinations per window: a layer's window spans
+    far more than 8, so 8 ranked combinations plus the baselines' are priced; search then
+    finds every baseline that the split profile finds a plan of. Control: without the
+    baselines' combinations added, some baseline is no longer a plan of the problem."""
+    spec = WorkloadSpec("gpt", "tiny", None, "float32", ()).resolved()
+    analysis = run_analysis(spec, (2, 2))
+    options = ProfileOptions(cost="analytic", cost_model=COST, max_combinations=8,
+                             whole_segments=True)
+    whole = run_profile(analysis, options)
+    layer = max(whole.window_profiles.values(), key=lambda p: np.prod(p.space))
+    assert np.prod(layer.space) > 1000
+    assert 8 < len(layer.results) < 8 + 10
+    problem, _ = build_problem(analysis, whole, None)
+    split = run_profile(analysis, ProfileOptions(cost="analytic", cost_model=COST))
+    split_problem, _ = build_problem(analysis, split, None)
+    names = lambda problem: {n for n, _ in baseline_candidates(analysis, problem, ())}  # noqa
+    assert names(problem) == names(split_problem) and len(names(problem)) >= 2
+    # The control: the same profile keeping only the ranked 8.
+    for p in whole.window_profiles.values():
+        if len(p.results) > 8:
+            ranked = set(ranking.ranked_combinations(
+                analysis, whole.windows[whole.representatives[p.window_type]], 8, COST,
+                ("m0", "m1")))
+            for c in list(p.results):
+                if c not in ranked:
+                    del p.results[c]
+    assert names(build_problem(analysis, whole, None)[0]) < names(problem)
