@@ -7,7 +7,6 @@ the first block that reads each wants), the new state as output shardings, and
 """
 from __future__ import annotations
 
-import time
 from typing import Sequence
 
 import numpy as np
@@ -75,14 +74,14 @@ class PlannedStep:
         self.fn, self.rolled = step_function(program, constraints=self.constraints, mesh=mesh)
         self.compiled = None
 
-    def compile(self):
+    def compile(self, compiler_options: dict | None = None):
         import jax
         g = self.analysis.graph
         args = [jax.ShapeDtypeStruct(g.values[v].shape, to_dtype(g.values[v].dtype), sharding=s)
                 for v, s in zip(g.inputs, self.in_shardings)]
         jitted = jax.jit(self.fn, in_shardings=self.in_shardings,
                          out_shardings=self.out_shardings)
-        self.compiled = jitted.lower(*args).compile()
+        self.compiled = jitted.lower(*args).compile(compiler_options)
         return self.compiled
 
     def place(self, flat_inputs):
@@ -98,13 +97,10 @@ def time_steps(compiled, args, *, iters: int | None = None, min_steps: int = 5,
     the profile pass times windows the same way, and queueing steps instead measures another
     thing (dispatch overlapped with the previous step, which ranked mlp plans differently here)
     and, hundreds deep, starves XLA CPU's collective rendezvous."""
-    import jax
-    from cfp.multihost import slowest
+    from cfp.measure import run_once_s
     n, total_s = 0, 0.0
     while True:
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        total_s += slowest(time.perf_counter() - t0)  # across processes: the slowest's
+        total_s += run_once_s(compiled, args)
         n += 1
         if iters is not None and n >= iters:
             break

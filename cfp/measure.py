@@ -6,6 +6,7 @@ kernel's OOM killer ends the worker, not the pass.
 - ``WindowProgram``: a window's operators as a program; per combination its shardings and
   constraints (``compile``), checked against the compiled HLO (``check_compiled``).
 - ``valid_inputs``: random live-ins valid for their role (ids in range, no zeros, no inf).
+- ``run_once_s``: one waited-for run (the slowest process's seconds on several hosts).
 - ``time_runs``: warm-up, then repeated timed runs (median, min, max), stopping early once a
   combination is already 1.5x slower than the best so far; ``time_rounds`` does the same for
   several programs in interleaved rounds.
@@ -284,6 +285,16 @@ def _index_bound(graph, v: int, depth: int = 0) -> int | None:
     return bound
 
 
+def run_once_s(fn, args) -> float:
+    """Seconds of one run of ``fn(*args)``, waited for; on several hosts the slowest
+    process's, so that every process takes the same decisions from it."""
+    import jax
+    from cfp.multihost import slowest
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return slowest(time.perf_counter() - t0)
+
+
 def time_runs(fn, args, *, best_s: float | None, warmup: int = 1, min_runs: int = 3,
               max_runs: int = 30, rel_error: float = 0.02) -> tuple[list[float], bool]:
     """Timed runs of ``fn(*args)`` (seconds each) and whether it stopped early because it was
@@ -296,12 +307,9 @@ def time_runs(fn, args, *, best_s: float | None, warmup: int = 1, min_runs: int 
     import jax
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
-    from cfp.multihost import slowest
     times: list[float] = []
     while len(times) < max_runs:
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(slowest(time.perf_counter() - t0))  # one decision on every process
+        times.append(run_once_s(fn, args))
         if best_s and len(times) >= 3 and statistics.median(times) > 1.5 * best_s:
             return times, True
         if len(times) >= min_runs and median_rel_error(times) <= rel_error:
@@ -321,7 +329,6 @@ def time_rounds(programs: Sequence[tuple], *, best_s: float | None, warmup: int 
     leaves after ``min_rounds`` once its median's standard error is within ``rel_error``
     (see ``time_runs``), or at ``max_rounds``."""
     import jax
-    from cfp.multihost import slowest
     for fn, args in programs:
         for _ in range(warmup):
             jax.block_until_ready(fn(*args))
@@ -331,10 +338,7 @@ def time_rounds(programs: Sequence[tuple], *, best_s: float | None, warmup: int 
     rounds = 0
     while live:
         for i in live:
-            fn, args = programs[i]
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times[i].append(slowest(time.perf_counter() - t0))  # one decision everywhere
+            times[i].append(run_once_s(*programs[i]))
         rounds += 1
         best = min([statistics.median(t) for t, e in zip(times, early) if t and not e]
                    + ([best_s] if best_s else []))
@@ -362,16 +366,13 @@ def time_in_context(producer, with_reshard, args, *, min_rounds: int = 5,
     Both programs launch alike, so the launch cost drops out of the difference, and the
     resharding is timed on a value just written, as in the step."""
     import jax
-    from cfp.multihost import slowest
     for _ in range(warmup):
         jax.block_until_ready(producer(*args)), jax.block_until_ready(with_reshard(*args))
     diffs, whole = [], []
     for r in range(max_rounds):
         pair = {}
         for name, fn in (("p", producer), ("r", with_reshard))[::1 if r % 2 else -1]:
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            pair[name] = slowest(time.perf_counter() - t0)  # one decision on every process
+            pair[name] = run_once_s(fn, args)
         diffs.append(pair["r"] - pair["p"])
         whole.append(pair["r"])
         if len(diffs) >= min_rounds:

@@ -130,6 +130,7 @@ class ProfileProgress:
         import threading
         self.tty = sys.stdout.isatty()
         self.total = self.n = 0
+        self.unit = "combinations"
         self.where = "starting the worker"
         self.t0 = self.t_first = None
         self.last_line_s = 0.0
@@ -178,6 +179,13 @@ class ProfileProgress:
                 self.where = "timing reshardings"
                 self._line(f"boundaries between window instances: {f['boundaries']}; distinct "
                            f"reshardings to time: {f['needed']} ({f['known']} known)")
+                if f["needed"] > f["known"]:  # the progress counts reshardings from here
+                    self.unit, self.n, self.t_first = "reshardings", 0, time.perf_counter()
+                    self.total = f["needed"] - f["known"]
+            elif event == "reshards_timed":
+                self.n = f["done"]
+                if self.tty:
+                    self._bar()
 
     def close(self) -> None:
         self.stop.set()
@@ -195,7 +203,7 @@ class ProfileProgress:
     def _bar(self) -> None:
         import time
         bar = "#" * int(30 * self.n / max(1, self.total))
-        print(f"\r[{bar:<30}] {self.n}/{self.total} combinations, {self.where}, "
+        print(f"\r[{bar:<30}] {self.n}/{self.total} {self.unit}, {self.where}, "
               f"{self._eta()}   ", end="", flush=True)
         self.last_line_s = time.perf_counter()
 
@@ -215,7 +223,8 @@ class ProfileProgress:
                 if self.tty:
                     self._bar()
                 else:
-                    self._line(f"[{self.n}/{self.total}] {self.where}, {self._eta()}")
+                    self._line(f"[{self.n}/{self.total} {self.unit}] {self.where}, "
+                               f"{self._eta()}")
 
 
 def profile_console(rec, model_space_log10: float) -> None:

@@ -110,3 +110,21 @@ def test_truncated_foreign_and_mismatched_files_are_refused(tmp_path):
         read_record(path, "cfp-analysis", None, hint="h")
     with pytest.raises(CfpError, match="does not exist"):
         read_record(tmp_path / "nope.pkl", "cfp-analysis", None, hint="h")
+
+
+def test_progress_counts_reshardings_while_they_are_timed(capsys):
+    """While reshardings are timed, the progress line counts them, not the combinations
+    already done (which read as finished, ETA 0 s, for the whole resharding phase)."""
+    import time
+    from cfp import report
+    progress = report.ProfileProgress(interval_s=0.05)
+    try:
+        progress("start", total=3, num_types=1, known=0)
+        progress("reshards", boundaries=4, needed=40, known=8)
+        progress("reshards_timed", done=16)
+        time.sleep(0.2)
+    finally:
+        progress.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert any("[16/32 reshardings] timing reshardings" in x for x in lines), lines
+    assert not any("[0/3" in x or "combinations] timing" in x for x in lines), lines

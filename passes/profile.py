@@ -276,6 +276,7 @@ def _profile_reshards(analysis, bounds, worker, checkpoint, options, start, noti
             break
         known.update(worker.measure_reshards(todo[i:i + 16]))
         checkpoint.save_reshards(known)
+        notify("reshards_timed", done=min(i + 16, len(todo)))
     checkpoint.save_reshards(known)
     return known
 

@@ -1,0 +1,153 @@
+"""Where the composed memory of random whole-model plans departs from the compiled peak.
+
+For the plans of ``composition_check.py`` (same flags, same seed, its profile work directory),
+prints per plan the composed memory split into step inputs, step outputs, held activations and
+the largest transient against the compiled program's arguments, outputs and temporaries; the
+median error with each held activation sized at its producer's layout (what the composition
+does) and at the largest layout one of its readers wants; and, for ``--peak-plan``, the largest
+temporaries live at the compiled peak, read from XLA's buffer dump (``--xla_dump_to``; the
+files are XLA's debug output, not a stable interface).
+
+    python scripts/memory_gap.py --model gpt --num-layers 2 --hidden-size 256 --seq-len 128 \\
+        --num-heads 8 --mesh 2x4 --plans 8 --peak-plan 6
+"""
+from __future__ import annotations
+
+import glob
+import os
+import random
+import re
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    from composition_check import plan_arguments
+    ap = plan_arguments()
+    ap.add_argument("--peak-plan", type=int, default=None,
+                    help="list the temporaries live at this plan's compiled peak")
+    args = ap.parse_args()
+    mesh_shape = tuple(int(x) for x in args.mesh.split("x"))
+    os.environ.setdefault("XLA_FLAGS",
+                          f"--xla_force_host_platform_device_count={_prod(mesh_shape)}")
+    from benchmark import workload_label
+    from cfp import dims
+    from cfp.execute import PlannedStep
+    from cfp.jax_compat import itemsize
+    from cfp.measure import memory_of
+    from cfp.passes.search import build_problem
+    from cfp.records import read_record
+    from cfp.solver import evaluate
+    from cfp.windows import (held_for_backward, inputs_read_earlier, memory_terms,
+                             shard_bytes)
+    from cfp.workdir import ANALYSIS_FORMAT, WorkDir
+    from cfp.workloads import AXIS_NAMES, make_mesh, run_fingerprint, trace_step
+
+    workdir = ROOT / "profiles" / f"{workload_label(args)}-{args.mesh}"
+    analysis = read_record(workdir / "analysis.pkl", ANALYSIS_FORMAT, None,
+                           hint=" (run scripts/composition_check.py with these flags first)")
+    profile = WorkDir(workdir, run_fingerprint(analysis.spec, mesh_shape)).read_profile(
+        analysis, "measure", args.max_combinations, args.whole_segments)
+    problem, _ = build_problem(analysis, profile, None)
+    g, ba, names = analysis.graph, analysis.blocks, AXIS_NAMES[:len(mesh_shape)]
+    held = held_for_backward(g)
+    member = {m.op: m for b in ba.blocks for m in b.members}
+    read_earlier = inputs_read_earlier(analysis, profile.windows)
+    terms = [memory_terms(analysis, w, read_earlier[k], held) for k, w in enumerate(profile.windows)]
+    rng = random.Random(args.seed)
+    plans = [tuple(rng.randrange(len(gr.options)) for gr in problem.groups)
+             for _ in range(args.plans)]
+    program, mesh = trace_step(analysis.spec.build()), make_mesh(mesh_shape)
+    errors: dict[str, list[float]] = {"producer layout": [], "largest reader layout": []}
+    for p, choices in enumerate(plans):
+        _, composed, strategies = evaluate(problem, choices)
+
+        def nbytes(v, block, labels):
+            spec = dims.spec_axes(labels, ba.blocks[block].strategies[strategies[block]].axes,
+                                  names)
+            return shard_bytes(g.values[v].shape, itemsize(g.values[v].dtype), spec,
+                               analysis.mesh_shape, names)
+
+        split = {"inputs": 0, "outputs": 0, "held": 0}
+        for w, t in zip(profile.windows, terms):
+            for v, k, labels in t.adding:
+                n = (nbytes(v, w.start + k, labels) if k is not None else
+                     shard_bytes(g.values[v].shape, itemsize(g.values[v].dtype),
+                                 (None,) * len(g.values[v].shape), analysis.mesh_shape, names))
+                split["inputs" if g.values[v].input_index is not None else
+                      "outputs" if v in set(g.outputs) else "held"] += n
+        transient = composed - sum(split.values())
+        extra = 0  # held activations sized at the largest layout a reader wants instead
+        for v in held:
+            op = g.values[v].producer
+            if op not in member:
+                continue
+            made = nbytes(v, ba.owner[op], member[op].outs[g.ops[op].outputs.index(v)])
+            wanted = [nbytes(v, ba.owner[u], member[u].ins[pos])
+                      for u in g.users.get(v, ()) if u in member
+                      for pos, x in enumerate(g.ops[u].inputs) if x == v]
+            extra += max([0] + [n - made for n in wanted])
+        step = PlannedStep(program, analysis, strategies, mesh)
+        dump = tempfile.mkdtemp(prefix="cfp-memory-gap-") if p == args.peak_plan else None
+        step.compile({"xla_dump_to": dump} if dump else None)
+        compiled = memory_of(step.compiled)
+        errors["producer layout"].append(composed / compiled["peak_bytes"] - 1)
+        errors["largest reader layout"].append((composed + extra) / compiled["peak_bytes"] - 1)
+        mb = lambda n: f"{n / 1e6:.1f}"  # noqa: E731
+        print(f"plan {p}: composed {mb(composed)} MB = inputs {mb(split['inputs'])} + outputs "
+              f"{mb(split['outputs'])} + held {mb(split['held'])} + transient {mb(transient)}; "
+              f"compiled {mb(compiled['peak_bytes'])} MB = arguments "
+              f"{mb(compiled['argument_bytes'])} + outputs {mb(compiled['output_bytes'])} + "
+              f"temporaries {mb(compiled['temp_bytes'])}; held at the largest reader layout "
+              f"{mb(split['held'] + extra)}", flush=True)
+        if dump:
+            _print_peak(dump)
+    for name, errs in errors.items():
+        print(f"held activations sized at the {name}: median |memory error| "
+              f"{100 * statistics.median(abs(e) for e in errs):.1f}% (signed median "
+              f"{100 * statistics.median(errs):+.1f}%) over {len(errs)} plans")
+
+
+def _print_peak(dump: str, top: int = 12) -> None:
+    """The largest temporaries live at the peak of the heap XLA simulated, from its dump."""
+    assignment = open(glob.glob(f"{dump}/*after_optimizations-buffer-assignment.txt")[0]).read()
+    live_range = open(glob.glob(f"{dump}/*after_optimizations-live-range.txt")[0]).read()
+    hlo = open(glob.glob(f"{dump}/*after_optimizations.txt")[0]).read()
+    size, in_parameter = {}, False
+    for line in assignment.splitlines():
+        if line.startswith("allocation"):
+            in_parameter = "parameter" in line
+        m = re.match(r"\s*value: <\d+ (\S+) @0> \(size=(\d+)", line)
+        if m and not in_parameter:
+            size[m.group(1)] = int(m.group(2))
+    ranges = [(name, int(s), int(e)) for name, s, e in re.findall(
+        r"^\s+(\S+?)\{\}:(\d+)-(\d+)", live_range.split("BufferLiveRange:")[1], re.M)
+        if name in size]
+    end = max(e for _, _, e in ranges)
+    live = [sum(size[n] for n, s, e in ranges if s <= t <= e) for t in range(end + 1)]
+    t_peak = max(range(end + 1), key=live.__getitem__)
+    print(f"  at the compiled peak (instruction {t_peak} of {end}): {live[t_peak] / 1e6:.1f} MB "
+          f"live in non-parameter buffers (step outputs included); the largest:")
+    for name, s, e in sorted((r for r in ranges if r[1] <= t_peak <= r[2]),
+                             key=lambda r: -size[r[0]])[:top]:
+        m = re.search(r"\n\s*(?:ROOT )?%?" + re.escape(name) + r" = (\S+)([^\n]*)", hlo)
+        shape = m.group(1) if m else ""
+        op = re.search(r'op_name="([^"]*)"', m.group(2)) if m else None
+        op = op.group(1) if op else ""
+        print(f"    {size[name] / 1e6:5.2f} MB {name} {shape} live {s}-{e} ({op})")
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
+
+
+if __name__ == "__main__":
+    main()
