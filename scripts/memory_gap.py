@@ -50,7 +50,7 @@ def main() -> None:
 
     workdir = ROOT / "profiles" / f"{workload_label(args)}-{args.mesh}"
     analysis = read_record(workdir / "analysis.pkl", ANALYSIS_FORMAT, None,
-                           hint=" (run scripts/composition_check.py with these flags first)")
+                           hint="run scripts/composition_check.py with these flags first")
     profile = WorkDir(workdir, run_fingerprint(analysis.spec, mesh_shape)).read_profile(
         analysis, "measure", args.max_combinations, args.whole_segments)
     problem, _ = build_problem(analysis, profile, None)
@@ -150,4 +150,9 @@ def _prod(xs) -> int:
 
 
 if __name__ == "__main__":
-    main()
+    from cfp.errors import CfpError
+    try:
+        main()
+    except CfpError as e:  # a work dir these flags have not made: one line, exit 2
+        print(f"memory_gap: {e}", file=sys.stderr)
+        sys.exit(2)
