@@ -146,6 +146,12 @@ def fit_with_interval(x, y, *, resamples: int = 2000, seed: int = 0):
     return coef.tolist(), list(zip(low.tolist(), high.tolist()))
 
 
+def random_plans(problem, count: int, seed: int) -> list[tuple[int, ...]]:
+    """``count`` random plans of ``problem``: one option index per group."""
+    rng = random.Random(seed)
+    return [tuple(rng.randrange(len(g.options)) for g in problem.groups) for _ in range(count)]
+
+
 def random_plan_steps(analysis, problem, mesh, args):
     """``args.plans`` random plans of ``problem`` (one option per group), each compiled
     (``PlannedStep`` with ``cost`` and ``mem`` as composed) and timed on ``mesh`` in
@@ -153,9 +159,7 @@ def random_plan_steps(analysis, problem, mesh, args):
     from cfp.execute import PlannedStep, real_inputs, time_steps
     from cfp.solver import evaluate
     from cfp.workloads import trace_step
-    rng = random.Random(args.seed)
-    plans = [tuple(rng.randrange(len(g.options)) for g in problem.groups)
-             for _ in range(args.plans)]
+    plans = random_plans(problem, args.plans, args.seed)
     workload = analysis.spec.build()
     program, host = trace_step(workload), real_inputs(workload)
     steps = []

@@ -14,8 +14,8 @@ files are XLA's debug output, not a stable interface).
 from __future__ import annotations
 
 import glob
+import math
 import os
-import random
 import re
 import statistics
 import sys
@@ -27,14 +27,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    from composition_check import plan_arguments
+    from composition_check import plan_arguments, random_plans
     ap = plan_arguments()
     ap.add_argument("--peak-plan", type=int, default=None,
                     help="list the temporaries live at this plan's compiled peak")
     args = ap.parse_args()
     mesh_shape = tuple(int(x) for x in args.mesh.split("x"))
     os.environ.setdefault("XLA_FLAGS",
-                          f"--xla_force_host_platform_device_count={_prod(mesh_shape)}")
+                          f"--xla_force_host_platform_device_count={math.prod(mesh_shape)}")
     from benchmark import workload_label
     from cfp import dims
     from cfp.execute import PlannedStep
@@ -59,9 +59,7 @@ def main() -> None:
     member = {m.op: m for b in ba.blocks for m in b.members}
     read_earlier = inputs_read_earlier(analysis, profile.windows)
     terms = [memory_terms(analysis, w, read_earlier[k], held) for k, w in enumerate(profile.windows)]
-    rng = random.Random(args.seed)
-    plans = [tuple(rng.randrange(len(gr.options)) for gr in problem.groups)
-             for _ in range(args.plans)]
+    plans = random_plans(problem, args.plans, args.seed)
     program, mesh = trace_step(analysis.spec.build()), make_mesh(mesh_shape)
     errors: dict[str, list[float]] = {"producer layout": [], "largest reader layout": []}
     for p, choices in enumerate(plans):
@@ -140,13 +138,6 @@ def _print_peak(dump: str, top: int = 12) -> None:
         op = re.search(r'op_name="([^"]*)"', m.group(2)) if m else None
         op = op.group(1) if op else ""
         print(f"    {size[name] / 1e6:5.2f} MB {name} {shape} live {s}-{e} ({op})")
-
-
-def _prod(xs) -> int:
-    n = 1
-    for x in xs:
-        n *= x
-    return n
 
 
 if __name__ == "__main__":
