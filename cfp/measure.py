@@ -54,6 +54,57 @@ class Measurement:
     unnamed_collectives: tuple = ()  # described; see WindowProgram.unnamed_collectives
     same_program_as: tuple | None = None  # an earlier combination compiled to this program
     program_sha1: str = ""  # of the compiled program, normalised (normalized_hlo)
+    # share of the machine's CPU time that other processes (or the hypervisor) took while
+    # this was timed (``CpuShare``; NaN where unknown): over ``BUSY_SHARE`` the time reads high
+    others_cpu_share: float = float("nan")
+
+    def busy(self) -> bool:
+        """Whether this was timed while other work ran on the machine's cores."""
+        return self.others_cpu_share > BUSY_SHARE
+
+
+# Over this share of the cores taken by others while a batch is timed, its times read high:
+# one other JAX process on 8 virtual devices takes about half of 2 cores and slows a program
+# 1.5x; an idle machine leaves a few percent to daemons (scripts/busy_machine.py).
+BUSY_SHARE = 0.15
+
+
+class CpuShare:
+    """The share of the machine's CPU time (all its cores) that other processes took between
+    ``start()`` and ``share()``: the cores' busy and stolen time from ``/proc/stat``, less this
+    process's own CPU time. NaN where ``/proc/stat`` cannot be read (not Linux) or several
+    processes measure together (on one host each would count the others' device threads)."""
+
+    def start(self) -> "CpuShare":
+        self.before = _cpu_counters()
+        return self
+
+    def share(self) -> float:
+        after = _cpu_counters()
+        if self.before is None or after is None:
+            return float("nan")
+        machine_s, own_s, wall_s = (a - b for a, b in zip(after[:3], self.before[:3]))
+        return max(0.0, machine_s - own_s) / max(1e-9, wall_s * after[3])
+
+
+def _cpu_counters() -> tuple[float, float, float, int] | None:
+    """(seconds the machine's cores were busy or stolen, this process's CPU seconds, wall
+    seconds, cores), or None."""
+    import os
+    from cfp.multihost import processes
+    if processes() > 1:
+        return None
+    try:
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    ticks = [int(x) for x in lines[0].split()[1:]] + [0] * 8
+    user, nice, system, _idle, _iowait, irq, softirq, steal = ticks[:8]
+    cores = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
+    own = os.times()
+    return ((user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"),
+            own.user + own.system, time.perf_counter(), cores)
 
 
 def normalized_hlo(compiled) -> str:

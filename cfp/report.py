@@ -234,6 +234,14 @@ def profile_console(rec, model_space_log10: float) -> None:
         f"compiled in this run: {rec.compiled}")
     if rec.cost != "analytic":
         say(f"launch overhead subtracted: {rec.launch_overhead_s * 1e3:.3f} ms per program")
+    busy = rec.busy_window_types()
+    if busy:
+        worst = max(m.others_cpu_share for seg in rec.window_profiles.values()
+                    for m in seg.results.values() if m.busy())
+        say(f"warning: {sum(busy.values())} combinations of window types "
+            f"{', '.join(map(str, sorted(busy)))} were timed on a busy machine (other "
+            f"processes took up to {worst:.0%} of its cores): their times read high; delete those "
+            f"window_<type>.pkl files from the work dir and profile again on an idle machine")
     if rec.reshard_interval_s:
         say(f"reshardings timed after the op producing their value: "
             f"{len(rec.reshard_interval_s)}; {rec.reshards_counted_zero()} of them add "

@@ -207,8 +207,13 @@ class Worker:
             raise CfpError(payload)
         if kind != "value":
             self.proc.join(timeout=5)
-            raise CfpError(f"the worker died (exit code {self.proc.exitcode}); what was "
-                           f"measured is kept: run again to resume")
+            code = self.proc.exitcode
+            if code == multihost.PEER_LOST_EXIT:
+                raise CfpError("another process of the runtime stopped (or lost its "
+                               "connection); what was measured is kept: relaunch every "
+                               "process to resume")
+            raise CfpError(f"the worker died (exit code {code}); what was measured is kept: "
+                           f"run again to resume")
         return payload
 
     def measure_reshards(self, items: list[tuple]) -> dict[tuple, tuple | None]:
@@ -421,7 +426,7 @@ def _run(state, runnable, host_inputs, best_s) -> list[Measurement]:
     ``run_error`` or ``oom``), then the rest timed in interleaved rounds
     (``measure.time_rounds``), the launch overhead subtracted."""
     import jax
-    from cfp.measure import time_rounds
+    from cfp.measure import CpuShare, time_rounds
     out, programs = {}, []
     for k, (combo, got) in enumerate(runnable):
         exe, shardings, compile_s, mem, colls, _, _ = got
@@ -437,15 +442,17 @@ def _run(state, runnable, host_inputs, best_s) -> list[Measurement]:
                                  note=f"{type(e).__name__}: {str(e)[:300]}", **mem)
             continue
         programs.append((k, got, exe, args))
+    cpu = CpuShare().start()
     timed = time_rounds([(exe, args) for _, _, exe, args in programs], best_s=best_s,
                         warmup=0)
+    others = cpu.share()
     for (k, got, _, _), (times, early) in zip(programs, timed):
         _, _, compile_s, mem, colls, _, _ = got
         times = [max(0.0, t - state["overhead"]) for t in times]
         out[k] = Measurement(
             "ok", statistics.median(times), min(times), max(times), len(times), compile_s,
             collectives=colls, note="stopped early: 1.5x slower than the best" if early else "",
-            **mem)
+            others_cpu_share=others, **mem)
     return [out[k] for k in range(len(runnable))]
 
 

@@ -31,7 +31,7 @@ def test_users_own_step_and_optimizer_through_three_passes(tmp_path, capsys):
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(new_params))
 
 
-@pytest.mark.slow  # the Equinox model runs in the suite through test_user_jit
+@pytest.mark.slow  # the Equinox model is analysed in the suite by test_users_models
 def test_an_equinox_module_handed_over_whole():
     """``user_workload`` keeps a module's arrays as the params (the rest aside), and a
     factory that declares one keyword gets only that one."""

@@ -162,6 +162,37 @@ def test_a_budget_cut_profile_is_finished_by_the_next_run(tmp_path):
     assert len(full.reshard_s) > 0
 
 
+def test_timings_taken_on_a_busy_machine_are_told(capsys):
+    """Every timed combination carries the share of the cores other processes took while it
+    was timed; one over ``BUSY_SHARE`` is reported as timed on a busy machine, naming its
+    window type (the same record under the threshold reports nothing). That the share sees a
+    real contender is measured by scripts/busy_machine.py."""
+    import dataclasses
+    import math
+    from cfp import report
+    from cfp.measure import BUSY_SHARE
+    rec = run_profile(run_analysis(MLP, (4,)), ProfileOptions())
+    shares = [m.others_cpu_share for p in rec.window_profiles.values()
+              for m in p.results.values()]
+    assert shares and all(math.isfinite(x) and 0 <= x <= 1 for x in shares), shares
+
+    def with_share(share_of):
+        profiles = {k: dataclasses.replace(p, results={
+            c: dataclasses.replace(m, others_cpu_share=share_of(k, c))
+            for c, m in p.results.items()}) for k, p in rec.window_profiles.items()}
+        return dataclasses.replace(rec, window_profiles=profiles)
+
+    last = max(rec.window_profiles)
+    busy = with_share(lambda k, c: 0.5 if k == last and c == (0,) * len(c) else 0.0)
+    idle = with_share(lambda k, c: BUSY_SHARE)
+    assert busy.busy_window_types() == {last: 1} and idle.busy_window_types() == {}
+    report.profile_console(busy, 1.0)
+    warned = [x for x in capsys.readouterr().out.splitlines() if "busy" in x]
+    assert len(warned) == 1 and f"window types {last} were timed" in warned[0], warned
+    report.profile_console(idle, 1.0)
+    assert "busy" not in capsys.readouterr().out
+
+
 def test_identical_programs_are_measured_once():
     """A combination that compiles to a program measured before shares that measurement (here
     the same combination sent twice); different programs are measured apart."""

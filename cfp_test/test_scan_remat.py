@@ -140,23 +140,17 @@ def _held(model):
     return [g.values[v].shape for v in sorted(held_for_backward(g))]
 
 
-def test_three_passes_on_a_scanned_remat_stack(tmp_path, capsys):
-    args = ["--model", "scanned_models:flax_scan_remat", "--num-layers", "2", "--mesh", "8",
-            "--workdir", str(tmp_path), "--max-combinations", "8", "--memory-budget", "1",
-            "--validate-top", "1", "--no-validate-baselines", "--iters", "1"]
-    assert main(args) == 0
-    out = capsys.readouterr().out
-    assert "gradients match" in out and "scans run as lax.scan" in out
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("model", ["flax_scan", "flax_remat", "jax_scan", "jax_checkpoint"])
+@pytest.mark.slow  # in the suite: the planned scan's step, the twins' analysis and memory
+@pytest.mark.parametrize("model", ["flax_scan_remat", "flax_scan", "flax_remat", "jax_scan",
+                                   "jax_checkpoint"])
 def test_three_passes_on_scanned_and_remat_stacks(tmp_path, capsys, model):
     args = ["--model", f"scanned_models:{model}", "--num-layers", "2", "--mesh", "8",
             "--workdir", str(tmp_path), "--max-combinations", "8", "--memory-budget", "1",
             "--validate-top", "1", "--iters", "1"]
     assert main(args) == 0
-    assert "gradients match" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "gradients match" in out
+    assert "scans run as lax.scan" in out or "scan" not in model
 
 
 @pytest.mark.parametrize("where", ["cond", "while"])

@@ -19,10 +19,9 @@ MODELS = [("users_models:flax_dropout", "adam"), ("users_models:equinox_attentio
           ("users_models:optax_attention", "adam"), ("users_models:optax_attention", "adafactor")]
 
 
-# Two here; the other six cases (Flax's tracing is the slowest) run with the slow tests
-# (bash scripts/slow_tests.sh).
-FAST = [("users_models:equinox_attention", "adam", (8,)),
-        ("users_models:optax_attention", "adafactor", (8,))]
+# One here (Optax's factored Adafactor state, the case most unlike the parameters); the other
+# seven run with the slow tests (bash scripts/slow_tests.sh).
+FAST = [("users_models:optax_attention", "adafactor", (8,))]
 CASES = [pytest.param(model, optimizer, mesh_shape,
                       marks=[] if (model, optimizer, mesh_shape) in FAST else [pytest.mark.slow])
          for model, optimizer in MODELS for mesh_shape in [(8,), (2, 4)]]

@@ -79,6 +79,13 @@ class ProfileRecord:
         """Timed reshardings whose interval does not lie above 0, so counted as 0."""
         return sum(1 for low, _ in self.reshard_interval_s.values() if low <= 0)
 
+    def busy_window_types(self) -> dict[int, int]:
+        """Window type -> how many of its combinations were timed while the machine was busy
+        (``Measurement.busy``): those times read high."""
+        counts = {k: sum(m.busy() for m in seg.results.values())
+                  for k, seg in self.window_profiles.items()}
+        return {k: n for k, n in counts.items() if n}
+
     def plan_space_log10(self) -> float:
         """log10 of the number of whole-model combinations the windows span."""
         return sum(math.log10(max(1, math.prod(self.window_profiles[w.type].space)))

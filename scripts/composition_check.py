@@ -128,6 +128,10 @@ def main() -> None:
           f"windows {weights[0]:.2f} [{weights_ci[0][0]:.2f}, {weights_ci[0][1]:.2f}], "
           f"reshardings {weights[1]:.2f} [{weights_ci[1][0]:.2f}, {weights_ci[1][1]:.2f}]; "
           f"rows appended to {out}")
+    busy = profile.busy_window_types()
+    if busy:
+        print(f"warning: {sum(busy.values())} profiled combinations (window types "
+              f"{sorted(busy)}) were timed while the machine was busy: their times read high")
     _plot(rows, out.with_name(f"{out.stem}-{label}-{args.mesh}.png"), args)
 
 
