@@ -57,10 +57,13 @@ class Measurement:
     # share of the machine's CPU time that other processes (or the hypervisor) took while
     # this was timed (``CpuShare``; NaN where unknown): over ``BUSY_SHARE`` the time reads high
     others_cpu_share: float = float("nan")
+    # the share the hypervisor stole for other machines (steal): this process's own CPU time
+    # counts stolen time as its own, so ``others_cpu_share`` sees only part of it
+    stolen_cpu_share: float = float("nan")
 
     def busy(self) -> bool:
         """Whether this was timed while other work ran on the machine's cores."""
-        return self.others_cpu_share > BUSY_SHARE
+        return self.others_cpu_share > BUSY_SHARE or self.stolen_cpu_share > BUSY_SHARE
 
 
 # Over this share of the cores taken by others while a batch is timed, its times read high:
@@ -70,26 +73,29 @@ BUSY_SHARE = 0.15
 
 
 class CpuShare:
-    """The share of the machine's CPU time (all its cores) that other processes took between
+    """The share of the machine's CPU time (all its cores) that others took between
     ``start()`` and ``share()``: the cores' busy and stolen time from ``/proc/stat``, less this
-    process's own CPU time. NaN where ``/proc/stat`` cannot be read (not Linux) or several
-    processes measure together (on one host each would count the others' device threads)."""
+    process's own CPU time, and the stolen part alone (the hypervisor ran another machine on
+    these cores). NaN where ``/proc/stat`` cannot be read (not Linux) or several processes
+    measure together (on one host each would count the others' device threads)."""
 
     def start(self) -> "CpuShare":
         self.before = _cpu_counters()
         return self
 
-    def share(self) -> float:
+    def share(self) -> tuple[float, float]:
+        """(others' share, the stolen part of it)."""
         after = _cpu_counters()
         if self.before is None or after is None:
-            return float("nan")
-        machine_s, own_s, wall_s = (a - b for a, b in zip(after[:3], self.before[:3]))
-        return max(0.0, machine_s - own_s) / max(1e-9, wall_s * after[3])
+            return float("nan"), float("nan")
+        machine_s, stolen_s, own_s, wall_s = (a - b for a, b in zip(after[:4], self.before[:4]))
+        capacity_s = max(1e-9, wall_s * after[4])
+        return max(0.0, machine_s - own_s) / capacity_s, max(0.0, stolen_s) / capacity_s
 
 
-def _cpu_counters() -> tuple[float, float, float, int] | None:
-    """(seconds the machine's cores were busy or stolen, this process's CPU seconds, wall
-    seconds, cores), or None."""
+def _cpu_counters() -> tuple[float, float, float, float, int] | None:
+    """(seconds the machine's cores were busy or stolen, seconds stolen, this process's CPU
+    seconds, wall seconds, cores), or None."""
     import os
     from cfp.multihost import processes
     if processes() > 1:
@@ -102,8 +108,8 @@ def _cpu_counters() -> tuple[float, float, float, int] | None:
     ticks = [int(x) for x in lines[0].split()[1:]] + [0] * 8
     user, nice, system, _idle, _iowait, irq, softirq, steal = ticks[:8]
     cores = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
-    own = os.times()
-    return ((user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"),
+    own, tick_s = os.times(), 1 / os.sysconf("SC_CLK_TCK")
+    return ((user + nice + system + irq + softirq + steal) * tick_s, steal * tick_s,
             own.user + own.system, time.perf_counter(), cores)
 
 

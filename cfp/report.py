@@ -236,11 +236,16 @@ def profile_console(rec, model_space_log10: float) -> None:
         say(f"launch overhead subtracted: {rec.launch_overhead_s * 1e3:.3f} ms per program")
     busy = rec.busy_window_types()
     if busy:
-        worst = max(m.others_cpu_share for seg in rec.window_profiles.values()
-                    for m in seg.results.values() if m.busy())
+        marked = [m for seg in rec.window_profiles.values() for m in seg.results.values()
+                  if m.busy()]
+        worst = max(m.others_cpu_share for m in marked)
+        stolen = max((m.stolen_cpu_share for m in marked if m.stolen_cpu_share >= 0),
+                     default=float("nan"))
+        by_host = (f"; the hypervisor stole up to {stolen:.0%} for other machines"
+                   if stolen == stolen else "")
         say(f"warning: {sum(busy.values())} combinations of window types "
-            f"{', '.join(map(str, sorted(busy)))} were timed on a busy machine (other "
-            f"processes took up to {worst:.0%} of its cores): their times read high; delete those "
+            f"{', '.join(map(str, sorted(busy)))} were timed on a busy machine (other work "
+            f"took up to {worst:.0%} of its cores{by_host}): their times read high; delete those "
             f"window_<type>.pkl files from the work dir and profile again on an idle machine")
     if rec.reshard_interval_s:
         say(f"reshardings timed after the op producing their value: "

@@ -187,13 +187,15 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
     Adding up: the window's parameters, optimizer state and batch coming in (those not in
     ``read_earlier``, held for an earlier window already) and their updates going out, plus the
     activations it produces in the forward pass and holds for the backward pass
-    (``held_for_backward``). Transient: the compiled temporaries less the held activations
-    inside them; only the largest transient counts in a step's peak. ``held`` and ``terms``
-    (``memory_terms``) are what the caller computed already, for many combinations."""
+    (``held_for_backward``, each in the layout ``MemoryTerms`` says XLA keeps). Transient: the
+    compiled temporaries less the held activations inside them; only the largest transient
+    counts in a step's peak. ``held`` and ``terms`` (``memory_terms``) are what the caller
+    computed already, for many combinations."""
     terms = terms or memory_terms(analysis, window, read_earlier, held)
-    size = _sizer(analysis, window, combo, axis_names)
-    adding = sum(size(*t) for t in terms.adding)
-    held_internal = sum(size(*t) for t in terms.held_internal)
+    size, held_size = term_sizers(analysis, window, combo, axis_names)
+    held_bytes = {t[0]: held_size(t) for t in terms.held}
+    adding = sum(size(*t) for t in terms.adding) + sum(held_bytes.values())
+    held_internal = sum(held_bytes[v] for v in terms.internal)
     return adding, max(0, measured.temp_bytes - held_internal)
 
 
@@ -201,33 +203,51 @@ def held_memory(analysis, window: Window, combo, axis_names, terms: "MemoryTerms
     """The bytes per device of the activations a window holds for the backward pass under
     ``combo`` (part of ``option_memory``'s adding-up bytes): what each micro-batch in flight
     in a pipeline stage holds."""
-    size = _sizer(analysis, window, combo, axis_names)
-    return sum(size(*t) for t in terms.held)
+    _, held_size = term_sizers(analysis, window, combo, axis_names)
+    return sum(held_size(t) for t in terms.held)
 
 
-def _sizer(analysis, window: Window, combo, axis_names):
-    """Bytes per device of a memory term (value, block position or None, labels)."""
+def term_sizers(analysis, window: Window, combo, axis_names):
+    """Bytes per device of a step input or output term (value, block position or None,
+    labels), and of a held activation term (``MemoryTerms.held``)."""
     blocks = [analysis.blocks.blocks[b] for b in range(window.start, window.end)]
     axes = [b.strategies[k].axes for b, k in zip(blocks, combo)]
     g, mesh_shape = analysis.graph, analysis.mesh_shape
 
-    def size(v, k, labels):
-        spec = ((None,) * len(g.values[v].shape) if k is None
+    def spec(v, k, labels):
+        return ((None,) * len(g.values[v].shape) if k is None
                 else dimrules.spec_axes(labels, axes[k], axis_names))
-        return shard_bytes(g.values[v].shape, _itemsize(g.values[v].dtype), spec, mesh_shape,
+
+    def nbytes(v, s):
+        return shard_bytes(g.values[v].shape, _itemsize(g.values[v].dtype), s, mesh_shape,
                            axis_names)
 
-    return size
+    def size(v, k, labels):
+        return nbytes(v, spec(v, k, labels))
+
+    def held_size(term):
+        v, made, forward, backward = term
+        early = {spec(v, *r) for r in forward}
+        kept = [spec(v, *made)] + [s for s in (spec(v, *r) for r in backward) if s in early]
+        return max(nbytes(v, s) for s in kept)
+
+    return size, held_size
 
 
 @dataclasses.dataclass(frozen=True)
 class MemoryTerms:
-    """The tensors of a window instance whose bytes ``option_memory`` counts, each as (value,
-    position of the block whose strategy lays it out or None when replicated, its labels)."""
+    """The tensors of a window instance whose bytes ``option_memory`` counts.
 
-    adding: tuple  # step inputs not read earlier, step outputs, held activations
-    held_internal: tuple  # held activations that do not leave the window (in its temporaries)
-    held: tuple = ()  # every held activation (also in ``adding``)
+    A step input or output is (value, position of the block whose strategy lays it out or None
+    when replicated, its labels). A held activation is (value, its producer's (position,
+    labels), its forward readers' in the window, its backward readers' in the window). It is
+    held in the producer's layout, unless a backward reader wants a layout that a forward
+    reader wanted too: XLA then keeps the forward pass's copy (an all-gather's result, say)
+    instead of gathering again, and the larger layout counts (``scripts/memory_gap.py``)."""
+
+    adding: tuple  # step inputs not read earlier, step outputs
+    held: tuple = ()  # activations the window holds for its backward pass
+    internal: frozenset = frozenset()  # the held ones that do not leave the window
 
 
 def memory_terms(analysis, window: Window, read_earlier: frozenset[int] = frozenset(),
@@ -235,28 +255,33 @@ def memory_terms(analysis, window: Window, read_earlier: frozenset[int] = frozen
     g = analysis.graph
     blocks = [analysis.blocks.blocks[b] for b in range(window.start, window.end)]
     sub = sub_program(g, window_ops(analysis, window))
+    kept = held_for_backward(g) if held is None else held
+    loss_op = g.values[g.outputs[-1]].producer if g.outputs else None
     want, made = {}, {}  # live-ins as their first reader wants them; results as made
+    readers = {}  # held activation -> ([forward readers], [backward readers]) in the window
     for k, block in enumerate(blocks):
         for m in block.members:
             op = g.ops[m.op]
             for v, lab in zip(op.inputs, m.ins):
                 if v not in want or m.op < want[v][0]:
                     want[v] = (m.op, k, lab)
+                if v in kept:
+                    readers.setdefault(v, ([], []))[m.op > loss_op].append((k, lab))
             for v, lab in zip(op.outputs, m.outs):
                 made[v] = (k, lab)
     adding = [(v,) + (want[v][1:] if v in want else (None, None)) for v in sub.live_ins
               if g.values[v].input_index is not None and v not in read_earlier]
     outputs, leaving = set(g.outputs), set(sub.live_outs)
     adding += [(v,) + made.get(v, (None, None)) for v in sub.live_outs if v in outputs]
-    kept = held_for_backward(g) if held is None else held
-    internal, held_terms = [], []
+    held_terms, internal = [], set()
     for i in sub.ops:
         for v in g.ops[i].outputs:
             if v in kept:
-                held_terms.append((v,) + made[v])
+                forward, backward = readers.get(v, ((), ()))
+                held_terms.append((v, made[v], tuple(forward), tuple(backward)))
                 if v not in leaving:
-                    internal.append((v,) + made[v])
-    return MemoryTerms(tuple(adding + held_terms), tuple(internal), tuple(held_terms))
+                    internal.add(v)
+    return MemoryTerms(tuple(adding), tuple(held_terms), frozenset(internal))
 
 
 def held_for_backward(g) -> frozenset[int]:

@@ -120,6 +120,7 @@ def write_profile_csv(path: Path, rec) -> None:
                          "status": m.status, "time_median_s": m.time_s,
                          "time_min_s": m.time_min_s, "time_max_s": m.time_max_s,
                          "runs": m.runs, "others_cpu_share": m.others_cpu_share,
+                         "stolen_cpu_share": m.stolen_cpu_share,
                          "busy": m.busy(),
                          "memory_gb": m.peak_bytes / 2**30,
                          "compile_s": m.compile_s,

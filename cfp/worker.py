@@ -445,14 +445,14 @@ def _run(state, runnable, host_inputs, best_s) -> list[Measurement]:
     cpu = CpuShare().start()
     timed = time_rounds([(exe, args) for _, _, exe, args in programs], best_s=best_s,
                         warmup=0)
-    others = cpu.share()
+    others, stolen = cpu.share()
     for (k, got, _, _), (times, early) in zip(programs, timed):
         _, _, compile_s, mem, colls, _, _ = got
         times = [max(0.0, t - state["overhead"]) for t in times]
         out[k] = Measurement(
             "ok", statistics.median(times), min(times), max(times), len(times), compile_s,
             collectives=colls, note="stopped early: 1.5x slower than the best" if early else "",
-            others_cpu_share=others, **mem)
+            others_cpu_share=others, stolen_cpu_share=stolen, **mem)
     return [out[k] for k in range(len(runnable))]
 
 

@@ -175,17 +175,22 @@ def test_timings_taken_on_a_busy_machine_are_told(capsys):
     shares = [m.others_cpu_share for p in rec.window_profiles.values()
               for m in p.results.values()]
     assert shares and all(math.isfinite(x) and 0 <= x <= 1 for x in shares), shares
+    assert all(0 <= m.stolen_cpu_share <= 1 for p in rec.window_profiles.values()
+               for m in p.results.values())
 
-    def with_share(share_of):
+    def with_share(share_of, stolen_of=lambda k, c: 0.0):
         profiles = {k: dataclasses.replace(p, results={
-            c: dataclasses.replace(m, others_cpu_share=share_of(k, c))
+            c: dataclasses.replace(m, others_cpu_share=share_of(k, c),
+                                   stolen_cpu_share=stolen_of(k, c))
             for c, m in p.results.items()}) for k, p in rec.window_profiles.items()}
         return dataclasses.replace(rec, window_profiles=profiles)
 
     last = max(rec.window_profiles)
     busy = with_share(lambda k, c: 0.5 if k == last and c == (0,) * len(c) else 0.0)
-    idle = with_share(lambda k, c: BUSY_SHARE)
+    stolen = with_share(lambda k, c: 0.0, lambda k, c: 0.3 if k == last else 0.0)
+    idle = with_share(lambda k, c: BUSY_SHARE, lambda k, c: BUSY_SHARE)
     assert busy.busy_window_types() == {last: 1} and idle.busy_window_types() == {}
+    assert stolen.busy_window_types() == {last: len(rec.window_profiles[last].results)}
     report.profile_console(busy, 1.0)
     warned = [x for x in capsys.readouterr().out.splitlines() if "busy" in x]
     assert len(warned) == 1 and f"window types {last} were timed" in warned[0], warned

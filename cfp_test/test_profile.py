@@ -5,6 +5,7 @@ import jax
 import numpy as np
 import pytest
 
+from cfp import dims
 from cfp.cli import main
 from cfp.measure import CostModel, WindowProgram, model_cost
 from cfp.records import read_record, write_record
@@ -187,6 +188,45 @@ def test_a_step_input_counts_once_in_composed_memory():
     assert sum(map(len, earlier)) > 0
     assert 0 < counted_once <= replicated  # each at most its whole size, once
     assert input_bytes([frozenset()] * len(windows)) > replicated  # counted per reader
+
+
+def test_a_held_activation_counts_in_the_copy_xla_keeps():
+    """A held activation counts in its producer's layout, or in a larger one where a backward
+    reader in its window wants the layout a forward reader there made (XLA keeps that copy);
+    the control: a backward reader alone wanting a larger layout leaves the producer's."""
+    import itertools
+    from cfp.windows import held_for_backward, memory_terms, shard_bytes, term_sizers
+    a = _analysis("gpt", (2, 4), num_layers=2)
+    g, names = a.graph, ("m0", "m1")
+    windows = split_windows(a, 32, whole_segments=True)[0]
+    w = max(windows, key=lambda w: w.end - w.start)
+    held = held_for_backward(g)
+    blocks = [a.blocks.blocks[b] for b in range(w.start, w.end)]
+    seen = {"forward copy kept": 0, "backward alone": 0}  # the second need not occur
+    for v, made, forward, backward in memory_terms(a, w, held=held).held:
+        positions = sorted({made[0]} | {k for k, _ in forward + backward})
+        if len(positions) > 2:
+            continue
+        for picks in itertools.product(*(range(len(blocks[k].strategies)) for k in positions)):
+            combo = [0] * len(blocks)
+            for k, s in zip(positions, picks):
+                combo[k] = s
+            axes = [b.strategies[c].axes for b, c in zip(blocks, combo)]
+            spec = lambda r: dims.spec_axes(r[1], axes[r[0]], names)  # noqa: E731
+            nbytes = lambda s: shard_bytes(g.values[v].shape, 4, s, a.mesh_shape, names)  # noqa: E731
+            early = {spec(r) for r in forward}
+            larger = [spec(r) for r in backward if nbytes(spec(r)) > nbytes(spec(made))]
+            held_size = term_sizers(a, w, combo, names)[1]
+            if any(s in early for s in larger):
+                seen["forward copy kept"] += 1
+                assert held_size((v, made, forward, backward)) == max(
+                    nbytes(s) for s in larger if s in early)
+                # the same backward readers with no forward reader making their layout
+                assert held_size((v, made, (), backward)) == nbytes(spec(made))
+            elif larger:
+                seen["backward alone"] += 1
+                assert held_size((v, made, forward, backward)) == nbytes(spec(made))
+    assert seen["forward copy kept"] > 0, seen
 
 
 def test_a_resharding_is_timed_after_its_producer():

@@ -258,6 +258,7 @@ def benchmark(a) -> None:
     import jax
     import numpy as np
     from cfp.execute import real_inputs, time_steps
+    from cfp.measure import CpuShare
     from cfp.sharding import collectives
     from cfp.workloads import make_mesh, trace_step
     n_dev = math.prod(mesh_shape)
@@ -267,6 +268,10 @@ def benchmark(a) -> None:
     from cfp.workdir import WorkDir
     prof = WorkDir(workdir, run_fp).read_profile(analysis, "measure", a.max_combinations,
                                                     a.whole_segments)
+    measured = [m for seg in prof.window_profiles.values() for m in seg.results.values()
+                if m.status == "ok"]
+    prof_busy = (f"{sum(m.busy() for m in measured)} of {len(measured)} combinations timed "
+                 f"on a busy machine")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{a.date}-{backend}"
@@ -292,11 +297,13 @@ def benchmark(a) -> None:
     hlo = {name: normalized_hlo(ps.compiled) for name, ps in plans.items()}
     names = list(plans)
     times = {n: [] for n in names}
+    cpu = CpuShare().start()
     for r in range(a.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for n in order:
             times[n].append(time_steps(plans[n].compiled, plans[n].args,
                                        min_seconds=a.min_seconds))
+    others, stolen = cpu.share()
     rows = [dict(workload=label, mesh=a.mesh, plan=n, round=r, step_s=f"{t:.6e}",
                  backend=backend, devices=n_dev) for n in names for r, t in enumerate(times[n])]
     append_rows(out / f"{stem}.csv", FIELDS, rows)
@@ -339,6 +346,8 @@ def benchmark(a) -> None:
         else:
             m, lo, hi = bootstrap_ratio(times["cfp_own"], times[other])
             print(f"{question}: cfp_own / {other} {m:.3f} [{lo:.3f}, {hi:.3f}]")
+    print(f"while the rounds ran, others took {others:.0%} of the cores ({stolen:.0%} stolen by "
+          f"the hypervisor); the profile: {prof_busy}")
     print(f"launch overhead: {prof.launch_overhead_s * 1e3:.3f} ms, "
           f"{prof.launch_overhead_s / float(np.median(times['cfp_own'])):.1%} of cfp_own's step")
     print(f"passes: analysis {t_an:.1f} s, profile {t_pr:.1f} s ({prof.compiled} compiled), "

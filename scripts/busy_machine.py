@@ -50,7 +50,7 @@ def main() -> None:
                 cpu = CpuShare().start()
                 times.append(statistics.median(
                     time_runs(fn, args, best_s=None, min_runs=20, max_runs=20)[0]))
-                shares.append(cpu.share())
+                shares.append(cpu.share()[0])
             finally:
                 for p in others:
                     p.kill()

@@ -16,12 +16,12 @@ for model in $models; do
   for mesh in 8 2x4; do
     echo "=== $model $size, mesh $mesh, split windows (cpu, $(nproc) cores)" | tee -a "$out"
     python scripts/composition_check.py --model "$model" $size --mesh "$mesh" \
-      --out "$prefix-composition-cpu.csv" 2>&1 | grep -E "combinations:|reshardings timed|profile pass|random plans|warning" | tee -a "$out"
+      --out "$prefix-composition-cpu.csv" 2>&1 | grep -E "combinations:|reshardings timed|profile pass|random plans|warning|others took" | tee -a "$out"
   done
   python scripts/ranking_recall.py --model "$model" $size --mesh 2x4 --ranked 128 2>&1 \
     | grep -v spmd_partitioner | tee -a "$out"
   echo "=== $model $size, mesh 2x4, whole segments" | tee -a "$out"
   python scripts/composition_check.py --model "$model" $size --mesh 2x4 --whole-segments \
     --max-combinations 128 --out "$prefix-composition-cpu.csv" 2>&1 \
-    | grep -E "combinations:|cheapest|reshardings timed|profile pass|random plans|warning" | tee -a "$out"
+    | grep -E "combinations:|cheapest|reshardings timed|profile pass|random plans|warning|others took" | tee -a "$out"
 done

@@ -76,7 +76,7 @@ def main() -> None:
         assert cli(base + ["--mode", "profile"]) == 0
 
     import jax
-    from cfp.measure import memory_of
+    from cfp.measure import CpuShare, memory_of
     from cfp.records import read_record
     from cfp.workloads import make_mesh, run_fingerprint
     from cfp.workdir import ANALYSIS_FORMAT, WorkDir
@@ -87,7 +87,9 @@ def main() -> None:
     profile = WorkDir(workdir, run_fp).read_profile(analysis, "measure", args.max_combinations,
                                                     args.whole_segments)
     problem, _ = build_problem(analysis, profile, None)
+    cpu = CpuShare().start()
     steps, times = random_plan_steps(analysis, problem, make_mesh(mesh_shape), args)
+    others, stolen = cpu.share()
     for ps in steps:
         ps.predicted_s = ps.cost / SCALE + profile.launch_overhead_s
         ps.windows_s = sum(g.options[c].cost for g, c in zip(problem.groups, ps.choices)) / SCALE
@@ -128,6 +130,8 @@ def main() -> None:
           f"windows {weights[0]:.2f} [{weights_ci[0][0]:.2f}, {weights_ci[0][1]:.2f}], "
           f"reshardings {weights[1]:.2f} [{weights_ci[1][0]:.2f}, {weights_ci[1][1]:.2f}]; "
           f"rows appended to {out}")
+    print(f"while the plans were compiled and run, others took {others:.0%} of the cores "
+          f"({stolen:.0%} stolen by the hypervisor)")
     busy = profile.busy_window_types()
     if busy:
         print(f"warning: {sum(busy.values())} profiled combinations (window types "

@@ -3,10 +3,12 @@
 For the plans of ``composition_check.py`` (same flags, same seed, its profile work directory),
 prints per plan the composed memory split into step inputs, step outputs, held activations and
 the largest transient against the compiled program's arguments, outputs and temporaries; the
-median error with each held activation sized at its producer's layout (what the composition
-does) and at the largest layout one of its readers wants; and, for ``--peak-plan``, the largest
-temporaries live at the compiled peak, read from XLA's buffer dump (``--xla_dump_to``; the
-files are XLA's debug output, not a stable interface).
+median error with each held activation sized at its producer's layout, at the largest layout
+one of its readers wants, and as the composition sizes it (``windows.MemoryTerms``: the
+layout a backward reader in its window wants where a forward reader there wants it too, else
+the producer's); a window's transient loses what its own held activations gain. For
+``--peak-plan``, the largest temporaries live at the compiled peak, read from XLA's buffer dump
+(``--xla_dump_to``; the files are XLA's debug output, not a stable interface).
 
     python scripts/memory_gap.py --model gpt --num-layers 2 --hidden-size 256 --seq-len 128 \\
         --num-heads 8 --mesh 2x4 --plans 8 --peak-plan 6
@@ -22,8 +24,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+RULES = ("producer layout", "largest reader layout",
+         "backward reader's layout where a forward reader made it (cfp's)")
 
 
 def main() -> None:
@@ -43,8 +50,8 @@ def main() -> None:
     from cfp.passes.search import build_problem
     from cfp.records import read_record
     from cfp.solver import evaluate
-    from cfp.windows import (held_for_backward, inputs_read_earlier, memory_terms,
-                             shard_bytes)
+    from cfp.windows import (term_sizers, held_for_backward,
+                             inputs_read_earlier, memory_terms, shard_bytes)
     from cfp.workdir import ANALYSIS_FORMAT, WorkDir
     from cfp.workloads import AXIS_NAMES, make_mesh, run_fingerprint, trace_step
 
@@ -61,48 +68,60 @@ def main() -> None:
     terms = [memory_terms(analysis, w, read_earlier[k], held) for k, w in enumerate(profile.windows)]
     plans = random_plans(problem, args.plans, args.seed)
     program, mesh = trace_step(analysis.spec.build()), make_mesh(mesh_shape)
-    errors: dict[str, list[float]] = {"producer layout": [], "largest reader layout": []}
+    errors: dict[str, list[float]] = {rule: [] for rule in RULES}
     for p, choices in enumerate(plans):
         _, composed, strategies = evaluate(problem, choices)
 
         def nbytes(v, block, labels):
-            spec = dims.spec_axes(labels, ba.blocks[block].strategies[strategies[block]].axes,
-                                  names)
+            spec = ((None,) * len(g.values[v].shape) if block is None else dims.spec_axes(
+                labels, ba.blocks[block].strategies[strategies[block]].axes, names))
             return shard_bytes(g.values[v].shape, itemsize(g.values[v].dtype), spec,
                                analysis.mesh_shape, names)
 
-        split = {"inputs": 0, "outputs": 0, "held": 0}
+        def largest_reader(v, made_bytes):
+            return max([made_bytes] + [nbytes(v, ba.owner[u], member[u].ins[pos])
+                                       for u in g.users.get(v, ()) if u in member
+                                       for pos, x in enumerate(g.ops[u].inputs) if x == v])
+
+        split = {"inputs": 0, "outputs": 0}
         for w, t in zip(profile.windows, terms):
             for v, k, labels in t.adding:
-                n = (nbytes(v, w.start + k, labels) if k is not None else
-                     shard_bytes(g.values[v].shape, itemsize(g.values[v].dtype),
-                                 (None,) * len(g.values[v].shape), analysis.mesh_shape, names))
-                split["inputs" if g.values[v].input_index is not None else
-                      "outputs" if v in set(g.outputs) else "held"] += n
-        transient = composed - sum(split.values())
-        extra = 0  # held activations sized at the largest layout a reader wants instead
-        for v in held:
-            op = g.values[v].producer
-            if op not in member:
-                continue
-            made = nbytes(v, ba.owner[op], member[op].outs[g.ops[op].outputs.index(v)])
-            wanted = [nbytes(v, ba.owner[u], member[u].ins[pos])
-                      for u in g.users.get(v, ()) if u in member
-                      for pos, x in enumerate(g.ops[u].inputs) if x == v]
-            extra += max([0] + [n - made for n in wanted])
+                n = nbytes(v, None if k is None else w.start + k, labels)
+                split["inputs" if g.values[v].input_index is not None else "outputs"] += n
+        # Each rule sizes every held activation; a window's transient is its compiled
+        # temporaries less its own held activations, so what a rule adds to the held bytes it
+        # takes from that window's transient.
+        peaks, held_bytes, transient = {}, {}, {}
+        for rule in RULES:
+            held_bytes[rule], transients = 0, []
+            for k, (w, t) in enumerate(zip(profile.windows, terms)):
+                combo = problem.groups[k].options[choices[k]].strategies
+                kept = term_sizers(analysis, w, combo, names)[1]
+                sizes = {}
+                for term in t.held:
+                    v, (pos, labels) = term[0], term[1]
+                    made = nbytes(v, w.start + pos, labels)
+                    sizes[v] = (made if rule == RULES[0] else largest_reader(v, made)
+                                if rule == RULES[1] else kept(term))
+                held_bytes[rule] += sum(sizes.values())
+                temp = profile.window_profiles[w.type].results[combo].temp_bytes
+                transients.append(max(0, temp - sum(sizes[v] for v in t.internal)))
+            transient[rule] = max(transients, default=0)
+            peaks[rule] = split["inputs"] + split["outputs"] + held_bytes[rule] + transient[rule]
+        assert peaks[RULES[2]] == composed, (peaks, composed)  # the rule search composes with
         step = PlannedStep(program, analysis, strategies, mesh)
         dump = tempfile.mkdtemp(prefix="cfp-memory-gap-") if p == args.peak_plan else None
         step.compile({"xla_dump_to": dump} if dump else None)
         compiled = memory_of(step.compiled)
-        errors["producer layout"].append(composed / compiled["peak_bytes"] - 1)
-        errors["largest reader layout"].append((composed + extra) / compiled["peak_bytes"] - 1)
+        for rule, peak in peaks.items():
+            errors[rule].append(peak / compiled["peak_bytes"] - 1)
         mb = lambda n: f"{n / 1e6:.1f}"  # noqa: E731
-        print(f"plan {p}: composed {mb(composed)} MB = inputs {mb(split['inputs'])} + outputs "
-              f"{mb(split['outputs'])} + held {mb(split['held'])} + transient {mb(transient)}; "
-              f"compiled {mb(compiled['peak_bytes'])} MB = arguments "
+        print(f"plan {p}: compiled {mb(compiled['peak_bytes'])} MB = arguments "
               f"{mb(compiled['argument_bytes'])} + outputs {mb(compiled['output_bytes'])} + "
-              f"temporaries {mb(compiled['temp_bytes'])}; held at the largest reader layout "
-              f"{mb(split['held'] + extra)}", flush=True)
+              f"temporaries {mb(compiled['temp_bytes'])}; composed = inputs "
+              f"{mb(split['inputs'])} + outputs {mb(split['outputs'])} + held + transient, "
+              + "; ".join(f"{rule}: {mb(peaks[rule])} MB = ... + {mb(held_bytes[rule])} + "
+                          f"{mb(transient[rule])}" for rule in RULES), flush=True)
         if dump:
             _print_peak(dump)
     for name, errs in errors.items():
