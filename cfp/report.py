@@ -239,10 +239,9 @@ def profile_console(rec, model_space_log10: float) -> None:
         marked = [m for seg in rec.window_profiles.values() for m in seg.results.values()
                   if m.busy()]
         worst = max(m.others_cpu_share for m in marked)
-        stolen = max((m.stolen_cpu_share for m in marked if m.stolen_cpu_share >= 0),
-                     default=float("nan"))
-        by_host = (f"; the hypervisor stole up to {stolen:.0%} for other machines"
-                   if stolen == stolen else "")
+        stolen = [m.stolen_cpu_share for m in marked if m.stolen_cpu_share >= 0]  # not NaN
+        by_host = (f"; the hypervisor stole up to {max(stolen):.0%} for other machines"
+                   if stolen else "")
         say(f"warning: {sum(busy.values())} combinations of window types "
             f"{', '.join(map(str, sorted(busy)))} were timed on a busy machine (other work "
             f"took up to {worst:.0%} of its cores{by_host}): their times read high; delete those "

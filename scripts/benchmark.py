@@ -268,10 +268,10 @@ def benchmark(a) -> None:
     from cfp.workdir import WorkDir
     prof = WorkDir(workdir, run_fp).read_profile(analysis, "measure", a.max_combinations,
                                                     a.whole_segments)
-    measured = [m for seg in prof.window_profiles.values() for m in seg.results.values()
-                if m.status == "ok"]
-    prof_busy = (f"{sum(m.busy() for m in measured)} of {len(measured)} combinations timed "
-                 f"on a busy machine")
+    timed = sum(m.status == "ok" for seg in prof.window_profiles.values()
+                for m in seg.results.values())
+    prof_busy = (f"{sum(prof.busy_window_types().values())} of {timed} combinations timed on a "
+                 f"busy machine")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{a.date}-{backend}"
