@@ -239,7 +239,7 @@ def profile_console(rec, model_space_log10: float) -> None:
         marked = [m for seg in rec.window_profiles.values() for m in seg.results.values()
                   if m.busy()]
         worst = max(m.others_cpu_share for m in marked)
-        stolen = [m.stolen_cpu_share for m in marked if m.stolen_cpu_share >= 0]  # not NaN
+        stolen = [m.stolen_cpu_share for m in marked if math.isfinite(m.stolen_cpu_share)]
         by_host = (f"; the hypervisor stole up to {max(stolen):.0%} for other machines"
                    if stolen else "")
         say(f"warning: {sum(busy.values())} combinations of window types "

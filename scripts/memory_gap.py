@@ -50,8 +50,8 @@ def main() -> None:
     from cfp.passes.search import build_problem
     from cfp.records import read_record
     from cfp.solver import evaluate
-    from cfp.windows import (term_sizers, held_for_backward,
-                             inputs_read_earlier, memory_terms, shard_bytes)
+    from cfp.windows import (held_for_backward, inputs_read_earlier, memory_terms,
+                             shard_bytes, term_sizers)
     from cfp.workdir import ANALYSIS_FORMAT, WorkDir
     from cfp.workloads import AXIS_NAMES, make_mesh, run_fingerprint, trace_step
 

@@ -21,7 +21,8 @@ interval), against the profile's prices of A -> B plus B -> A.
 An op whose cost depends on the layout (a contraction) does not fit this subtraction: in
 ``chain_ab`` XLA may run it in either layout, so it is left out.
 
-Appends to ``scripts/results/<date>-reshard-in-step-<backend>.csv``.
+Writes ``scripts/results/<date>-reshard-in-step-<backend>.csv`` (a rerun replaces the rows of
+its mesh).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 # (mesh, A, B): specs over the value's dims (batch, sequence, hidden); mesh axes m0, m1.
 CASES = {
@@ -67,6 +69,7 @@ def main() -> None:
                              time_in_context)
     from cfp.workloads import make_mesh
     from cfp.worker import _producer_op
+    from benchmark import append_rows
 
     mesh = make_mesh(mesh_shape)
     sharding = lambda spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
@@ -134,17 +137,11 @@ def main() -> None:
     backend = jax.devices()[0].platform
     out = Path(a.out) if a.out else (ROOT / "scripts" / "results" /
                                      f"{datetime.date.today().isoformat()}-reshard-in-step-{backend}.csv")
-    new = not out.exists()
-    with open(out, "a") as f:
-        if new:
-            f.write(",".join(list(rows[0]) + ["backend", "others_cpu_share",
-                                              "stolen_cpu_share"]) + "\n")
-        for row in rows:
-            f.write(",".join(f'"{v}"' if isinstance(v, str) and "," in v else
-                             (f"{v:.4f}" if isinstance(v, float) else str(v))
-                             for v in row.values())
-                    + f",{backend},{others:.3f},{stolen:.3f}\n")
-    print(f"rows appended to {out}")
+    rows = [{k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
+            | dict(backend=backend, others_cpu_share=round(others, 3),
+                   stolen_cpu_share=round(stolen, 3)) for row in rows]
+    append_rows(out, list(rows[0]), rows, keys=("mesh", "src", "dst"))
+    print(f"rows written to {out}")
 
 
 if __name__ == "__main__":
