@@ -34,6 +34,7 @@ acos asin atan sinh cosh asinh acosh atanh lgamma digamma population_count bitca
 """.split())
 REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or "
                        "reduce_xor argmax argmin".split())
+SCATTERS = frozenset("scatter-add scatter_add scatter".split())
 CUMULATIVE = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())
 
 
@@ -158,6 +159,8 @@ def forward(prim: str, attrs: dict, in_shapes, out_shapes, in_labels: list) -> F
         return _window_like(in_shapes, out_shapes, in_labels)
     if prim == "gather" and not attrs.get("operand_batching_dims"):
         return _gather_forward(attrs, in_shapes, out_shapes, in_labels)
+    if prim in SCATTERS and not attrs.get("operand_batching_dims"):
+        return _scatter_forward(attrs, in_shapes, in_labels)
     # Opaque: no collective only when nothing it reads is split.
     reqs = [(l, 0) for lab in in_labels for l in lab if l is not None]
     return Flow(tuple(_none(s) for s in out_shapes), tuple(_none(s) for s in in_shapes),
@@ -188,6 +191,37 @@ def _gather_forward(attrs, in_shapes, out_shapes, in_labels) -> Flow:
             carried.add(d)
     reqs = [(l, 0) for d, l in enumerate(in_labels[0]) if l is not None and d not in carried]
     return Flow((tuple(out),), tuple(in_labels), tuple(reqs))
+
+
+def _scatter_pairs(attrs, in_shapes):
+    """(operand dim, updates dim) for the operand dims a scatter writes whole: its window dims
+    (those not scattered into) in order, paired with the updates' window dims, where the
+    update spans the operand dim's full extent."""
+    operand, updates = in_shapes[0], in_shapes[2]
+    window = [d for d in range(len(operand)) if d not in attrs["inserted_window_dims"]]
+    return [(d, u) for d, u in zip(window, attrs["update_window_dims"])
+            if updates[u] == operand[d]]
+
+
+def _scatter_forward(attrs, in_shapes, in_labels) -> Flow:
+    """A scatter into a table, as an embedding's gradient is: a dim written whole keeps the
+    label of the updates' dim it comes from (split, each device writes its own columns); a
+    split updates dim that is scattered (rows summed or overwritten by index) or a split
+    operand dim scattered into needs a collective."""
+    reqs: list[Req] = []
+    operand, indices, updates = in_labels[0], in_labels[1], in_labels[2]
+    pairs = dict(_scatter_pairs(attrs, in_shapes))
+    out = tuple(merge_labels([operand[d], updates[pairs[d]]], reqs) if d in pairs else None
+                for d in range(len(operand)))
+    reqs += [(l, 0) for d, l in enumerate(operand) if l is not None and d not in pairs]
+    carried = set(pairs.values())
+    reqs += [(l, 0) for d, l in enumerate(updates) if l is not None and d not in carried]
+    reqs += [(l, 0) for l in indices if l is not None]
+    want = list(updates)
+    for d, u in pairs.items():
+        want[u] = out[d]
+    ins = (out, tuple(indices), tuple(want)) + tuple(_none(s) for s in in_shapes[3:])
+    return Flow((out,), ins, tuple(reqs))
 
 
 def _expected_elementwise(shape, out_labels: Labels, out_shape) -> Labels:
@@ -257,6 +291,12 @@ def backward(prim: str, attrs: dict, in_shapes, out_shapes, out_labels: list) ->
     elif prim in ("slice", "pad", "concatenate"):  # a dim kept whole keeps its label
         ins = tuple(tuple(want[d] if len(s) == len(out_shape) and s[d] == out_shape[d]
                           else None for d in range(len(s))) for s in in_shapes)
+    elif prim in SCATTERS and not attrs.get("operand_batching_dims"):
+        pairs = _scatter_pairs(attrs, in_shapes)
+        ins = [list(_none(s)) for s in in_shapes]
+        for d, u in pairs:
+            ins[0][d] = ins[2][u] = want[d]
+        ins = tuple(tuple(x) for x in ins)
     elif prim == "gather" and not attrs.get("operand_batching_dims"):
         ins = [list(_none(s)) for s in in_shapes]
         for o, src, d in _gather_pairs(attrs, in_shapes, out_shapes):

@@ -515,7 +515,8 @@ def _simple_attrs(eqn) -> tuple[tuple[str, Any], ...]:
             out += [("lhs_spec", tuple(val.lhs_spec)), ("rhs_spec", tuple(val.rhs_spec)),
                     ("out_spec", tuple(val.out_spec))]
             continue
-        if key == "dimension_numbers" and hasattr(val, "offset_dims"):  # gather / scatter
+        if key == "dimension_numbers" and (hasattr(val, "offset_dims")  # gather
+                                           or hasattr(val, "update_window_dims")):  # scatter
             for f in val._fields if hasattr(val, "_fields") else ():
                 p = _plain(getattr(val, f))
                 if p is not _UNSIMPLE:

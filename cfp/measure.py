@@ -26,6 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
+from cfp import dims as dimrules
 from cfp.errors import CfpError
 from cfp.jax_compat import is_key, random_keys, to_dtype
 from cfp.sharding import (SubProgram, collectives, sub_function, sub_program, tagged_op,
@@ -39,7 +40,9 @@ _FLOAT_LOW, _FLOAT_HIGH = 0.5, 1.5  # positive, away from zero: safe for log, sq
 class Measurement:
     """One combination of one window (or one resharding) as measured."""
 
-    status: str  # ok | oom | compile_error | run_error | mismatch | worker_died | not_measured
+    # ok | oom | compile_error | run_error | mismatch | unexpected_collective | worker_died |
+    # not_measured
+    status: str
     time_s: float = float("nan")  # median, launch overhead subtracted
     time_min_s: float = float("nan")
     time_max_s: float = float("nan")
@@ -215,9 +218,10 @@ class WindowProgram:
         Named: an all-reduce of a contraction over the mesh axes of its split contracting
         dims; any collective of a member the strategy leaves out of its block (it needs one);
         a resharding where an operator reads a value another block of the window produced
-        (the plan's own resharding between blocks). Every operator is traced in its own
-        named scope (``op_tag``), so a collective is tied to the operator it serves by its
-        metadata; one without a tag is unnamed."""
+        (the plan's own resharding between blocks, on either side of the edge), or reads a
+        window input in another layout than the one it arrives in (its first reader's).
+        Every operator is traced in its own named scope (``op_tag``), so a collective is
+        tied to the operator it serves by its metadata; one without a tag is unnamed."""
         mesh_shape, g = self.mesh_shape, self.graph
         owner = {m.op: k for k, b in enumerate(self.blocks) for m in b.members}
         allreduce_axes, excused = {}, set()
@@ -225,16 +229,23 @@ class WindowProgram:
             allreduce_axes.update(b.named_allreduces(st))
             kept = {m.op for m in b.members_under(st, mesh_shape)}
             excused |= {m.op for m in b.members if m.op not in kept}
-        excused |= {i for i in self.sub.ops for v in g.ops[i].inputs
+        crossing = [(g.values[v].producer, i) for i in self.sub.ops for v in g.ops[i].inputs
                     if v in g.values and g.values[v].producer in owner
-                    and owner[g.values[v].producer] != owner.get(i)}
+                    and owner[g.values[v].producer] != owner.get(i)]
+        excused |= {op for pair in crossing for op in pair}  # XLA reshards on either side
+        ins, _, _ = self.layouts(combo)
+        arrives = dict(zip(self.sub.live_ins, ins))
+        for b, st in zip(self.blocks, self.strategies(combo)):
+            for m in b.members:
+                if any(v in arrives and dimrules.spec_axes(lab, st.axes, self.names) != arrives[v]
+                       for v, lab in zip(g.ops[m.op].inputs, m.ins)):
+                    excused.add(m.op)
         out = []
         for c in unnamed_collectives(compiled.as_text(), mesh_shape, self.sub.ops,
                                      allreduce_axes, frozenset(excused)):
-            i = tagged_op(c.line, self.sub.ops)
             out.append(f"{c.kind} over axes {c.axes} "
-                       + ("with no operator's tag" if i is None
-                          else f"at op {i} ({g.ops[i].primitive})"))
+                       + ("with no operator's tag" if c.op is None
+                          else f"at op {c.op} ({g.ops[c.op].primitive})"))
         return out
 
     def _boundary_differs(self, compiled, combo) -> str:

@@ -8,7 +8,8 @@ analysed (for a loss that takes a key, the batch is ``(batch, key)``). The file 
   list with, per dim, ``null`` (replicated), an axis name, or a list of axis names);
 - ``outputs``: the layouts of the new ``params`` and ``opt_state`` (the loss is replicated);
 - ``blocks`` and ``constraints``: each block's strategy, and the sharding constraints it puts
-  on its contractions (operator index -> operand and result specs);
+  on its members (every contraction's operands and result, every other member's labelled
+  results; operator index -> operand and result specs);
 - ``step``: the fingerprint of the traced step, so ``jit`` can check it is the analysed one;
 - ``mesh`` (shape and axis names) and the format and its version.
 
@@ -51,11 +52,10 @@ def make_plan(analysis, strategies, *, in_specs=None, out_specs=None, source: st
     its own way)."""
     import jax
     from cfp.execute import plan_specs
-    from cfp.sharding import block_constraints
     from cfp.workloads import AXIS_NAMES
     g, blocks = analysis.graph, analysis.blocks.blocks
     axis_names = AXIS_NAMES[:len(analysis.mesh_shape)]
-    ins, outs, _ = plan_specs(analysis, strategies, axis_names)
+    ins, outs, op_constraints = plan_specs(analysis, strategies, axis_names)
     in_specs = list(in_specs) if in_specs is not None else [ins[v] for v in g.inputs]
     out_specs = list(out_specs) if out_specs is not None else [outs[v] for v in g.outputs]
     workload = analysis.spec.build()
@@ -79,13 +79,9 @@ def make_plan(analysis, strategies, *, in_specs=None, out_specs=None, source: st
     plan["blocks"] = [{"block": b.index, "strategy_index": int(strategies[b.index]),
                        "strategy": b.strategies[strategies[b.index]].name,
                        "seed": g.ops[b.seed].hlo} for b in blocks]
-    constraints = {}
-    for b in blocks:
-        for op, (operands, results) in block_constraints(
-                b, b.strategies[strategies[b.index]], axis_names).items():
-            constraints[str(op)] = [[None if s is None else _to_json(s) for s in operands],
-                                    [None if s is None else _to_json(s) for s in results]]
-    plan["constraints"] = constraints
+    plan["constraints"] = {str(op): [[None if s is None else _to_json(s) for s in operands],
+                                     [None if s is None else _to_json(s) for s in results]]
+                           for op, (operands, results) in sorted(op_constraints.items())}
     return plan
 
 

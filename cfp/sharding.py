@@ -3,7 +3,8 @@
 - ``sub_program``: the operators of a set (a block, a segment), with their live-ins and live-outs,
   as a function that re-evaluates exactly those equations of the traced step.
 - ``block_constraints``: a strategy's sharding constraints on a block's contractions (operands
-  and results), applied with ``jax.lax.with_sharding_constraint`` while re-evaluating.
+  and results) and on every other member's labelled results, applied with
+  ``jax.lax.with_sharding_constraint`` while re-evaluating.
 - ``collectives``: the collectives of a compiled program (kind, bytes, mesh axes), read from
   ``Compiled.as_text()``.
 - ``check_communication_free``: compile a block alone under a strategy and list every collective
@@ -116,11 +117,18 @@ def op_tag(position: int) -> str:
 
 
 def block_constraints(block: Block, strategy, axis_names) -> dict[int, tuple[list, list]]:
-    """Sharding constraints a strategy puts on a block's contractions."""
+    """Sharding constraints a strategy puts on a block: every contraction's operands and
+    result, and every other member's labelled results, each in the layout the strategy gives
+    it. Left free, XLA splits values the plan keeps whole (and the other way round) wherever
+    that looks cheaper to it, adding collectives no strategy names."""
     out = {}
-    for m in block.contractions:
-        out[m.op] = ([dimrules.spec_axes(l, strategy.axes, axis_names) for l in m.ins],
-                     [dimrules.spec_axes(l, strategy.axes, axis_names) for l in m.outs])
+    spec = lambda l: dimrules.spec_axes(l, strategy.axes, axis_names)  # noqa: E731
+    contractions = {m.op for m in block.contractions}
+    for m in block.members:
+        if m.op in contractions:
+            out[m.op] = ([spec(l) for l in m.ins], [spec(l) for l in m.outs])
+        elif any(l is not None for lab in m.outs for l in lab):
+            out[m.op] = ([None] * len(m.ins), [spec(l) for l in m.outs])
     return out
 
 
@@ -156,6 +164,7 @@ class Collective:
     bytes: int  # bytes of the result on one device
     axes: tuple[int, ...] | None  # mesh axes its groups run along; None if they match none
     line: str
+    op: int | None = None  # the operator it serves, where a check attributed it
 
 
 _COLL_RE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+(" +
@@ -252,11 +261,10 @@ def _subsets(n: int, r: int):
 
 
 def compile_block(program: Program, graph: Graph, block: Block, strategy, mesh, *,
-                  members=None, constrain_all: bool = True):
+                  members=None):
     """Compile a block's members (those that need no collective under ``strategy``) alone,
-    every labelled member result constrained to the layout the strategy gives it, or, with
-    ``constrain_all=False``, only the contractions' operands and results); returns the
-    compiled program and the operators it holds, in the order of their tags."""
+    constrained as in the profile and the step (``block_constraints``); returns the compiled
+    program and the operators it holds, in the order of their tags."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -265,13 +273,8 @@ def compile_block(program: Program, graph: Graph, block: Block, strategy, mesh, 
     sub = sub_program(graph, [m.op for m in members])
     names = mesh.axis_names
     in_specs, out_specs = member_layouts(members, graph, sub, strategy, names)
-    constraints = block_constraints(block, strategy, names)
-    if constrain_all:  # the whole plan: every labelled member result in its layout
-        for m in members:
-            if m.op not in constraints and any(l is not None for lab in m.outs for l in lab):
-                constraints[m.op] = ([None] * len(graph.ops[m.op].inputs),
-                                     [dimrules.spec_axes(l, strategy.axes, names)
-                                      for l in m.outs])
+    constraints = block_constraints(dataclasses.replace(block, members=tuple(members)),
+                                    strategy, names)
     fn = sub_function(program, sub, constraints=constraints, mesh=mesh, tagged=True)
     shard = lambda s: NamedSharding(mesh, PartitionSpec(*s))  # noqa: E731
     args = [jax.ShapeDtypeStruct(graph.values[v].shape, to_dtype(graph.values[v].dtype),
@@ -308,13 +311,91 @@ def unnamed_collectives(hlo_text: str, mesh_shape, ops: Sequence[int],
     """The collectives of a compiled sub-program of operators ``ops``, traced with every
     operator in its own named scope (``sub_function(tagged=True)``), that are not named: an
     all-reduce tagged with operator ``i`` over a subset of ``allreduce_axes[i]``, and any
-    collective tagged with an operator in ``excused``, are named; one without a tag never is."""
+    collective tagged with an operator in ``excused``, are named; one without a tag never is.
+    XLA combines several collectives into one over a tuple, carrying the first one's tag:
+    each of its operands is then checked by the tag of the instruction that computes it."""
     out = []
+    defs = _definitions(hlo_text)
     for c in collectives(hlo_text, mesh_shape):
-        i = tagged_op(c.line, ops)
-        if i is not None and (i in excused or (
-                c.kind == "all-reduce" and c.axes is not None
-                and set(c.axes) <= set(allreduce_axes.get(i, ())))):
-            continue
-        out.append(c)
+        for i in served_ops(c.line, defs, ops):
+            if i is None or not (i in excused or (
+                    c.kind == "all-reduce" and c.axes is not None
+                    and set(c.axes) <= set(allreduce_axes.get(i, ())))):
+                out.append(dataclasses.replace(c, op=i))
+                break
     return out
+
+
+_DEF_RE = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+)\s*=")
+_OPERANDS_RE = re.compile(r"\b(?:" + "|".join(COLLECTIVE_KINDS) + r")(?:-start)?\(([^)]*)\)")
+_COMPUTATION_RE = re.compile(r"^(?:ENTRY\s+)?(%[\w.\-]+)\s.*\{\s*$")
+_REDUCING = (" reduce(", " dot(", " convolution(", " scatter(", " reduce-window(")
+
+
+def _definitions(hlo_text: str) -> dict[str, tuple[str, list[str]]]:
+    """Instruction name -> (its line, the lines of the computations it calls), over every
+    computation of a compiled module."""
+    bodies: dict[str, list[str]] = {}
+    lines, current = {}, None
+    for line in hlo_text.splitlines():
+        m = _COMPUTATION_RE.match(line)
+        if m:
+            current = bodies.setdefault(m.group(1), [])
+            continue
+        d = _DEF_RE.match(line)
+        if d:
+            lines[d.group(1)] = line
+            if current is not None:
+                current.append(line)
+
+    def called(line, depth=0):
+        out = []
+        for name in re.findall(r"(?:calls|to_apply)=(%[\w.\-]+)", line) if depth < 4 else ():
+            for inner in bodies.get(name, ()):
+                out += [inner] + called(inner, depth + 1)
+        return out
+
+    return {name: (line, called(line)) for name, line in lines.items()}
+
+
+def served_ops(line: str, defs: dict, ops: Sequence[int]) -> list[int | None]:
+    """The operators a collective serves: its own tag's, or for one XLA combined over a
+    tuple of operands, each operand's: for a reduction's collective (all-reduce,
+    reduce-scatter) the tag of the reduction (reduce, dot, convolution, scatter) whose partial
+    sums it adds, found inside the fusion computing the operand or up through the
+    elementwise instructions after it; otherwise the tag of the instruction computing the
+    operand; else the collective's own."""
+    own = tagged_op(line, ops)
+    m = _OPERANDS_RE.search(line)
+    names = re.findall(r"%[\w.\-]+", m.group(1)) if m else []
+    if len(names) < 2 or " all-to-all" in line:  # an all-to-all's operands are its pieces
+        return [own]
+    found = []
+    for n in names:
+        i = (_reduction_of(n, defs, ops) if " all-reduce" in line or " reduce-scatter" in line
+             else tagged_op(defs.get(n, ("", []))[0], ops))
+        found.append(own if i is None else i)
+    return found
+
+
+def _reduction_of(name: str, defs: dict, ops: Sequence[int], depth: int = 0) -> int | None:
+    """The operator whose reduction computes the value ``name`` (up through elementwise
+    instructions XLA put after it, such as a negation), else ``name``'s own tag."""
+    line, inner = defs.get(name, ("", []))
+    reducing = [i for x in [line] + inner if any(k in x for k in _REDUCING)
+                if (i := tagged_op(x, ops)) is not None]
+    if reducing:
+        return reducing[-1]
+    m = re.search(r"\w\((%[^)]*)\)", line.split("=", 1)[-1])
+    if depth < 3 and m:
+        names = re.findall(r"%[\w.\-]+", m.group(1))
+        k = re.search(r" get-tuple-element\(%[\w.\-]+\), index=(\d+)", line)
+        if k:  # an element of a tuple another collective returns: that element's operand
+            tm = _OPERANDS_RE.search(defs.get(names[0], ("", []))[0])
+            parts = re.findall(r"%[\w.\-]+", tm.group(1)) if tm else []
+            names = parts[int(k.group(1)):int(k.group(1)) + 1] or names
+        for n in names:
+            i = _reduction_of(n, defs, ops, depth + 1)
+            if i is not None:
+                return i
+    return tagged_op(line, ops)

@@ -149,8 +149,8 @@ def shard_bytes(shape, dtype_size: int, spec, mesh_shape, axis_names) -> int:
 
 def window_layouts(graph, blocks, strategies, sub, axis_names) -> tuple[list, list, dict]:
     """For a window under one strategy per block: live-in specs (as the first reader in program
-    order wants them), live-out specs (as their producer makes them), and the constraints on
-    every contraction's operands and result."""
+    order wants them), live-out specs (as their producer makes them), and the constraints of
+    its blocks' strategies (``block_constraints``)."""
     want, made, constraints = {}, {}, {}
     for block, strat in zip(blocks, strategies):
         for m in block.members:

@@ -386,7 +386,7 @@ def _time_batch(conn, state, options, wp, ready, host_inputs, best_s):
             j = twin_of[i]
             verdicts[i] = _twin(ready[j][0], verdicts[j], got[2])
         m = verdicts[i]
-        if (not isinstance(got, Measurement) and m.status in ("ok", "mismatch", "oom")
+        if (not isinstance(got, Measurement) and m.status in ("ok", "mismatch", "unexpected_collective", "oom")
                 and not m.note.startswith("stopped early")):
             state["programs"].setdefault(got[-1], (combo, m))
         if m.status == "ok" and (best_s is None or m.time_s < best_s):
@@ -403,7 +403,8 @@ def _twin(combo, m: Measurement, compile_s: float) -> Measurement:
 
 def _verdict(state, options, wp, got) -> Measurement | None:
     """The measurement a compiled combination gets without running (a program measured
-    before, a mismatch, over the memory budget, priced by the model), or ``None``: run it."""
+    before, a mismatch, a collective its strategies do not name, over the memory budget,
+    priced by the model), or ``None``: run it."""
     from cfp.measure import model_cost
     exe, shardings, compile_s, mem, colls, note, program = got
     twin = state["programs"].get(program)
@@ -411,6 +412,9 @@ def _verdict(state, options, wp, got) -> Measurement | None:
         return _twin(twin[0], twin[1], compile_s)
     if note:
         return Measurement("mismatch", compile_s=compile_s, collectives=colls, note=note, **mem)
+    if mem["unnamed_collectives"]:  # not the communication-free plan it names: not timed
+        return Measurement("unexpected_collective", compile_s=compile_s, collectives=colls,
+                           note="; ".join(mem["unnamed_collectives"][:3]), **mem)
     if mem["peak_bytes"] > options.memory_budget_bytes:
         return Measurement("oom", compile_s=compile_s, collectives=colls,
                            note=f"compiled peak {mem['peak_bytes']} B over the budget", **mem)

@@ -119,10 +119,10 @@ def test_a_collective_without_its_tag_is_caught():
     changed to look like a contraction's. Untagged, even a named all-reduce is caught."""
     import re
     from cfp.sharding import compile_block, unnamed_collectives
-    program, graph, ba = blocks_of("gpt", (4,), 1)
-    block, mesh = ba.blocks[0], make_mesh((4,))
+    program, graph, ba = blocks_of("llama", (4,), 1)  # its rotary slices need all-gathers
+    mesh = make_mesh((4,))
     planted_text = None
-    for s in block.strategies:
+    for block, s in ((b, s) for b in ba.blocks for s in b.strategies):
         kept = block.members_under(s, (4,))
         for m in (m for m in block.members if m not in kept):
             planted = [dataclasses.replace(x, reqs=()) if x is m else x for x in block.members]
@@ -149,3 +149,47 @@ def test_a_collective_without_its_tag_is_caught():
     if named:
         stripped = re.sub(r",? metadata=\{[^}]*\}", "", honest)
         assert [c.kind for c in unnamed_collectives(stripped, (4,), ops, named)]
+
+
+def test_an_all_reduce_combined_with_a_named_one_is_caught():
+    """XLA combines all-reduces into one over a tuple that carries the first one's tag: a
+    planted member's all-reduce combined with a contraction's named one is caught by the tag
+    of its operand. Negative control: read by the combined all-reduce's own tag, it passes."""
+    from cfp.sharding import (_definitions, collectives, compile_block, served_ops, tagged_op,
+                              unnamed_collectives)
+    program, graph, ba = blocks_of("gpt", (4,), 1)
+    mesh = make_mesh((4,))
+    for block, s in ((b, s) for b in ba.blocks for s in b.strategies):
+        named = dict(block.named_allreduces(s))
+        kept = list(block.members_under(s, (4,)))
+        for m in (m for m in block.members if m not in kept):
+            compiled, ops = compile_block(program, graph, block, s, mesh,
+                                          members=kept + [dataclasses.replace(m, reqs=())])
+            text = compiled.as_text()
+            hidden = [c for c in collectives(text, (4,)) if c.kind == "all-reduce"
+                      and tagged_op(c.line, ops) in named
+                      and m.op in served_ops(c.line, _definitions(text), ops)]
+            if hidden:
+                assert set(hidden[0].axes) <= set(named[tagged_op(hidden[0].line, ops)])
+                assert [c.line for c in unnamed_collectives(text, (4,), ops, named)
+                        if c.line.startswith(hidden[0].line)]
+                return
+    pytest.fail("XLA combined no planted all-reduce with a named one")
+
+
+def test_an_embedding_gradient_keeps_the_features_label():
+    """The gradient of an embedding table is a scatter-add of the rows' gradients into it:
+    a split feature dim stays split (each device writes its own columns), a split batch or
+    sequence dim (the scattered rows) needs a collective."""
+    from cfp import dims
+    _, graph, ba = blocks_of("gpt", (4,), 1)
+    m = next(m for b in ba.blocks for m in b.members if graph.ops[m.op].primitive == "scatter-add")
+    op = graph.ops[m.op]
+    table, _, updates = (graph.values[v].shape for v in op.inputs)
+    flow = dims.forward(op.primitive, dict(op.attrs), [table, (8, 32, 1), updates],
+                        [table], [None, (0, 1, None), (0, 1, 4)])
+    assert flow.outs == ((None, 4),)
+    features, batch = (None, None, None, None, 4), (0, None, None, None, None)
+    assert dims.satisfied(flow.reqs, features, (4,))
+    assert not dims.satisfied(flow.reqs, batch, (4,))
+    assert m.outs[0][1] is not None  # in the step, too, the table's features are labelled

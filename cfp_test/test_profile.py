@@ -244,3 +244,33 @@ def test_a_resharding_is_timed_after_its_producer():
     assert added_s > 0 and 0 < low <= added_s <= high
     seconds, low, high = time_in_context(producer, producer, (x,))
     assert seconds == 0 and low <= 0 and max(abs(low), abs(high)) < added_s / 4
+
+
+def test_a_window_with_a_collective_its_strategies_do_not_name_is_not_timed(monkeypatch):
+    """gpt's q and k projections read the same layer-norm output, q split over the heads, k
+    over the sequence. With every block member's result constrained to the layout its
+    strategy gives it, the window holds only named collectives and is timed. Negative
+    control: with the contractions alone constrained, XLA splits and gathers where it likes
+    (values the plan keeps whole, reshardings moved to the window's outputs), and the
+    profile refuses the combination as ``unexpected_collective``."""
+    import cfp.windows
+    from cfp.passes.profile import ProfileOptions
+    from cfp.sharding import block_constraints
+    from cfp.worker import _compile_one, _verdict
+    a = _analysis("gpt", (4,), num_layers=1)
+    wp = WindowProgram(trace_step(a.spec.build()), a, Window(0, 2, 0), make_mesh((4,)))
+    combo = tuple(next(i for i, s in enumerate(b.strategies) if s.name.startswith(n))
+                  for b, n in zip(wp.blocks, ["RRSR", "RSRR"]))
+    state, options = {"programs": {}}, ProfileOptions()
+    members = _compile_one(wp, combo)
+    assert members[3]["unnamed_collectives"] == ()
+    assert _verdict(state, options, wp, members) is None  # timed
+
+    def contractions_only(block, strategy, names):
+        ops = {m.op for m in block.contractions}
+        return {op: c for op, c in block_constraints(block, strategy, names).items() if op in ops}
+
+    monkeypatch.setattr(cfp.windows, "block_constraints", contractions_only)
+    loose = _compile_one(wp, combo)
+    assert loose[3]["unnamed_collectives"]
+    assert _verdict(state, options, wp, loose).status == "unexpected_collective"
