@@ -313,7 +313,7 @@ def unnamed_collectives(hlo_text: str, mesh_shape, ops: Sequence[int],
     all-reduce tagged with operator ``i`` over a subset of ``allreduce_axes[i]``, and any
     collective tagged with an operator in ``excused``, are named; one without a tag never is.
     XLA combines several collectives into one over a tuple, carrying the first one's tag:
-    each of its operands is then checked by the tag of the instruction that computes it."""
+    each of its operands is then checked by the operator it serves (``served_ops``)."""
     out = []
     defs = _definitions(hlo_text)
     for c in collectives(hlo_text, mesh_shape):
@@ -332,11 +332,12 @@ _COMPUTATION_RE = re.compile(r"^(?:ENTRY\s+)?(%[\w.\-]+)\s.*\{\s*$")
 _REDUCING = (" reduce(", " dot(", " convolution(", " scatter(", " reduce-window(")
 
 
-def _definitions(hlo_text: str) -> dict[str, tuple[str, list[str]]]:
-    """Instruction name -> (its line, the lines of the computations it calls), over every
+def _definitions(hlo_text: str) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """(instruction name -> its line, computation name -> its instructions' lines), over every
     computation of a compiled module."""
+    lines: dict[str, str] = {}
     bodies: dict[str, list[str]] = {}
-    lines, current = {}, None
+    current = None
     for line in hlo_text.splitlines():
         m = _COMPUTATION_RE.match(line)
         if m:
@@ -347,18 +348,19 @@ def _definitions(hlo_text: str) -> dict[str, tuple[str, list[str]]]:
             lines[d.group(1)] = line
             if current is not None:
                 current.append(line)
-
-    def called(line, depth=0):
-        out = []
-        for name in re.findall(r"(?:calls|to_apply)=(%[\w.\-]+)", line) if depth < 4 else ():
-            for inner in bodies.get(name, ()):
-                out += [inner] + called(inner, depth + 1)
-        return out
-
-    return {name: (line, called(line)) for name, line in lines.items()}
+    return lines, bodies
 
 
-def served_ops(line: str, defs: dict, ops: Sequence[int]) -> list[int | None]:
+def _called(line: str, bodies: dict, depth: int = 0) -> list[str]:
+    """The lines of the computations an instruction calls (a fusion's body), nested."""
+    out = []
+    for name in re.findall(r"(?:calls|to_apply)=(%[\w.\-]+)", line) if depth < 4 else ():
+        for inner in bodies.get(name, ()):
+            out += [inner] + _called(inner, bodies, depth + 1)
+    return out
+
+
+def served_ops(line: str, defs: tuple, ops: Sequence[int]) -> list[int | None]:
     """The operators a collective serves: its own tag's, or for one XLA combined over a
     tuple of operands, each operand's: for a reduction's collective (all-reduce,
     reduce-scatter) the tag of the reduction (reduce, dot, convolution, scatter) whose partial
@@ -373,16 +375,16 @@ def served_ops(line: str, defs: dict, ops: Sequence[int]) -> list[int | None]:
     found = []
     for n in names:
         i = (_reduction_of(n, defs, ops) if " all-reduce" in line or " reduce-scatter" in line
-             else tagged_op(defs.get(n, ("", []))[0], ops))
+             else tagged_op(defs[0].get(n, ""), ops))
         found.append(own if i is None else i)
     return found
 
 
-def _reduction_of(name: str, defs: dict, ops: Sequence[int], depth: int = 0) -> int | None:
+def _reduction_of(name: str, defs: tuple, ops: Sequence[int], depth: int = 0) -> int | None:
     """The operator whose reduction computes the value ``name`` (up through elementwise
     instructions XLA put after it, such as a negation), else ``name``'s own tag."""
-    line, inner = defs.get(name, ("", []))
-    reducing = [i for x in [line] + inner if any(k in x for k in _REDUCING)
+    line = defs[0].get(name, "")
+    reducing = [i for x in [line] + _called(line, defs[1]) if any(k in x for k in _REDUCING)
                 if (i := tagged_op(x, ops)) is not None]
     if reducing:
         return reducing[-1]
@@ -391,7 +393,7 @@ def _reduction_of(name: str, defs: dict, ops: Sequence[int], depth: int = 0) -> 
         names = re.findall(r"%[\w.\-]+", m.group(1))
         k = re.search(r" get-tuple-element\(%[\w.\-]+\), index=(\d+)", line)
         if k:  # an element of a tuple another collective returns: that element's operand
-            tm = _OPERANDS_RE.search(defs.get(names[0], ("", []))[0])
+            tm = _OPERANDS_RE.search(defs[0].get(names[0], ""))
             parts = re.findall(r"%[\w.\-]+", tm.group(1)) if tm else []
             names = parts[int(k.group(1)):int(k.group(1)) + 1] or names
         for n in names:
