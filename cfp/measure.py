@@ -229,10 +229,11 @@ class WindowProgram:
             allreduce_axes.update(b.named_allreduces(st))
             kept = {m.op for m in b.members_under(st, mesh_shape)}
             excused |= {m.op for m in b.members if m.op not in kept}
-        crossing = [(g.values[v].producer, i) for i in self.sub.ops for v in g.ops[i].inputs
-                    if v in g.values and g.values[v].producer in owner
-                    and owner[g.values[v].producer] != owner.get(i)]
-        excused |= {op for pair in crossing for op in pair}  # XLA reshards on either side
+        for i in self.sub.ops:  # a resharding between blocks: XLA puts it on either side
+            for v in g.ops[i].inputs:
+                p = g.values[v].producer if v in g.values else None
+                if p in owner and owner[p] != owner.get(i):
+                    excused |= {p, i}
         ins, _, _ = self.layouts(combo)
         arrives = dict(zip(self.sub.live_ins, ins))
         for b, st in zip(self.blocks, self.strategies(combo)):

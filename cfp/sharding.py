@@ -317,7 +317,7 @@ def unnamed_collectives(hlo_text: str, mesh_shape, ops: Sequence[int],
     out = []
     defs = _definitions(hlo_text)
     for c in collectives(hlo_text, mesh_shape):
-        for i in served_ops(c.line, defs, ops):
+        for i in served_ops(c, defs, ops):
             if i is None or not (i in excused or (
                     c.kind == "all-reduce" and c.axes is not None
                     and set(c.axes) <= set(allreduce_axes.get(i, ())))):
@@ -360,21 +360,21 @@ def _called(line: str, bodies: dict, depth: int = 0) -> list[str]:
     return out
 
 
-def served_ops(line: str, defs: tuple, ops: Sequence[int]) -> list[int | None]:
+def served_ops(c: Collective, defs: tuple, ops: Sequence[int]) -> list[int | None]:
     """The operators a collective serves: its own tag's, or for one XLA combined over a
     tuple of operands, each operand's: for a reduction's collective (all-reduce,
     reduce-scatter) the tag of the reduction (reduce, dot, convolution, scatter) whose partial
     sums it adds, found inside the fusion computing the operand or up through the
     elementwise instructions after it; otherwise the tag of the instruction computing the
     operand; else the collective's own."""
-    own = tagged_op(line, ops)
-    m = _OPERANDS_RE.search(line)
+    own = tagged_op(c.line, ops)
+    m = _OPERANDS_RE.search(c.line)
     names = re.findall(r"%[\w.\-]+", m.group(1)) if m else []
-    if len(names) < 2 or " all-to-all" in line:  # an all-to-all's operands are its pieces
+    if len(names) < 2 or c.kind == "all-to-all":  # an all-to-all's operands are its pieces
         return [own]
     found = []
     for n in names:
-        i = (_reduction_of(n, defs, ops) if " all-reduce" in line or " reduce-scatter" in line
+        i = (_reduction_of(n, defs, ops) if c.kind in ("all-reduce", "reduce-scatter")
              else tagged_op(defs[0].get(n, ""), ops))
         found.append(own if i is None else i)
     return found

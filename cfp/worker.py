@@ -386,7 +386,8 @@ def _time_batch(conn, state, options, wp, ready, host_inputs, best_s):
             j = twin_of[i]
             verdicts[i] = _twin(ready[j][0], verdicts[j], got[2])
         m = verdicts[i]
-        if (not isinstance(got, Measurement) and m.status in ("ok", "mismatch", "unexpected_collective", "oom")
+        if (not isinstance(got, Measurement)
+                and m.status in ("ok", "mismatch", "unexpected_collective", "oom")
                 and not m.note.startswith("stopped early")):
             state["programs"].setdefault(got[-1], (combo, m))
         if m.status == "ok" and (best_s is None or m.time_s < best_s):

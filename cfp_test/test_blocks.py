@@ -168,7 +168,7 @@ def test_an_all_reduce_combined_with_a_named_one_is_caught():
             text = compiled.as_text()
             hidden = [c for c in collectives(text, (4,)) if c.kind == "all-reduce"
                       and tagged_op(c.line, ops) in named
-                      and m.op in served_ops(c.line, _definitions(text), ops)]
+                      and m.op in served_ops(c, _definitions(text), ops)]
             if hidden:
                 assert set(hidden[0].axes) <= set(named[tagged_op(hidden[0].line, ops)])
                 assert [c.line for c in unnamed_collectives(text, (4,), ops, named)
