@@ -20,6 +20,15 @@ log = logging.getLogger(__name__)
 JAX_ERRORS = (jax.errors.JaxRuntimeError,)
 
 
+def cost_analysis(compiled) -> dict:
+    """XLA's cost analysis of a compiled program (flops, bytes accessed, ...): a dict, which
+    some versions return inside a one-element list."""
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, (list, tuple)):
+        analysis = analysis[0] if analysis else {}
+    return dict(analysis or {})
+
+
 def enable_compilation_cache(directory: str | None) -> None:
     """Keep every compiled program in JAX's persistent compilation cache at ``directory``
     (no size or compile-time threshold), so a rerun or a resumed profile loads what it

@@ -28,7 +28,7 @@ import numpy as np
 
 from cfp import dims as dimrules
 from cfp.errors import CfpError
-from cfp.jax_compat import is_key, random_keys, to_dtype
+from cfp.jax_compat import cost_analysis, is_key, random_keys, to_dtype
 from cfp.sharding import (SubProgram, collectives, sub_function, sub_program, tagged_op,
                           unnamed_collectives)
 from cfp.windows import Window, window_layouts, window_ops
@@ -565,9 +565,7 @@ def model_cost(compiled, mesh_shape, cost: CostModel) -> tuple[float, tuple]:
     """Predicted seconds of a compiled program: roofline compute + alpha-beta collectives.
     CPU's reduce-scatter (an all-reduce whose result is then sliced) is priced as one."""
     text = compiled.as_text()
-    analysis = compiled.cost_analysis()
-    if isinstance(analysis, (list, tuple)):
-        analysis = analysis[0] if analysis else {}
+    analysis = cost_analysis(compiled)
     flops = float(analysis.get("flops", 0.0))
     nbytes = float(analysis.get("bytes accessed", 0.0))
     compute = max(flops / cost.device_flops, nbytes / cost.device_bandwidth)

@@ -362,22 +362,34 @@ def _called(line: str, bodies: dict, depth: int = 0) -> list[str]:
 
 def served_ops(c: Collective, defs: tuple, ops: Sequence[int]) -> list[int | None]:
     """The operators a collective serves: its own tag's, or for one XLA combined over a
-    tuple of operands, each operand's: for a reduction's collective (all-reduce,
-    reduce-scatter) the tag of the reduction (reduce, dot, convolution, scatter) whose partial
-    sums it adds, found inside the fusion computing the operand or up through the
-    elementwise instructions after it; otherwise the tag of the instruction computing the
+    tuple of operands, each operand's. Where the combined collective's metadata names one
+    operator per operand (``op_name="(a:b:...)"``), those; else for a reduction's collective
+    (all-reduce, reduce-scatter) the tag of the reduction (reduce, dot, convolution, scatter)
+    whose partial sums it adds, found inside the fusion computing the operand or up through
+    the elementwise instructions after it; otherwise the tag of the instruction computing the
     operand; else the collective's own."""
     own = tagged_op(c.line, ops)
     m = _OPERANDS_RE.search(c.line)
     names = re.findall(r"%[\w.\-]+", m.group(1)) if m else []
     if len(names) < 2 or c.kind == "all-to-all":  # an all-to-all's operands are its pieces
         return [own]
+    listed = listed_ops(c.line, ops)
+    if len(listed) == len(names):
+        return listed
     found = []
     for n in names:
         i = (_reduction_of(n, defs, ops) if c.kind in ("all-reduce", "reduce-scatter")
              else tagged_op(defs[0].get(n, ""), ops))
         found.append(own if i is None else i)
     return found
+
+
+def listed_ops(line: str, ops: Sequence[int]) -> list[int]:
+    """The operators a combined collective's metadata names, in its operands' order: XLA's
+    combiner joins the combined instructions' names, ``op_name="(cfp_op3/dot:cfp_op9/...)"``."""
+    name = re.search(r'op_name="([^"]*)"', line)
+    listed = [int(k) for k in re.findall(r"\bcfp_op(\d+)/", name.group(1))] if name else []
+    return [ops[k] for k in listed] if all(k < len(ops) for k in listed) else []
 
 
 def _reduction_of(name: str, defs: tuple, ops: Sequence[int], depth: int = 0) -> int | None:

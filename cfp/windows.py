@@ -2,7 +2,12 @@
 
 A unique segment whose strategy space exceeds ``max_combinations`` is split into consecutive
 *windows* whose spaces fit; every instance of the segment is split at the same offsets. Each
-window type is profiled once, for every combination of its blocks' strategies.
+window type is profiled once, for every combination of its blocks' strategies. Segments repeat
+by their contractions, so two instances of one window can still differ in other operators (the
+first layer also gathers the embedding and updates its table): a window instance whose
+operators (kinds and shapes) differ from those of the instance in its segment's representative
+is a window type of its own, profiled on itself, so that no window is priced by another
+program.
 
 **Boundaries.** A window is measured with its live-ins already in the layout its first reader
 wants and its live-outs in the layout their producer makes, so a measured window time holds no
@@ -55,17 +60,41 @@ def split_windows(analysis, max_combinations: int, whole_segments: bool = False
     offsets = {t: ([(0, sa.instances[r].end - sa.instances[r].start)] if whole_segments
                    else _cuts(analysis, sa.instances[r], max_combinations))
                for t, r in enumerate(sa.representatives)}
-    window_type: dict[tuple[int, int], int] = {}
-    windows = []
-    for seg in sa.instances:
+    # the representative segments first, so that their windows' operators name each type
+    order = sorted(range(len(sa.instances)), key=lambda i: i not in sa.representatives)
+    window_type: dict[tuple, int] = {}
+    placed = []
+    for i in order:
+        seg = sa.instances[i]
         for lo, hi in offsets[seg.type]:
-            wt = window_type.setdefault((seg.type, lo), len(window_type))
-            windows.append(Window(seg.start + lo, seg.start + hi, wt))
+            key = (seg.type, lo, _operators(analysis, seg.start + lo, seg.start + hi))
+            wt = window_type.setdefault(key, len(window_type))
+            placed.append(Window(seg.start + lo, seg.start + hi, wt))
+    windows = sorted(placed, key=lambda w: w.start)
     reps = [0] * len(window_type)
-    for (seg_type, lo), wt in window_type.items():
-        rep = sa.instances[sa.representatives[seg_type]]
-        reps[wt] = next(i for i, w in enumerate(windows) if w.start == rep.start + lo)
+    for i, w in reversed(list(enumerate(windows))):  # the first instance of each type
+        reps[w.type] = i
+    for i in sa.representatives:  # or the one in the segment's representative
+        seg = sa.instances[i]
+        for k, w in enumerate(windows):
+            if seg.start <= w.start < seg.end:
+                reps[w.type] = k
     return windows, reps
+
+
+def _operators(analysis, start: int, end: int) -> tuple:
+    """What the blocks ``[start, end)`` compute, independent of where: each member's kind and
+    operand and result shapes and dtypes, as a sorted multiset (a scan's per-layer slices,
+    which differ only in their offsets, compare equal; the iteration whose windows hold the
+    update of the scan's stacked weights does not)."""
+    g = analysis.graph
+
+    def shapes(values):
+        return tuple((g.values[v].shape, g.values[v].dtype) for v in values)
+
+    ops = [g.ops[m.op] for b in range(start, end) for m in analysis.blocks.blocks[b].members]
+    return tuple(sorted(repr((op.primitive, shapes(op.inputs), shapes(op.outputs)))
+                        for op in ops))
 
 
 def _cuts(analysis, seg, max_combinations: int) -> list[tuple[int, int]]:

@@ -45,10 +45,13 @@ class WorkDir:
 
     def profile_fingerprint(self, analysis, cost: str, max_combinations: int,
                             whole_segments: bool = False) -> tuple:
+        from cfp.windows import split_windows
+        windows = split_windows(analysis, max_combinations, whole_segments)
         return self.run_fp + (("graph", analysis.graph.fingerprint()),
                               ("blocks", blocks_fingerprint(analysis)), ("cost", cost),
                               ("max_combinations", max_combinations),
-                              ("whole_segments", whole_segments))
+                              ("whole_segments", whole_segments),
+                              ("windows", _digest(windows)))
 
     def profile_checkpoint(self, analysis, cost: str, max_combinations: int,
                            whole_segments: bool = False) -> "ProfileCheckpoint":
@@ -75,13 +78,16 @@ class WorkDir:
         return self.path / "search.pkl"
 
 
+def _digest(obj) -> str:
+    import hashlib
+    return hashlib.sha1(repr(obj).encode()).hexdigest()[:16]
+
+
 def blocks_fingerprint(analysis) -> str:
     """What the profile's combinations mean: every block's members and strategies (an analysis
     of the same graph by another cfp can group or prune differently)."""
-    import hashlib
-    blocks = [(b.seed, tuple(m.op for m in b.members), tuple(s.axes for s in b.strategies))
-              for b in analysis.blocks.blocks]
-    return hashlib.sha1(repr(blocks).encode()).hexdigest()[:16]
+    return _digest([(b.seed, tuple(m.op for m in b.members), tuple(s.axes for s in b.strategies))
+                    for b in analysis.blocks.blocks])
 
 
 class ProfileCheckpoint:

@@ -34,7 +34,7 @@ import time
 import traceback
 from typing import Iterator
 
-from cfp import multihost
+from cfp import host_memory, multihost
 from cfp.errors import CfpError
 from cfp.jax_compat import JAX_ERRORS
 from cfp.measure import Measurement
@@ -76,7 +76,16 @@ class Worker:
         generation = multihost.next_generation() if runtime is not None else 0
         self.proc = ctx.Process(target=_main, args=(child,) + self.args + (generation,),
                                 daemon=True)
-        self.proc.start()
+        before = {k: os.environ.get(k) for k in host_memory.POOLED}
+        os.environ.update(host_memory.POOLED)  # the worker's heap keeps its blocks
+        try:
+            self.proc.start()
+        finally:
+            for k, v in before.items():
+                if v is None:
+                    os.environ.pop(k)
+                else:
+                    os.environ[k] = v
         child.close()
         kind, payload = self._recv()
         if kind == "joining":

@@ -177,6 +177,32 @@ def test_an_all_reduce_combined_with_a_named_one_is_caught():
     pytest.fail("XLA combined no planted all-reduce with a named one")
 
 
+def test_a_combined_all_reduce_is_read_by_the_operators_its_metadata_lists(monkeypatch):
+    """The first GPT layer under data parallelism: XLA combines the weight gradients'
+    all-reduces with the position embedding's (a sum over the split batch) into one whose
+    metadata lists every combined operator. Read by that list, every all-reduce is named.
+    Negative control: read by walking from each operand to a reduction inside the fusion that
+    computes it, the position embedding's is pinned on a reduction over features, unnamed."""
+    from cfp import sharding
+    from cfp.measure import WindowProgram
+    from cfp.passes.analysis import run_analysis
+    from cfp.windows import split_windows
+    from cfp.workloads import WorkloadSpec, trace_step
+    spec = WorkloadSpec("gpt", "tiny", None, "float32",
+                        (("num_layers", 2), ("hidden_size", 256), ("seq_len", 128),
+                         ("num_heads", 8))).resolved()
+    a = run_analysis(spec, (8,))
+    windows, _ = split_windows(a, 32)
+    wp = WindowProgram(trace_step(a.spec.build()), a, windows[0], make_mesh((8,)))
+    dp = (0,) * (windows[0].end - windows[0].start)
+    compiled, _ = wp.compile(dp)
+    assert any(len(sharding.listed_ops(c.line, wp.sub.ops)) > 1
+               for c in sharding.collectives(compiled.as_text(), (8,)))
+    assert wp.unnamed_collectives(compiled, dp) == []
+    monkeypatch.setattr(sharding, "listed_ops", lambda line, ops: [])
+    assert wp.unnamed_collectives(compiled, dp)
+
+
 def test_an_embedding_gradient_keeps_the_features_label():
     """The gradient of an embedding table is a scatter-add of the rows' gradients into it:
     a split feature dim stays split (each device writes its own columns), a split batch or

@@ -198,6 +198,29 @@ def test_timings_taken_on_a_busy_machine_are_told(capsys):
     assert "busy" not in capsys.readouterr().out
 
 
+def test_timing_processes_keep_their_heap_blocks(monkeypatch):
+    """The measurement worker starts under the pooled allocator settings whatever its parent
+    runs under, and ``python -m cfp``'s process re-executes itself under them. Negative
+    control: this test process started without them, and the parent's environment is left as
+    it was."""
+    from cfp import host_memory
+    for k in host_memory.POOLED:
+        monkeypatch.delenv(k, raising=False)
+    assert not host_memory.pooled()
+    worker = Worker(run_analysis(MLP, (4,)), WorkerOptions("measure", 2**62, 16))
+    try:
+        assert worker.call(host_memory.pooled)
+    finally:
+        worker.close()
+    assert not host_memory.pooled()
+    code = ("from cfp.host_memory import run_pooled, pooled; print(pooled()); run_pooled(); "
+            "print(pooled())")
+    env = {k: v for k, v in os.environ.items() if k not in host_memory.POOLED}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=True).stdout.split()
+    assert out == ["False", "True", "True"]  # before the re-execution, then twice after it
+
+
 def test_identical_programs_are_measured_once():
     """A combination that compiles to a program measured before shares that measurement (here
     the same combination sent twice); different programs are measured apart."""

@@ -33,7 +33,30 @@ def test_window_program_computes_what_the_full_step_computes():
         fn = sub_function(program, wp.sub)
         got = jax.jit(fn)(*[env[v] for v in wp.sub.live_ins])
         for v, x in zip(wp.sub.live_outs, got):
-            np.testing.assert_allclose(np.asarray(x), np.asarray(env[v]), rtol=1e-5, atol=1e-6)
+            # Adam's first update is about lr * sign(gradient): where a gradient sums to
+            # rounding noise (the first layer's), its sign follows the summation order
+            np.testing.assert_allclose(np.asarray(x), np.asarray(env[v]), rtol=1e-5, atol=2e-6)
+
+
+def test_a_window_instance_with_other_operators_is_profiled_on_itself():
+    """The first layer also gathers the embedding and updates its table: its windows are
+    types of their own, measured on themselves, while the later layers' windows, alike
+    operator for operator, share one type."""
+    from cfp.windows import _operators
+    a = _analysis("gpt", (4,), num_layers=3)
+    windows, reps = split_windows(a, 32)
+    layers = [s for s in a.segments.instances if s.end - s.start > 1]
+    per_layer = [[w for w in windows if s.start <= w.start < s.end] for s in layers]
+    assert len(per_layer) == 3 and len({len(ws) for ws in per_layer}) == 1
+    first, second, third = per_layer
+    assert [w.type for w in second] == [w.type for w in third]  # alike: one type each
+    differ = [k for k, (w, v) in enumerate(zip(first, second))
+              if _operators(a, w.start, w.end) != _operators(a, v.start, v.end)]
+    assert differ  # negative control: the first layer's operators do differ somewhere
+    for k, (w, v) in enumerate(zip(first, second)):
+        assert (w.type != v.type) == (k in differ)
+        if k in differ:
+            assert windows[reps[w.type]] == w  # its type is measured on itself
 
 
 def _mlp_window(combo_names):
@@ -232,7 +255,9 @@ def test_a_held_activation_counts_in_the_copy_xla_keeps():
 def test_a_resharding_is_timed_after_its_producer():
     """A resharding that moves data (an all-gather of 4 MB over 8 devices) adds time after the
     op producing its value; the control, the producer timed against itself, adds nothing
-    measurable: its interval does not lie above 0, and it counts as 0."""
+    measurable: its interval is narrow next to the resharding's and does not lie above 0, so
+    it counts as 0, in at least two of three tries (a 95% interval misses 0 one time in
+    twenty by chance)."""
     from jax.sharding import NamedSharding, PartitionSpec
     from cfp.measure import time_in_context
     mesh = make_mesh((8,))
@@ -242,8 +267,9 @@ def test_a_resharding_is_timed_after_its_producer():
     gathered = jax.jit(lambda a: a + a, in_shardings=split, out_shardings=whole)
     added_s, low, high = time_in_context(producer, gathered, (x,))
     assert added_s > 0 and 0 < low <= added_s <= high
-    seconds, low, high = time_in_context(producer, producer, (x,))
-    assert seconds == 0 and low <= 0 and max(abs(low), abs(high)) < added_s / 4
+    tries = [time_in_context(producer, producer, (x,)) for _ in range(3)]
+    assert sum(seconds == 0 and low <= 0 for seconds, low, _ in tries) >= 2, tries
+    assert all(max(abs(low), abs(high)) < added_s / 4 for _, low, high in tries), tries
 
 
 def test_a_window_with_a_collective_its_strategies_do_not_name_is_not_timed(monkeypatch):

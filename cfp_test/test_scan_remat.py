@@ -28,7 +28,9 @@ def _spec(model, **over):
 def _layer_view(a):
     """What the analysis makes of each block (its seed, its other contractions but remat's
     recomputations, its strategy count), the segment types, and the profile's windows with
-    their combination counts."""
+    their combination counts. Not the windows' types: a scan updates its stacked weights
+    once, in the operators of one iteration's windows, which makes those window types of
+    their own (``cfp.windows``)."""
     from cfp.segments import contraction_signature
     g = a.graph
     blocks = [(contraction_signature(g, b.seed),
@@ -37,7 +39,7 @@ def _layer_view(a):
                len(b.strategies)) for b in a.blocks.blocks]
     windows, _ = split_windows(a, 8)
     return (blocks, a.segments.num_types, [s.type for s in a.segments.instances],
-            [(w.type, window_space(a, w)) for w in windows])
+            [(w.start, w.end, window_space(a, w)) for w in windows])
 
 
 @pytest.mark.parametrize("model,twin", TWINS)

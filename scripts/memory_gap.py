@@ -160,6 +160,8 @@ def _print_peak(dump: str, top: int = 12) -> None:
 
 
 if __name__ == "__main__":
+    from cfp.host_memory import run_pooled
+    run_pooled()  # timing measures programs, not the host allocator
     from cfp.errors import CfpError
     try:
         main()

@@ -17,8 +17,6 @@ Appends to ``scripts/results/<date>-ranking-recall-<backend>.csv``.
 from __future__ import annotations
 
 import datetime
-import math
-import os
 import sys
 from pathlib import Path
 
@@ -27,18 +25,15 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> None:
-    from composition_check import plan_arguments
+    from composition_check import plan_arguments, plan_setup
     ap = plan_arguments()
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--ranked", type=int, default=128,
                     help="combinations a whole-segment window measures (its --max-combinations)")
     args = ap.parse_args()
-    mesh_shape = tuple(int(x) for x in args.mesh.split("x"))
-    os.environ.setdefault("XLA_FLAGS",
-                          f"--xla_force_host_platform_device_count={math.prod(mesh_shape)}")
+    mesh_shape, label, workdir = plan_setup(args)
     import jax
     import numpy as np
-    from benchmark import workload_label
     from cfp import ranking
     from cfp.measure import fit_cost_model
     from cfp.records import read_record
@@ -46,8 +41,6 @@ def main() -> None:
     from cfp.workdir import ANALYSIS_FORMAT, WorkDir
     from cfp.workloads import AXIS_NAMES, make_mesh, run_fingerprint
 
-    label = workload_label(args)
-    workdir = ROOT / "profiles" / f"{label}-{args.mesh}"
     analysis = read_record(workdir / "analysis.pkl", ANALYSIS_FORMAT, None,
                            hint="run scripts/composition_check.py with these flags first")
     profile = WorkDir(workdir, run_fingerprint(analysis.spec, mesh_shape)).read_profile(
@@ -112,4 +105,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from cfp.host_memory import run_pooled
+    run_pooled()  # timing measures programs, not the host allocator
     main()
