@@ -18,6 +18,7 @@ POOLED = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2*
 
 
 def pooled() -> bool:
+    """Whether this process started under ``POOLED``."""
     return all(os.environ.get(k) == v for k, v in POOLED.items())
 
 
