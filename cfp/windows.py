@@ -64,22 +64,17 @@ def split_windows(analysis, max_combinations: int, whole_segments: bool = False
     order = sorted(range(len(sa.instances)), key=lambda i: i not in sa.representatives)
     window_type: dict[tuple, int] = {}
     placed = []
+    first: dict[int, Window] = {}  # type -> its first placed instance: the representative's
     for i in order:
         seg = sa.instances[i]
         for lo, hi in offsets[seg.type]:
             key = (seg.type, lo, _operators(analysis, seg.start + lo, seg.start + hi))
             wt = window_type.setdefault(key, len(window_type))
-            placed.append(Window(seg.start + lo, seg.start + hi, wt))
+            w = Window(seg.start + lo, seg.start + hi, wt)
+            first.setdefault(w.type, w)
+            placed.append(w)
     windows = sorted(placed, key=lambda w: w.start)
-    reps = [0] * len(window_type)
-    for i, w in reversed(list(enumerate(windows))):  # the first instance of each type
-        reps[w.type] = i
-    for i in sa.representatives:  # or the one in the segment's representative
-        seg = sa.instances[i]
-        for k, w in enumerate(windows):
-            if seg.start <= w.start < seg.end:
-                reps[w.type] = k
-    return windows, reps
+    return windows, [windows.index(first[t]) for t in range(len(first))]
 
 
 def _operators(analysis, start: int, end: int) -> tuple:

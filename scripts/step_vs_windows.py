@@ -175,8 +175,10 @@ def _reshardings(analysis, profile, strategies, axis_names) -> int:
     """Boundaries whose tensor leaves in another layout than it is read in under the plan."""
     from cfp import dims
     blocks = analysis.blocks.blocks
-    spec = lambda b, labels: dims.spec_axes(labels, blocks[b].strategies[strategies[b]].axes,  # noqa
-                                            axis_names)
+
+    def spec(b, labels):
+        return dims.spec_axes(labels, blocks[b].strategies[strategies[b]].axes, axis_names)
+
     return sum(spec(b.src, b.src_labels) != spec(b.dst, b.dst_labels) for b in profile.boundaries)
 
 
