@@ -14,7 +14,13 @@ Besides the errors, fits measured on predicted step time: the slope of one regre
 intercept, and the weights of the prediction's terms (window times, reshardings between
 windows; the launch is subtracted first), each with a 95% bootstrap interval over the plans.
 
-Writes ``scripts/results/<date>-composition-<backend>.csv`` (appending) and a PNG.
+``--profiles N`` profiles the analysis N - 1 more times (fresh workers, scratch work dirs)
+and composes the same plans from each against the steps measured once: the check's time
+figures depend on the profile it drew (machine speed drifts by a few percent over minutes,
+and each window type is timed in its own minutes).
+
+Writes ``scripts/results/<date>-composition-<backend>.csv`` (appending) and a PNG; with
+``--profiles``, also ``<date>-composition-<backend>-profiles.csv``.
 """
 from __future__ import annotations
 
@@ -62,6 +68,9 @@ def plan_setup(args) -> tuple[tuple[int, ...], str, Path]:
 
 def main() -> None:
     ap = plan_arguments()
+    ap.add_argument("--profiles", type=int, default=1,
+                    help="compose the plans from this many profiles of the analysis (the "
+                         "others in scratch work dirs), against the steps measured once")
     ap.add_argument("--out", default=None,
                     help="CSV to append to (default scripts/results/<date>-composition-<backend>.csv)")
     args = ap.parse_args()
@@ -143,6 +152,62 @@ def main() -> None:
         print(f"warning: {sum(busy.values())} profiled combinations (window types "
               f"{sorted(busy)}) were timed while the machine was busy: their times read high")
     _plot(rows, out.with_name(f"{out.stem}-{label}-{args.mesh}.png"), args)
+    if args.profiles > 1:
+        _other_profiles(args, base, workdir, analysis, problem, steps,
+                        [r[1] for r in rows], out, label)
+
+
+def _other_profiles(args, base, workdir, analysis, problem, steps, measured_s, out, label):
+    """Profile the same analysis ``args.profiles - 1`` more times (each in a fresh worker, in
+    a scratch work dir) and compose the same plans from each against the steps measured
+    once: how much the check's time figures depend on which profile it drew. One line per
+    profile (0 is the work dir's) printed and appended to ``<out>-profiles.csv``."""
+    import shutil
+    import tempfile
+    from cfp.cli import main as cli
+    from cfp.passes.search import SCALE, build_problem
+    from cfp.solver import evaluate
+    from cfp.workdir import WorkDir
+    from cfp.workloads import run_fingerprint
+    strategies = [[problem.groups[g].options[c].strategies for g, c in enumerate(ps.choices)]
+                  for ps in steps]
+    profiles = [workdir]
+    scratch = tempfile.mkdtemp(prefix="cfp-profiles-")
+    try:
+        for k in range(1, args.profiles):
+            d = Path(scratch) / str(k)
+            d.mkdir()
+            shutil.copy(workdir / "analysis.pkl", d / "analysis.pkl")
+            at = base.index("--workdir") + 1
+            assert cli(base[:at] + [str(d)] + base[at + 1:] + ["--mode", "profile"]) == 0
+            profiles.append(d)
+        lines = []
+        for k, d in enumerate(profiles):
+            profile = WorkDir(d, run_fingerprint(analysis.spec, analysis.mesh_shape)).read_profile(
+                analysis, "measure", args.max_combinations, args.whole_segments)
+            other, _ = build_problem(analysis, profile, None)
+            index = [{o.strategies: i for i, o in enumerate(g.options)} for g in other.groups]
+            predicted = [evaluate(other, [ix[s] for ix, s in zip(index, plan)])[0] / SCALE
+                         + profile.launch_overhead_s for plan in strategies]
+            err = [(p - m) / m for p, m in zip(predicted, measured_s)]
+            slope = (sum(p * m for p, m in zip(predicted, measured_s))
+                     / sum(p * p for p in predicted))
+            lines.append((k, statistics.median(abs(e) for e in err), statistics.median(err),
+                          slope))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    path = out.with_name(f"{out.stem}-profiles.csv")
+    new = not path.exists()
+    with open(path, "a") as f:
+        if new:
+            f.write("workload,mesh,profile,median_abs_time_err,median_time_err,slope\n")
+        for k, a, e, sl in lines:
+            f.write(f"{label},{args.mesh},{k},{a:.4f},{e:.4f},{sl:.4f}\n")
+            print(f"profile {k}: median |time error| {100 * a:.1f}% (signed {100 * e:+.1f}%), "
+                  f"slope {sl:.2f}")
+    print(f"the same plans composed from {len(lines)} profiles of one analysis: median |time "
+          f"error| {100 * min(x[1] for x in lines):.1f}% to {100 * max(x[1] for x in lines):.1f}%"
+          f"; lines appended to {path}")
 
 
 def fit_with_interval(x, y, *, resamples: int = 2000, seed: int = 0):
