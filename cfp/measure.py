@@ -29,8 +29,8 @@ import numpy as np
 from cfp import dims as dimrules
 from cfp.errors import CfpError
 from cfp.jax_compat import cost_analysis, is_key, random_keys, to_dtype
-from cfp.sharding import (SubProgram, collectives, sub_function, sub_program, tagged_op,
-                          unnamed_collectives)
+from cfp.sharding import (SubProgram, collectives, op_name, sub_function, sub_program,
+                          tagged_op, unnamed_collectives)
 from cfp.windows import Window, window_layouts, window_ops
 
 _FLOAT_LOW, _FLOAT_HIGH = 0.5, 1.5  # positive, away from zero: safe for log, sqrt, division
@@ -279,18 +279,13 @@ def tagged_results(hlo_text: str, ops: Sequence[int]) -> dict[int, list[tuple[st
     out: dict = {}
     for line in hlo_text.splitlines():
         op, res = tagged_op(line, ops), _RESULT_RE.search(line)
-        if op is None or not res or "/sharding_constraint" in _op_name(line):
+        if op is None or not res or "/sharding_constraint" in op_name(line):
             continue
         kind = ("contraction" if " dot(" in line or " convolution(" in line
                 or (" custom-call(" in line and _LIBRARY_CONTRACTION.search(line)) else "other")
         dims = tuple(int(d) for d in res.group(2).split(",") if d)
         out.setdefault(op, []).append((kind, dims))
     return out
-
-
-def _op_name(line: str) -> str:
-    m = re.search(r'op_name="([^"]*)"', line)
-    return m.group(1) if m else ""
 
 
 def memory_of(compiled) -> dict:

@@ -387,9 +387,14 @@ def served_ops(c: Collective, defs: tuple, ops: Sequence[int]) -> list[int | Non
 def listed_ops(line: str, ops: Sequence[int]) -> list[int]:
     """The operators a combined collective's metadata names, in its operands' order: XLA's
     combiner joins the combined instructions' names, ``op_name="(cfp_op3/dot:cfp_op9/...)"``."""
-    name = re.search(r'op_name="([^"]*)"', line)
-    listed = [int(k) for k in re.findall(r"\bcfp_op(\d+)/", name.group(1))] if name else []
+    listed = [int(k) for k in re.findall(r"\bcfp_op(\d+)/", op_name(line))]
     return [ops[k] for k in listed] if all(k < len(ops) for k in listed) else []
+
+
+def op_name(line: str) -> str:
+    """A compiled instruction's ``op_name`` metadata ("" where it has none)."""
+    m = re.search(r'op_name="([^"]*)"', line)
+    return m.group(1) if m else ""
 
 
 def _reduction_of(name: str, defs: tuple, ops: Sequence[int], depth: int = 0) -> int | None:

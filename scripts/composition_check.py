@@ -16,8 +16,8 @@ windows; the launch is subtracted first), each with a 95% bootstrap interval ove
 
 ``--profiles N`` profiles the analysis N - 1 more times (fresh workers, scratch work dirs)
 and composes the same plans from each against the steps measured once: the check's time
-figures depend on the profile it drew (machine speed drifts by a few percent over minutes,
-and each window type is timed in its own minutes).
+figures depend on the profile it drew (each window type is timed in its own stretch of
+time, so a change of the machine's speed then lands on that type alone).
 
 Writes ``scripts/results/<date>-composition-<backend>.csv`` (appending) and a PNG; with
 ``--profiles``, also ``<date>-composition-<backend>-profiles.csv``.
@@ -172,13 +172,13 @@ def _other_profiles(args, base, workdir, analysis, problem, steps, measured_s, o
     strategies = [[problem.groups[g].options[c].strategies for g, c in enumerate(ps.choices)]
                   for ps in steps]
     profiles = [workdir]
+    at = base.index("--workdir") + 1
     scratch = tempfile.mkdtemp(prefix="cfp-profiles-")
     try:
         for k in range(1, args.profiles):
             d = Path(scratch) / str(k)
             d.mkdir()
             shutil.copy(workdir / "analysis.pkl", d / "analysis.pkl")
-            at = base.index("--workdir") + 1
             assert cli(base[:at] + [str(d)] + base[at + 1:] + ["--mode", "profile"]) == 0
             profiles.append(d)
         lines = []
@@ -190,8 +190,7 @@ def _other_profiles(args, base, workdir, analysis, problem, steps, measured_s, o
             predicted = [evaluate(other, [ix[s] for ix, s in zip(index, plan)])[0] / SCALE
                          + profile.launch_overhead_s for plan in strategies]
             err = [(p - m) / m for p, m in zip(predicted, measured_s)]
-            slope = (sum(p * m for p, m in zip(predicted, measured_s))
-                     / sum(p * p for p in predicted))
+            slope = fit_with_interval([[p] for p in predicted], measured_s)[0][0]
             lines.append((k, statistics.median(abs(e) for e in err), statistics.median(err),
                           slope))
     finally:

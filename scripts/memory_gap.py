@@ -96,6 +96,7 @@ def main() -> None:
         # temporaries less its own held activations, so what a rule adds to the held bytes it
         # takes from that window's transient.
         peaks, held_bytes, transient = {}, {}, {}
+        bound = split["inputs"] + split["outputs"]
         for rule in RULES:
             held_bytes[rule], transients = 0, []
             for k, (w, t) in enumerate(zip(profile.windows, terms)):
@@ -110,11 +111,12 @@ def main() -> None:
                 held_bytes[rule] += sum(sizes.values())
                 temp = profile.window_profiles[w.type].results[combo].temp_bytes
                 transients.append(max(0, temp - sum(sizes[v] for v in t.internal)))
+                if rule == RULES[2]:  # the bound: the whole temporaries, held at once
+                    bound += temp + sum(n for v, n in sizes.items() if v not in t.internal)
             transient[rule] = max(transients, default=0)
             peaks[rule] = split["inputs"] + split["outputs"] + held_bytes[rule] + transient[rule]
         assert peaks[RULES[2]] == composed, (peaks, composed)  # the rule search composes with
-        all_held.append(split["inputs"] + split["outputs"] + _all_windows_at_peak(
-            analysis, profile, problem, choices, terms, names))
+        all_held.append(bound)
         step = PlannedStep(program, analysis, strategies, mesh)
         dump = tempfile.mkdtemp(prefix="cfp-memory-gap-") if p == args.peak_plan else None
         step.compile({"xla_dump_to": dump} if dump else None)
@@ -141,20 +143,6 @@ def main() -> None:
           f"{100 * statistics.median(abs(e) for e in errs):.1f}% (signed median "
           f"{100 * statistics.median(errs):+.1f}%); {sum(e < 0 for e in errs)} of {len(errs)} "
           f"plans below the compiled peak")
-
-
-def _all_windows_at_peak(analysis, profile, problem, choices, terms, names) -> int:
-    """Bytes per device if every window held its whole compiled temporaries at once, plus
-    the held activations that leave their window (sized as the composition sizes them): more
-    than a step holds if XLA scheduled the step as it schedules each window."""
-    from cfp.windows import term_sizers
-    total = 0
-    for k, (w, t) in enumerate(zip(profile.windows, terms)):
-        combo = problem.groups[k].options[choices[k]].strategies
-        kept = term_sizers(analysis, w, combo, names)[1]
-        total += profile.window_profiles[w.type].results[combo].temp_bytes
-        total += sum(kept(term) for term in t.held if term[0] not in t.internal)
-    return total
 
 
 def _print_peak(dump: str, top: int = 12) -> None:
