@@ -308,20 +308,49 @@ def memory_terms(analysis, window: Window, read_earlier: frozenset[int] = frozen
     return MemoryTerms(tuple(adding), tuple(held_terms), frozenset(internal))
 
 
-def held_for_backward(g) -> frozenset[int]:
+# Elementwise ops XLA does not duplicate into another fusion (``IsExpensive``): a backward op
+# that reads their result reads it from memory, so the forward pass holds it.
+EXPENSIVE = frozenset("""div rem pow exp exp2 log log1p expm1 tanh logistic sin cos tan sqrt rsqrt
+cbrt erf erfc erf_inv atan2 acos asin atan sinh cosh asinh acosh atanh lgamma digamma""".split())
+
+
+def held_for_backward(g, elementwise_residuals: bool = True) -> frozenset[int]:
     """The activations the forward pass holds for the backward pass: produced before the
-    loss, read after it, and materialized, i.e. a contraction's or a reduction's result, or
-    an operand that a backward contraction (or remat's recomputation) reads."""
+    loss, read after it, and materialized. Held as they are: a contraction's or a reduction's
+    result, and an operand that a backward contraction (or remat's recomputation) reads. A
+    value only elementwise ops read after the loss is held where its op is expensive
+    (``EXPENSIVE``: a gelu's tanh, a softmax's exp); the result of a cheap elementwise or
+    layout op (a bias add, a scale) is recomputed inside the backward fusion that reads it,
+    so what that op reads is held instead, down to a materialized value. Without
+    ``elementwise_residuals`` (the rule before these counted) such values are not held."""
+    from cfp.blocks import LAYOUT_OPS
     loss_op = g.values[g.outputs[-1]].producer if g.outputs else None
     if loss_op is None or g.values[g.outputs[-1]].shape:
         return frozenset()
-    out = set()
+    recomputed = (dimrules.ELEMENTWISE - EXPENSIVE) | set(LAYOUT_OPS) | {"broadcast_in_dim",
+                                                                          "iota"}
+    out, seen = set(), set()
+
+    def read_late(v):  # by a backward fusion, which recomputes a cheap op's result
+        producer = g.values[v].producer
+        if producer is None or producer > loss_op or v in seen:
+            return
+        seen.add(v)
+        op = g.ops[producer]
+        if op.primitive in recomputed:
+            for x in op.inputs:
+                read_late(x)
+        else:
+            out.add(v)
+
     for op in g.ops[:loss_op]:
         stored = op.is_contraction or op.primitive in dimrules.REDUCTIONS
         for v in op.outputs:
             late = [u for u in g.users.get(v, ()) if u > loss_op]
             if late and (stored or any(_feeds_contraction(g, u) for u in late)):
                 out.add(v)
+            elif late and elementwise_residuals:
+                read_late(v)
     return frozenset(out)
 
 

@@ -6,7 +6,9 @@ the largest transient against the compiled program's arguments, outputs and temp
 median error with each held activation sized at its producer's layout, at the largest layout
 one of its readers wants, and as the composition sizes it (``windows.MemoryTerms``: the
 layout a backward reader in its window wants where a forward reader there wants it too, else
-the producer's); a window's transient loses what its own held activations gain. Last, a
+the producer's), and that last again over the held set ``windows.held_for_backward`` made
+before it counted elementwise residuals (a tanh's result, a bias add's input); a window's
+transient loses what its own held activations gain. Last, a
 bound no sizing rule can pass: every window holding its whole compiled temporaries at once,
 plus the held activations that cross windows; a step below it is one XLA schedules no worse
 than its windows. For
@@ -33,7 +35,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 
 RULES = ("producer layout", "largest reader layout",
-         "backward reader's layout where a forward reader made it (cfp's)")
+         "backward reader's layout where a forward reader made it (cfp's)",
+         "same, of the held set without elementwise residuals (the rule before 2026-11-24)")
 
 
 def main() -> None:
@@ -69,6 +72,10 @@ def main() -> None:
     member = {m.op: m for b in ba.blocks for m in b.members}
     read_earlier = inputs_read_earlier(analysis, profile.windows)
     terms = [memory_terms(analysis, w, read_earlier[k], held) for k, w in enumerate(profile.windows)]
+    held_before = held_for_backward(g, elementwise_residuals=False)
+    terms_before = [memory_terms(analysis, w, read_earlier[k], held_before)
+                    for k, w in enumerate(profile.windows)]
+    print(f"held activations: {len(held)}; without elementwise residuals: {len(held_before)}")
     plans = random_plans(problem, args.plans, args.seed)
     program, mesh = trace_step(analysis.spec.build()), make_mesh(mesh_shape)
     errors: dict[str, list[float]] = {rule: [] for rule in RULES}
@@ -99,7 +106,8 @@ def main() -> None:
         bound = split["inputs"] + split["outputs"]
         for rule in RULES:
             held_bytes[rule], transients = 0, []
-            for k, (w, t) in enumerate(zip(profile.windows, terms)):
+            for k, (w, t) in enumerate(zip(profile.windows,
+                                           terms_before if rule == RULES[3] else terms)):
                 combo = problem.groups[k].options[choices[k]].strategies
                 kept = term_sizers(analysis, w, combo, names)[1]
                 sizes = {}
@@ -107,7 +115,7 @@ def main() -> None:
                     v, (pos, labels) = term[0], term[1]
                     made = nbytes(v, w.start + pos, labels)
                     sizes[v] = (made if rule == RULES[0] else largest_reader(v, made)
-                                if rule == RULES[1] else kept(term))
+                                if rule == RULES[1] else kept(term))  # cfp's, both held sets
                 held_bytes[rule] += sum(sizes.values())
                 temp = profile.window_profiles[w.type].results[combo].temp_bytes
                 transients.append(max(0, temp - sum(sizes[v] for v in t.internal)))
