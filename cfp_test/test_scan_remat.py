@@ -115,8 +115,8 @@ def test_a_plan_that_differs_per_layer_runs_unrolled():
 
 def test_composed_memory_holds_only_what_remat_saves():
     """Under remat the forward pass holds each layer's input for the backward pass (read
-    again by the barrier in front of the recomputation), and of the layers nothing else of
-    their size; the unrolled twin holds its layers' activations too."""
+    again by the barrier in front of the recomputation), and less than half of what the
+    unrolled twin holds, whose layers keep activations of shapes remat recomputes."""
     (g, remat), (g_twin, twin) = _held("flax_remat"), _held("flax_unrolled")
     saved = _read_by_barrier(g)
     assert len(saved) >= 4 and saved <= remat  # the 4 layers' inputs

@@ -9,9 +9,9 @@ layout a backward reader in its window wants where a forward reader there wants 
 the producer's), and that last again over the held set ``windows.held_for_backward`` made
 before it counted elementwise residuals (a tanh's result, a bias add's input); a window's
 transient loses what its own held activations gain. Last, a
-bound no sizing rule can pass: every window holding its whole compiled temporaries at once,
-plus the held activations that cross windows; a step below it is one XLA schedules no worse
-than its windows. For
+bound from the windows' own programs: every window holding its whole compiled temporaries at
+once, plus the held activations that cross windows; a step above it holds more than its
+windows compiled alone do (the held set, sized from the graph, can pass it). For
 ``--peak-plan``, the largest temporaries live at the compiled peak, read from XLA's buffer dump
 (``--xla_dump_to``; the files are XLA's debug output, not a stable interface).
 
