@@ -44,6 +44,8 @@ def main() -> None:
     ap = plan_arguments()
     ap.add_argument("--peak-plan", type=int, default=None,
                     help="list the temporaries live at this plan's compiled peak")
+    ap.add_argument("--peak-top", type=int, default=12,
+                    help="how many of the largest live temporaries to list")
     args = ap.parse_args()
     mesh_shape = tuple(int(x) for x in args.mesh.split("x"))
     os.environ.setdefault("XLA_FLAGS",
@@ -140,7 +142,7 @@ def main() -> None:
               + "; ".join(f"{rule}: {mb(peaks[rule])} MB = ... + {mb(held_bytes[rule])} + "
                           f"{mb(transient[rule])}" for rule in RULES), flush=True)
         if dump:
-            _print_peak(dump)
+            _print_peak(dump, args.peak_top)
     for name, errs in errors.items():
         print(f"held activations sized at the {name}: median |memory error| "
               f"{100 * statistics.median(abs(e) for e in errs):.1f}% (signed median "
@@ -153,7 +155,7 @@ def main() -> None:
           f"plans below the compiled peak")
 
 
-def _print_peak(dump: str, top: int = 12) -> None:
+def _print_peak(dump: str, top: int) -> None:
     """The largest temporaries live at the peak of the heap XLA simulated, from its dump."""
     assignment = open(glob.glob(f"{dump}/*after_optimizations-buffer-assignment.txt")[0]).read()
     live_range = open(glob.glob(f"{dump}/*after_optimizations-live-range.txt")[0]).read()
