@@ -12,9 +12,12 @@ iterations of a scan, which runs one body). Per edge, the strategies of each sid
 groups that give the crossing tensors one layout (equal rows, equal columns of its table), and
 "transport" booleans ``e[r,c]`` between groups satisfy ``sum_c e[r,c] = sum of x_i[s] over s
 in r`` and ``sum_r e[r,c] = sum of x_j[t] over t in c`` (exactly one is true, and it prices
-the pair): they grow with the distinct layouts, not with the strategies. Memory:
-``sum(persistent + held) + M <= budget`` with ``M >= transient`` of every chosen option. Costs
-are integers (the caller scales seconds to its profiles' resolution), so the optimum is exact.
+the pair): they grow with the distinct layouts, not with the strategies. Memory: the step's
+peak is the largest, over groups ``k`` in program order, of every group's memory (persistent
+plus held-for-backward bytes), less the held bytes of the groups after ``k`` (the backward
+pass reaches ``k`` after it has freed them), plus ``k``'s transient bytes; each of these is at
+most the budget. Costs are integers (the caller scales seconds to its profiles' resolution),
+so the optimum is exact.
 
 ``solve_alike`` solves the quotient in which *alike* blocks (the same block of repeated layers)
 take one strategy: one group per window of one layer, whatever the depth. Its plan starts the
@@ -44,7 +47,8 @@ class Option:
     strategies: tuple[int, ...]  # one per block of the group
     cost: int
     memory: int = 0  # persistent + held-for-backward bytes: these add up over groups
-    transient: int = 0  # bytes alive only while the group runs: the largest one counts
+    transient: int = 0  # bytes alive only while the group runs
+    held: int = 0  # of ``memory``, the activations held for the backward pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +65,17 @@ class Problem:
     memory_budget: int | None = None
     ties: list = dataclasses.field(default_factory=list)  # (i, j): same strategy (one scan)
     alike: list = dataclasses.field(default_factory=list)  # (i, j): same block, repeated layer
+    # Per window in program order: (its group, held bytes per option, transient bytes per
+    # option). None: one window per group, in the groups' order (a quotient's group stands
+    # for several windows, ``solve_alike``).
+    sequence: list | None = None
+
+
+def _sequence(problem: Problem) -> list:
+    if problem.sequence is not None:
+        return problem.sequence
+    return [(g, tuple(o.held for o in grp.options), tuple(o.transient for o in grp.options))
+            for g, grp in enumerate(problem.groups)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,17 +92,37 @@ class Solution:
 def evaluate(problem: Problem, choices) -> tuple[int, int, tuple[int, ...]]:
     """(cost, memory, block strategies) of a choice of one option per group."""
     strat = [0] * len(problem.num_strategies)
-    cost = mem = trans = 0
+    cost = mem = 0
     for g, c in zip(problem.groups, choices):
         opt = g.options[c]
         cost += opt.cost
         mem += opt.memory
-        trans = max(trans, opt.transient)
         for b, s in zip(g.blocks, opt.strategies):
             strat[b] = s
     for (i, j), table in problem.edges.items():
         cost += int(table[strat[i], strat[j]])
-    return cost, mem + trans, tuple(strat)
+    above, freed = 0, 0  # the largest transient less what later windows' backward freed
+    for g, held, transient in reversed(_sequence(problem)):
+        above = max(above, transient[choices[g]] - freed)
+        freed += held[choices[g]]
+    return cost, mem + above, tuple(strat)
+
+
+def least_memory(problem: Problem) -> int:
+    """A lower bound on the memory of every plan (for the error when none fits): at each
+    window, every group at its least memory less what the later windows free, plus the
+    window's least transient."""
+    seq = _sequence(problem)
+    freed = {g: [0] * len(grp.options) for g, grp in enumerate(problem.groups)}
+    least = {g: min(o.memory for o in grp.options) for g, grp in enumerate(problem.groups)}
+    total, bound = sum(least.values()), 0
+    for g, held, transient in reversed(seq):
+        bound = max(bound, total + min(transient))
+        freed[g] = [f + h for f, h in zip(freed[g], held)]
+        new = min(o.memory - f for o, f in zip(problem.groups[g].options, freed[g]))
+        total += new - least[g]
+        least[g] = new
+    return bound if seq else total
 
 
 def solve(problem: Problem, *, time_limit_s: float = 60.0, exclude=(), workers: int = 1,
@@ -131,12 +166,31 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, exclude=(), workers: 
                       if table[rows[r][0], cols[c][0]]]
         stats["edge_booleans"] = stats.get("edge_booleans", 0) + len(e)
     if problem.memory_budget is not None:
-        peak = m.NewIntVar(0, max((o.transient for g in problem.groups for o in g.options),
-                                  default=0), "transient")
-        for g, grp in enumerate(problem.groups):
-            m.Add(peak >= sum(opt.transient * y[g][o] for o, opt in enumerate(grp.options)))
-        m.Add(sum(opt.memory * y[g][o] for g, grp in enumerate(problem.groups)
-                  for o, opt in enumerate(grp.options)) + peak <= problem.memory_budget)
+        seq = _sequence(problem)
+        total = m.NewIntVar(0, sum(max(o.memory for o in grp.options)
+                                   for grp in problem.groups), "memory")
+        m.Add(total == sum(opt.memory * y[g][o] for g, grp in enumerate(problem.groups)
+                           for o, opt in enumerate(grp.options)))
+        # Held bytes of the windows after this one: a chain of variables, one per window
+        # whose constraint counts. A window whose group has a later window with transients at
+        # least as large, option by option, needs none: less is freed after that one (the
+        # quotient of alike layers repeats its groups in every layer).
+        freed, pending, bound = 0, {}, sum(max(held) for _, held, _ in seq)
+        later_max: dict[int, tuple] = {}
+        for k in reversed(range(len(seq))):
+            g, held, transient = seq[k]
+            top = later_max.get(g)
+            if top is None or any(t > u for t, u in zip(transient, top)):
+                if pending:
+                    var = m.NewIntVar(0, bound, f"freed{k}")
+                    m.Add(var == freed + sum(c * y[q][o] for (q, o), c in pending.items()))
+                    freed, pending = var, {}
+                m.Add(total - freed + sum(t * y[g][o] for o, t in enumerate(transient) if t)
+                      <= problem.memory_budget)
+                later_max[g] = transient if top is None else tuple(map(max, transient, top))
+            for o, h in enumerate(held):
+                if h:
+                    pending[g, o] = pending.get((g, o), 0) + h
     for i, j in problem.ties:
         for s in range(problem.num_strategies[i]):
             m.Add(x[i, s] == x[j, s])
@@ -202,7 +256,7 @@ def solve_alike(problem: Problem, *, time_limit_s: float = 60.0, exclude=()
             picked = [next(o for o in problem.groups[g].options if o.strategies == st)
                       for g in gs]
             opts.append(Option(st, sum(o.cost for o in picked), sum(o.memory for o in picked),
-                               max(o.transient for o in picked)))
+                               max(o.transient for o in picked), sum(o.held for o in picked)))
         groups.append(Group(first.blocks, opts))
         origin.append(gs)
     position = {b: (q, k) for q, grp in enumerate(groups) for k, b in enumerate(grp.blocks)}
@@ -218,7 +272,15 @@ def solve_alike(problem: Problem, *, time_limit_s: float = 60.0, exclude=()
         edges[ri, rj] = edges.get((ri, rj), 0) + np.asarray(table)
     ties = sorted({(rep_of[i], rep_of[j]) for i, j in list(problem.ties) + list(problem.alike)
                    if rep_of[i] != rep_of[j]})
-    quotient = Problem(groups, problem.num_strategies, edges, problem.memory_budget, ties)
+    quotient_of = {g: q for q, gs in enumerate(origin) for g in gs}
+    sequence = []  # the whole step's windows, each priced by its quotient group's choice
+    for g, held, transient in _sequence(problem):
+        q = quotient_of[g]
+        index = [next(o for o, opt in enumerate(problem.groups[g].options)
+                      if opt.strategies == qo.strategies) for qo in groups[q].options]
+        sequence.append((q, tuple(held[o] for o in index), tuple(transient[o] for o in index)))
+    quotient = Problem(groups, problem.num_strategies, edges, problem.memory_budget, ties,
+                       sequence=sequence)
 
     def lift(choices_q):
         out = [0] * len(problem.groups)

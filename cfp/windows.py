@@ -205,30 +205,25 @@ def inputs_read_earlier(analysis, windows: list[Window]) -> list[frozenset[int]]
 def option_memory(analysis, window: Window, combo, measured, axis_names,
                   read_earlier: frozenset[int] = frozenset(),
                   held: frozenset[int] | None = None,
-                  terms: "MemoryTerms | None" = None) -> tuple[int, int]:
-    """(bytes that add up over windows, transient bytes) of a window under ``combo``, per device.
+                  terms: "MemoryTerms | None" = None) -> tuple[int, int, int]:
+    """(bytes that add up over windows, transient bytes, held bytes) of a window under
+    ``combo``, per device.
 
     Adding up: the window's parameters, optimizer state and batch coming in (those not in
     ``read_earlier``, held for an earlier window already) and their updates going out, plus the
     activations it produces in the forward pass and holds for the backward pass
     (``held_for_backward``, each in the layout ``MemoryTerms`` says XLA keeps). Transient: the
-    compiled temporaries less the held activations inside them; only the largest transient
-    counts in a step's peak. ``held`` and ``terms`` (``memory_terms``) are what the caller
-    computed already, for many combinations."""
+    compiled temporaries less the held activations inside them; one window's transient counts
+    in the step's peak at a time, beside the held activations of the windows up to it (those
+    of later windows the backward pass has freed: ``solver``). Held: the activations among the
+    adding-up bytes. ``held`` and ``terms`` (``memory_terms``) are what the caller computed
+    already, for many combinations."""
     terms = terms or memory_terms(analysis, window, read_earlier, held)
     size, held_size = term_sizers(analysis, window, combo, axis_names)
     held_bytes = {t[0]: held_size(t) for t in terms.held}
     adding = sum(size(*t) for t in terms.adding) + sum(held_bytes.values())
     held_internal = sum(held_bytes[v] for v in terms.internal)
-    return adding, max(0, measured.temp_bytes - held_internal)
-
-
-def held_memory(analysis, window: Window, combo, axis_names, terms: "MemoryTerms") -> int:
-    """The bytes per device of the activations a window holds for the backward pass under
-    ``combo`` (part of ``option_memory``'s adding-up bytes): what each micro-batch in flight
-    in a pipeline stage holds."""
-    _, held_size = term_sizers(analysis, window, combo, axis_names)
-    return sum(held_size(t) for t in terms.held)
+    return adding, max(0, measured.temp_bytes - held_internal), sum(held_bytes.values())
 
 
 def term_sizers(analysis, window: Window, combo, axis_names):

@@ -191,6 +191,36 @@ def test_benchmark_questions(tmp_path, capsys):
     assert "cfp_own faster than analytic (upper end below 1) on 1 of 2 rows" in out
 
 
+def test_plans_in_chunks_compare_through_cfps_plan():
+    """Four plans besides cfp's, in chunks of three: the machine runs at half speed during the
+    second chunk. Times relative to cfp's plan in the same rounds keep the plans' true order,
+    and at most three steps are compiled at once; the raw times (the control) would put the
+    second chunk's plans above the first's."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from enum_and_benchmark.enumerate_plans import time_in_chunks
+    true_s = {"cfp": 1.0, "a": 0.8, "b": 1.2, "c": 0.9, "d": 1.1}
+    loaded, most, slow = set(), [0], {"c", "d"}
+    raw = {n: [] for n in true_s}
+
+    def load(n):
+        loaded.add(n)
+        most[0] = max(most[0], len(loaded))
+
+    def measure(n):
+        seconds = true_s[n] * (2.0 if loaded & slow else 1.0)
+        raw[n].append(seconds)
+        return seconds
+    times, chunk_of = time_in_chunks(list(true_s), 3, 5, load, loaded.discard, measure)
+    median = {n: sorted(t)[len(t) // 2] for n, t in times.items()}
+    assert sorted(median, key=median.get) == ["a", "c", "cfp", "d", "b"]
+    assert abs(median["c"] / median["a"] - 0.9 / 0.8) < 1e-9
+    assert chunk_of == {"cfp": 0, "a": 1, "b": 1, "c": 2, "d": 2} and most[0] == 3
+    raw_median = {n: sorted(t)[len(t) // 2] for n, t in raw.items()}
+    assert raw_median["c"] > raw_median["b"]  # the control: raw times across chunks mislead
+
+
 def test_enumerated_spaces():
     """The exhaustive check's two spaces on a toy problem: two instances of window type 0
     (blocks 0, 1) and one of type 1 (block 2), three options each."""

@@ -7,13 +7,16 @@ from cfp.solver import (Group, Option, Problem, brute_force, chain_dp, evaluate,
                         solve_alike)
 
 
-def _random_chain(rng, groups=4, blocks_per=2, strategies=3, budget=None):
+def _random_chain(rng, groups=4, blocks_per=2, strategies=3, budget=None, held=False):
     gs, nb = [], []
     for g in range(groups):
         blocks = tuple(range(len(nb), len(nb) + blocks_per))
         nb += [strategies] * blocks_per
-        opts = [Option(c, rng.randint(10, 100), rng.randint(1, 20), rng.randint(0, 10))
-                for c in np.ndindex(*(strategies,) * blocks_per)]
+        opts = []
+        for c in np.ndindex(*(strategies,) * blocks_per):
+            memory = rng.randint(1, 20)
+            opts.append(Option(c, rng.randint(10, 100), memory, rng.randint(0, 10),
+                               rng.randint(0, memory) if held else 0))
         gs.append(Group(blocks, opts))
     edges = {}
     for g in range(groups - 1):
@@ -36,7 +39,7 @@ def test_solver_matches_brute_force_and_dp(seed):
 @pytest.mark.parametrize("seed", range(6))
 def test_solver_respects_a_binding_memory_budget(seed):
     rng = random.Random(100 + seed)
-    free = _random_chain(rng, groups=3)
+    free = _random_chain(rng, groups=3, held=seed % 2 == 1)
     unconstrained = brute_force(free)
     mem_of_best = evaluate(free, unconstrained[1])[1]
     tight = Problem(free.groups, free.num_strategies, free.edges, mem_of_best - 1)
@@ -95,13 +98,15 @@ def test_ties_bind_where_the_free_optimum_differs():
     raise AssertionError("the free optimum tied the copies on every instance")
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", [0, 1, 14, 16])
 def test_alike_layers_solve_on_the_quotient(seed):
     """Three layers of two blocks, each block alike across layers: the quotient's optimum is
     the brute-force optimum over the plans whose layers are alike, also with a skip edge
-    between two copies of one block (a cost on the diagonal) and a memory budget."""
+    between two copies of one block (a cost on the diagonal) and a memory budget. With held
+    activations (seeds 14 and 16), the budget binds where the quotient must price each layer's
+    window in the step's order (pricing a quotient group as one window misses both)."""
     rng = random.Random(300 + seed)
-    free = _random_chain(rng, groups=3)
+    free = _random_chain(rng, groups=3, held=seed > 1)
     free.edges[(0, 4)] = np.array([[rng.randint(0, 9) for _ in range(3)] for _ in range(3)])
     alike = [(0, 2), (2, 4), (1, 3), (3, 5)]
     budget = sorted(evaluate(free, c)[1] for c in [(o,) * 3 for o in range(9)])[4]
@@ -122,3 +127,42 @@ def test_whole_problem_mixes_layers_under_a_tight_budget():
     assert solve_alike(p).objective == 60
     assert top_plans(p, 1, 10.0)[0].objective == 40
     assert top_plans(p, 1, 10.0, alike_only=True)[0].objective == 60
+
+
+def test_the_peak_holds_a_windows_transient_beside_the_held_activations_up_to_it():
+    """Window 0's transient (8) runs in the backward pass after window 1's held activations
+    (6) are freed: the peak is 20 + max(8 - 6, 1) = 22, not 20 + 8. Within 23 bytes the plan
+    fits; counted with every window's held activations (the control: held 0) it does not."""
+    from cfp.solver import least_memory
+
+    def problem(held, budget=None):
+        return Problem([Group((0,), [Option((0,), 10, 10, 8)]),
+                        Group((1,), [Option((0,), 10, 10, 1, held)])], [1, 1], {}, budget)
+    assert evaluate(problem(6), (0, 0))[1] == 22
+    assert evaluate(problem(0), (0, 0))[1] == 28
+    assert solve(problem(6, 23)) is not None and solve(problem(0, 23)) is None
+    assert least_memory(problem(6)) == 22 and least_memory(problem(0)) == 28
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_least_memory_bounds_every_plan_from_below(seed):
+    import itertools
+    from cfp.solver import least_memory
+    p = _random_chain(random.Random(500 + seed), groups=3, blocks_per=1, held=True)
+    peaks = [evaluate(p, c)[1] for c in itertools.product(*[range(len(g.options))
+                                                            for g in p.groups])]
+    assert least_memory(p) <= min(peaks)
+
+
+def test_alike_layers_keep_each_windows_memory_where_their_transients_differ():
+    """Two alike layers, the first's fast option with the larger transient (10 against 1):
+    its peak is 20 + max(10 - 5, 1) = 25, over a budget of 24, so the quotient must run the
+    lean option (cost 40). Checking the quotient group at its last window alone (its
+    transient 1) would admit the fast plan."""
+    def layer(transient_fast):
+        return Group((0,), [Option((0,), 10, 10, transient_fast, 5), Option((1,), 20, 10, 0, 5)])
+    first, last = layer(10), layer(1)
+    p = Problem([first, Group((1,), last.options)], [2, 2], {}, 24, [], [(0, 1)])
+    assert evaluate(p, (0, 0))[1] == 25
+    sol = solve_alike(p)
+    assert sol.objective == 40 and sol.memory <= 24

@@ -21,7 +21,8 @@ import numpy as np
 
 from cfp.errors import CfpError
 from cfp.phases import Phases
-from cfp.solver import Group, Option, Problem, Solution, evaluate, solve, solve_alike
+from cfp.solver import (Group, Option, Problem, Solution, evaluate, least_memory, solve,
+                        solve_alike)
 from cfp.windows import (held_for_backward, inputs_read_earlier, layouts, memory_terms,
                          option_memory)
 
@@ -183,8 +184,9 @@ def build_problem(analysis, profile, memory_budget_bytes: int | None
         for combo, m in sorted(seg.results.items()):
             if m.status != "ok":
                 continue
-            mem, transient = option_memory(analysis, w, combo, m, names, terms=terms)
-            opts.append(Option(combo, int(round(m.time_s * SCALE)), mem, transient))
+            mem, transient, held_bytes = option_memory(analysis, w, combo, m, names,
+                                                       terms=terms)
+            opts.append(Option(combo, int(round(m.time_s * SCALE)), mem, transient, held_bytes))
             table.append(combo)
         if not opts:
             statuses = {m.status for m in seg.results.values()}
@@ -240,12 +242,6 @@ def alike_blocks(analysis) -> list[tuple[int, int]]:
     return out
 
 
-def smallest_memory(problem: Problem) -> int:
-    """The least memory any plan reaches (for the error when none fits)."""
-    return sum(min(o.memory for o in g.options) for g in problem.groups) + min(
-        (max(min(o.transient for o in g.options) for g in problem.groups),), default=0)
-
-
 ALIKE_FROM_OPTIONS = 2000  # options over all groups above which a solve starts alike
 
 
@@ -262,7 +258,7 @@ def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool
     smaller, and proving it optimal can take as long as the whole."""
     sols = []
     k = max(1, k)
-    if problem.memory_budget is not None and smallest_memory(problem) > problem.memory_budget:
+    if problem.memory_budget is not None and least_memory(problem) > problem.memory_budget:
         k = 0  # a lower bound already over the budget: no solve can succeed
     for _ in range(k):
         t0 = time.perf_counter()
@@ -292,7 +288,7 @@ def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool
             break
         sols.append(dataclasses.replace(sol, solve_s=time.perf_counter() - t0))
     if not sols:
-        need = smallest_memory(problem)
+        need = least_memory(problem)
         raise CfpError(f"no plan fits the memory budget of "
                        f"{problem.memory_budget / 2**30:.3f} GB per device; the smallest any "
                        f"plan reaches is about {need / 2**30:.3f} GB")

@@ -14,7 +14,7 @@ cluster (``cfp.cluster``); each (stage, submesh) is priced by cfp's own intra-op
    micro-batch in flight) costs on its blocks and the edges among them, plus sending what
    crosses to later stages (forward and backward, whole tensors, at the slowest level
    between submeshes; step inputs are placed, not sent). Its memory splits into what it
-   holds anyway and the activations of each micro-batch in flight (``held_memory``), which
+   holds anyway and the activations of each micro-batch in flight (``Option.held``), which
    the DP multiplies by the micro-batches 1F1B keeps in flight there. Stages with the same
    segment types, the same ends and the same submesh are priced once.
 3. The DP picks the split and submeshes for the least ``sum + (B - 1) x slowest``.
@@ -267,7 +267,6 @@ class _SubmeshPricing:
         from cfp.passes.analysis import run_analysis
         from cfp.passes.profile import ProfileOptions, run_profile
         from cfp.passes.search import build_problem
-        from cfp.windows import held_for_backward, inputs_read_earlier, memory_terms
         self.cluster = cluster.submesh(*m.shape)
         self.options = options
         shape = self.cluster.mesh_shape
@@ -280,10 +279,6 @@ class _SubmeshPricing:
         unit_type = max(counts, key=lambda t: (counts[t], -t))
         self.segments = a.segments.instances
         self.units = [s for s in self.segments if s.type == unit_type]
-        read_earlier = inputs_read_earlier(a, self.profile.windows)
-        held = held_for_backward(a.graph)
-        self.terms = [memory_terms(a, w, read_earlier[k], held)
-                      for k, w in enumerate(self.profile.windows)]
         self.group_start = np.array([grp.blocks[0] for grp in self.problem.groups])
         # Between submeshes, the slowest level any two stages may sit across.
         level = cluster.levels[0] if cluster.nodes[0] > 1 else cluster.levels[-1]
@@ -319,9 +314,6 @@ class _SubmeshPricing:
     def _tables(self, strategies):
         """Per group of a candidate plan: its option, cost, memory, transient and held bytes;
         per edge its cost."""
-        from cfp.windows import held_memory
-        from cfp.workloads import AXIS_NAMES
-        names = AXIS_NAMES[:len(self.analysis.mesh_shape)]
         choices, cost, memory, transient, held = [], [], [], [], []
         for g, grp in enumerate(self.problem.groups):
             want = tuple(strategies[b] for b in grp.blocks)
@@ -329,8 +321,7 @@ class _SubmeshPricing:
             opt = grp.options[c]
             choices.append(c)
             cost.append(opt.cost), memory.append(opt.memory), transient.append(opt.transient)
-            held.append(held_memory(self.analysis, self.profile.windows[g], want, names,
-                                    self.terms[g]))
+            held.append(opt.held)
         edges = np.array([(i, j, int(t[strategies[i], strategies[j]]))
                           for (i, j), t in self.problem.edges.items()],
                          dtype=np.int64).reshape(-1, 3)
@@ -357,7 +348,10 @@ class _SubmeshPricing:
             within = (edges[:, 0] >= lo) & (edges[:, 0] < hi) & (edges[:, 1] >= lo) & \
                 (edges[:, 1] < hi)
             total = int(cost[inside].sum() + edges[within, 2].sum())
-            mem = int(memory[inside].sum() + transient[inside].max(initial=0))
+            # A window's transient beside the held activations of the stage's windows up to
+            # it: the backward pass has freed the later ones' (``solver``).
+            later = np.cumsum(held[inside][::-1])[::-1] - held[inside]
+            mem = int(memory[inside].sum() + (transient[inside] - later).max(initial=0))
             budget = self.options.memory_budget_bytes
             if (budget is None or mem <= budget) and (best is None or total < best[0]):
                 best = (total, mem, int(held[inside].sum()), strategies[lo:hi])

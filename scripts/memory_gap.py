@@ -6,9 +6,11 @@ the largest transient against the compiled program's arguments, outputs and temp
 median error with each held activation sized at its producer's layout, at the largest layout
 one of its readers wants, and as the composition sizes it (``windows.MemoryTerms``: the
 layout a backward reader in its window wants where a forward reader there wants it too, else
-the producer's), and that last again over the held set ``windows.held_for_backward`` made
-before it counted elementwise residuals (a tanh's result, a bias add's input); a window's
-transient loses what its own held activations gain. Last, a
+the producer's). These three count a window's transient beside the held activations of the
+windows up to it (the backward pass has freed the later ones', ``solver``); the composition
+before counted every window's (printed next), and before that, over the held set
+``windows.held_for_backward`` made before it counted elementwise residuals (a tanh's result, a
+bias add's input). A window's transient loses what its own held activations gain. Last, a
 bound from the windows' own programs: every window holding its whole compiled temporaries at
 once, plus the held activations that cross windows; a step above it holds more than its
 windows compiled alone do (the held set, sized from the graph, can pass it). For
@@ -36,7 +38,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 RULES = ("producer layout", "largest reader layout",
          "backward reader's layout where a forward reader made it (cfp's)",
+         "same, every window's beside the largest transient (as composed earlier on 2026-11-24)",
          "same, of the held set without elementwise residuals (the rule before 2026-11-24)")
+PREFIX = RULES[:3]  # a window's transient beside the held activations of windows up to it
 
 
 def main() -> None:
@@ -107,9 +111,9 @@ def main() -> None:
         peaks, held_bytes, transient = {}, {}, {}
         bound = split["inputs"] + split["outputs"]
         for rule in RULES:
-            held_bytes[rule], transients = 0, []
+            held_bytes[rule], transients, above = 0, [], []
             for k, (w, t) in enumerate(zip(profile.windows,
-                                           terms_before if rule == RULES[3] else terms)):
+                                           terms_before if rule == RULES[4] else terms)):
                 combo = problem.groups[k].options[choices[k]].strategies
                 kept = term_sizers(analysis, w, combo, names)[1]
                 sizes = {}
@@ -121,10 +125,12 @@ def main() -> None:
                 held_bytes[rule] += sum(sizes.values())
                 temp = profile.window_profiles[w.type].results[combo].temp_bytes
                 transients.append(max(0, temp - sum(sizes[v] for v in t.internal)))
+                above.append(held_bytes[rule] + transients[-1])  # the windows up to k's held
                 if rule == RULES[2]:  # the bound: the whole temporaries, held at once
                     bound += temp + sum(n for v, n in sizes.items() if v not in t.internal)
             transient[rule] = max(transients, default=0)
-            peaks[rule] = split["inputs"] + split["outputs"] + held_bytes[rule] + transient[rule]
+            peaks[rule] = split["inputs"] + split["outputs"] + (
+                max(above, default=0) if rule in PREFIX else held_bytes[rule] + transient[rule])
         assert peaks[RULES[2]] == composed, (peaks, composed)  # the rule search composes with
         all_held.append(bound)
         step = PlannedStep(program, analysis, strategies, mesh)
@@ -135,12 +141,16 @@ def main() -> None:
         for rule, peak in peaks.items():
             errors[rule].append(peak / compiled["peak_bytes"] - 1)
         mb = lambda n: f"{n / 1e6:.1f}"  # noqa: E731
+        in_out = split["inputs"] + split["outputs"]
         print(f"plan {p}: compiled {mb(compiled['peak_bytes'])} MB = arguments "
               f"{mb(compiled['argument_bytes'])} + outputs {mb(compiled['output_bytes'])} + "
               f"temporaries {mb(compiled['temp_bytes'])}; composed = inputs "
               f"{mb(split['inputs'])} + outputs {mb(split['outputs'])} + held + transient, "
               + "; ".join(f"{rule}: {mb(peaks[rule])} MB = ... + {mb(held_bytes[rule])} + "
-                          f"{mb(transient[rule])}" for rule in RULES), flush=True)
+                          f"{mb(transient[rule])}" if rule not in PREFIX else
+                          f"{rule}: {mb(peaks[rule])} MB = ... + {mb(peaks[rule] - in_out)} "
+                          f"(of held {mb(held_bytes[rule])} and transients up to "
+                          f"{mb(transient[rule])})" for rule in RULES), flush=True)
         if dump:
             _print_peak(dump, args.peak_top)
     for name, errs in errors.items():

@@ -13,7 +13,9 @@ Two spaces (``--space``), both defined over the profile pass's window types:
 
 Every plan of the space, and cfp's own pick (which may lie outside the uniform space, since its
 choices may differ between instances), is compiled and timed in interleaved rounds. Plans with
-the same block strategies are timed once. Reported:
+the same block strategies are timed once. A space larger than ``--chunk`` runs in chunks, cfp's
+plan in each: a plan's time counts relative to cfp's in the same round, so plans of different
+chunks compare through cfp's plan. Reported:
 
 - where cfp's pick ranks, its time over the measured best (median of per-round ratios, bootstrap
   95% interval), and whether it is among the plans that cannot be told apart from the best (the
@@ -49,9 +51,13 @@ def parse_args(argv=None):
     p = workload_parser(__doc__, model="mlp", rounds=9, min_seconds=0.1, max_combinations=64)
     p.add_argument("--space", choices=("uniform", "around"), default="uniform")
     p.add_argument("--max-plans", type=int, default=120,
-                   help="refuse larger spaces: every plan stays compiled for the interleaved "
-                        "rounds, and on this machine XLA's CPU JIT failed (LLVM 'Cannot "
-                        "allocate memory', with RAM free) holding about 200 8-device programs")
+                   help="refuse larger spaces (each plan is compiled once: 5 to 10 s a plan "
+                        "at the compute-bound size here)")
+    p.add_argument("--chunk", type=int, default=60,
+                   help="plans compiled and timed together, cfp's among them; a larger space "
+                        "runs in chunks, each plan timed against cfp's in the same rounds. On "
+                        "this machine XLA's CPU JIT failed holding about 150 to 200 8-device "
+                        "steps at once (LLVM 'Cannot allocate memory', with RAM free)")
     return p.parse_args(argv)
 
 
@@ -95,7 +101,8 @@ def main(a) -> None:
     from cfp.workdir import WorkDir
     from cfp.passes.search import SCALE, build_problem, predicted_seconds
     n_dev = math.prod(mesh_shape)
-    prof = WorkDir(workdir, run_fp).read_profile(analysis, "measure", a.max_combinations)
+    prof = WorkDir(workdir, run_fp).read_profile(analysis, "measure", a.max_combinations,
+                                                 a.whole_segments)
     budget = int(a.memory_budget * 2**30) if a.memory_budget else None
     problem, _ = build_problem(analysis, prof, budget)
     cfp_strats = tuple(b["strategy_index"] for b in
@@ -111,28 +118,33 @@ def main(a) -> None:
     mesh = make_mesh(mesh_shape)
     program = trace_step(spec.build())
     host = real_inputs(spec.build())
-    steps, predicted, windows_s = {}, {}, {}
+    predicted, windows_s = {}, {}
     for name, choices in plans.items():
-        steps[name] = PlannedStep(program, analysis, evaluate(problem, choices)[2], mesh)
         predicted[name] = predicted_seconds(problem, choices, prof.launch_overhead_s)
         windows_s[name] = sum(g.options[c].cost for g, c in zip(problem.groups, choices)) / SCALE
-    t0 = time.perf_counter()
-    for ps in steps.values():
+
+    names, hlo, comm, steps = list(plans), {}, {}, {}
+
+    def load(name):
+        ps = steps[name] = PlannedStep(program, analysis, evaluate(problem, plans[name])[2],
+                                       mesh)
         ps.compile()
         ps.args = ps.place(host)
         jax.block_until_ready(ps.compiled(*ps.args))
-    print(f"compiled {len(steps)} plans in {time.perf_counter() - t0:.0f} s")
-    names = list(steps)
-    times = {n: [] for n in names}
-    for r in range(a.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for n in order:
-            times[n].append(time_steps(steps[n].compiled, steps[n].args,
-                                       min_seconds=a.min_seconds))
+        hlo[name] = normalized_hlo(ps.compiled)
+        comm[name] = sum(c.bytes for c in collectives(ps.compiled.as_text(), mesh_shape))
+
+    def unload(name):
+        del steps[name]  # its executable goes before the next chunk compiles
+
+    def measure(name):
+        return time_steps(steps[name].compiled, steps[name].args, min_seconds=a.min_seconds)
+
+    t0 = time.perf_counter()
+    times, chunk_of = time_in_chunks(names, a.chunk, a.rounds, load, unload, measure)
+    print(f"compiled and timed {len(names)} plans in {max(chunk_of.values())} chunk(s) in "
+          f"{time.perf_counter() - t0:.0f} s")
     med = {n: float(np.median(times[n])) for n in names}
-    hlo = {n: normalized_hlo(steps[n].compiled) for n in names}
-    comm = {n: sum(c.bytes for c in collectives(steps[n].compiled.as_text(), mesh_shape))
-            for n in names}
     best = min(names, key=med.get)
     same_as = [m for m in names if m != "cfp" and hlo[m] == hlo["cfp"]]
     rows, tied = [], set()
@@ -147,6 +159,7 @@ def main(a) -> None:
                          median_s=f"{med[n]:.6e}", over_best=f"{m:.4f}",
                          over_best_lo=f"{lo:.4f}", over_best_hi=f"{hi:.4f}",
                          indistinguishable_from_best=n in tied, comm_bytes=comm[n],
+                         chunk=chunk_of[n],
                          rank=ranked.index(n) + 1, backend=backend, devices=n_dev))
     enum = names
     acc, pairs = ordering_accuracy([predicted[n] for n in enum], [med[n] for n in enum])
@@ -177,6 +190,38 @@ def main(a) -> None:
         print(f"{k:>26}: {v}")
     _plot(out / f"{stem}-{label}-{a.mesh}-{a.space}.png", names, predicted, med, comm, label,
           a.mesh, space_def, backend, n_dev)
+
+
+def time_in_chunks(names, chunk: int, rounds: int, load, unload, measure):
+    """({name: seconds per round}, {name: its chunk}) of the plans ``names`` (cfp's first),
+    timed in interleaved rounds, in chunks of at most ``chunk`` plans with cfp's in each:
+    ``load`` compiles a plan, ``unload`` drops it at its chunk's end, ``measure`` times one
+    run. A plan's time in a round counts relative to cfp's in the same round, scaled by cfp's
+    median over all rounds, so plans of different chunks compare through cfp's plan (a
+    machine slower during one chunk slows cfp's plan too). cfp's own times are that median,
+    every round: each plan's per-round ratio to cfp's is then its ratio in its own rounds."""
+    import numpy as np
+    anchor, others = names[0], names[1:]
+    size = max(1, chunk - 1)
+    chunks = [others[i:i + size] for i in range(0, len(others), size)] or [[]]
+    relative, anchor_s, chunk_of = {n: [] for n in others}, [], {anchor: 0}
+    load(anchor)
+    for c, members in enumerate(chunks, 1):
+        for n in members:
+            load(n)
+            chunk_of[n] = c
+        print(f"chunk {c} of {len(chunks)}: {len(members)} plans compiled", flush=True)
+        here = [anchor] + members
+        for r in range(rounds):
+            seconds = {n: measure(n) for n in here[r % len(here):] + here[:r % len(here)]}
+            anchor_s.append(seconds[anchor])
+            for n in members:
+                relative[n].append(seconds[n] / seconds[anchor])
+        for n in members:
+            unload(n)
+    scale = float(np.median(anchor_s))
+    times = {anchor: [scale] * rounds} | {n: [x * scale for x in relative[n]] for n in others}
+    return times, chunk_of
 
 
 def plan_space(problem, windows, cfp_choices, space: str):
