@@ -101,11 +101,18 @@ def evaluate(problem: Problem, choices) -> tuple[int, int, tuple[int, ...]]:
             strat[b] = s
     for (i, j), table in problem.edges.items():
         cost += int(table[strat[i], strat[j]])
-    above, freed = 0, 0  # the largest transient less what later windows' backward freed
-    for g, held, transient in reversed(_sequence(problem)):
-        above = max(above, transient[choices[g]] - freed)
-        freed += held[choices[g]]
-    return cost, mem + above, tuple(strat)
+    seq = _sequence(problem)
+    return cost, mem + transient_peak([h[choices[g]] for g, h, _ in seq],
+                                      [t[choices[g]] for g, _, t in seq]), tuple(strat)
+
+
+def transient_peak(held, transient) -> int:
+    """Over windows in program order, the largest transient less the held bytes of the
+    windows after it (the backward pass has freed them by then); at least 0."""
+    above, freed = 0, 0
+    for h, t in zip(reversed(held), reversed(transient)):
+        above, freed = max(above, t - freed), freed + h
+    return above
 
 
 def least_memory(problem: Problem) -> int:

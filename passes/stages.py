@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 from cfp.errors import CfpError
+from cfp.solver import transient_peak
 from cfp.stages import StageCost, StagePlan, Submesh, plan_stages
 
 log = logging.getLogger(__name__)
@@ -348,10 +349,7 @@ class _SubmeshPricing:
             within = (edges[:, 0] >= lo) & (edges[:, 0] < hi) & (edges[:, 1] >= lo) & \
                 (edges[:, 1] < hi)
             total = int(cost[inside].sum() + edges[within, 2].sum())
-            # A window's transient beside the held activations of the stage's windows up to
-            # it: the backward pass has freed the later ones' (``solver``).
-            later = np.cumsum(held[inside][::-1])[::-1] - held[inside]
-            mem = int(memory[inside].sum() + (transient[inside] - later).max(initial=0))
+            mem = int(memory[inside].sum() + transient_peak(held[inside], transient[inside]))
             budget = self.options.memory_budget_bytes
             if (budget is None or mem <= budget) and (best is None or total < best[0]):
                 best = (total, mem, int(held[inside].sum()), strategies[lo:hi])
