@@ -10,7 +10,11 @@ the producer's). These three count a window's transient beside the held activati
 windows up to it (the backward pass has freed the later ones', ``solver``); the composition
 before counted every window's (printed next), and before that, over the held set
 ``windows.held_for_backward`` made before it counted elementwise residuals (a tanh's result, a
-bias add's input). A window's transient loses what its own held activations gain. Last, a
+bias add's input). Two more rules, printed last: each held activation at the largest layout a
+backward reader wants; and cfp's, with a value the backward pass reads but the held set leaves
+to recomputation (a cheap elementwise op's result) held in the layout a backward reader
+gathers it to, since a backward fusion cannot recompute past an all-gather. A window's
+transient loses what its own held activations gain. Last, a
 bound from the windows' own programs: every window holding its whole compiled temporaries at
 once, plus the held activations that cross windows; a step above it holds more than its
 windows compiled alone do (the held set, sized from the graph, can pass it). For
@@ -39,8 +43,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 RULES = ("producer layout", "largest reader layout",
          "backward reader's layout where a forward reader made it (cfp's)",
          "same, every window's beside the largest transient (as composed earlier on 2026-11-24)",
-         "same, of the held set without elementwise residuals (the rule before 2026-11-24)")
-PREFIX = RULES[:3]  # a window's transient beside the held activations of windows up to it
+         "same, of the held set without elementwise residuals (the rule before 2026-11-24)",
+         "largest layout a backward reader wants",
+         "cfp's, and a cheap residual that a backward reader gathers held gathered")
+PREFIX = RULES[:3] + RULES[5:]  # a window's transient beside the held activations up to it
 
 
 def main() -> None:
@@ -62,8 +68,9 @@ def main() -> None:
     from cfp.passes.search import build_problem
     from cfp.records import read_record
     from cfp.solver import evaluate
+    from cfp.sharding import sub_program
     from cfp.windows import (held_for_backward, inputs_read_earlier, memory_terms,
-                             shard_bytes, term_sizers)
+                             shard_bytes, term_sizers, window_ops)
     from cfp.workdir import ANALYSIS_FORMAT, WorkDir
     from cfp.workloads import AXIS_NAMES, make_mesh, run_fingerprint, trace_step
 
@@ -82,6 +89,16 @@ def main() -> None:
     terms_before = [memory_terms(analysis, w, read_earlier[k], held_before)
                     for k, w in enumerate(profile.windows)]
     print(f"held activations: {len(held)}; without elementwise residuals: {len(held_before)}")
+    loss_op = g.values[g.outputs[-1]].producer
+    # Per window, the values the backward pass reads that are not held (a backward fusion
+    # recomputes a cheap op's result from what is held): (value, its producer, whether it
+    # stays inside the window).
+    residuals = []
+    for w in profile.windows:
+        sub = sub_program(g, window_ops(analysis, w))
+        residuals.append([(v, i, v not in sub.live_outs) for i in sub.ops
+                          if i < loss_op and i in member for v in g.ops[i].outputs
+                          if v not in held and any(u > loss_op for u in g.users.get(v, ()))])
     plans = random_plans(problem, args.plans, args.seed)
     program, mesh = trace_step(analysis.spec.build()), make_mesh(mesh_shape)
     errors: dict[str, list[float]] = {rule: [] for rule in RULES}
@@ -89,16 +106,21 @@ def main() -> None:
     for p, choices in enumerate(plans):
         _, composed, strategies = evaluate(problem, choices)
 
-        def nbytes(v, block, labels):
-            spec = ((None,) * len(g.values[v].shape) if block is None else dims.spec_axes(
+        def spec(v, block, labels):
+            return ((None,) * len(g.values[v].shape) if block is None else dims.spec_axes(
                 labels, ba.blocks[block].strategies[strategies[block]].axes, names))
-            return shard_bytes(g.values[v].shape, itemsize(g.values[v].dtype), spec,
+
+        def bytes_of(v, s):
+            return shard_bytes(g.values[v].shape, itemsize(g.values[v].dtype), s,
                                analysis.mesh_shape, names)
 
-        def largest_reader(v, made_bytes):
-            return max([made_bytes] + [nbytes(v, ba.owner[u], member[u].ins[pos])
-                                       for u in g.users.get(v, ()) if u in member
-                                       for pos, x in enumerate(g.ops[u].inputs) if x == v])
+        def nbytes(v, block, labels):
+            return bytes_of(v, spec(v, block, labels))
+
+        def reader_bytes(v, late_only=False):  # v in each layout one of its readers wants
+            return [nbytes(v, ba.owner[u], member[u].ins[pos]) for u in g.users.get(v, ())
+                    if u in member and (u > loss_op or not late_only)
+                    for pos, x in enumerate(g.ops[u].inputs) if x == v]
 
         split = {"inputs": 0, "outputs": 0}
         for w, t in zip(profile.windows, terms):
@@ -120,11 +142,20 @@ def main() -> None:
                 for term in t.held:
                     v, (pos, labels) = term[0], term[1]
                     made = nbytes(v, w.start + pos, labels)
-                    sizes[v] = (made if rule == RULES[0] else largest_reader(v, made)
-                                if rule == RULES[1] else kept(term))  # cfp's, both held sets
+                    sizes[v] = (made if rule == RULES[0] else max([made] + reader_bytes(v))
+                                if rule == RULES[1] else max([made] + reader_bytes(v, True))
+                                if rule == RULES[5] else kept(term))  # cfp's, both held sets
+                internal = set(t.internal)
+                if rule == RULES[6]:  # a backward fusion cannot recompute past an all-gather
+                    for v, i, inside in residuals[k]:
+                        made = nbytes(v, ba.owner[i], member[i].outs[g.ops[i].outputs.index(v)])
+                        if max(reader_bytes(v, True), default=0) > made:
+                            sizes[v] = max(reader_bytes(v, True))
+                            if inside:
+                                internal.add(v)
                 held_bytes[rule] += sum(sizes.values())
                 temp = profile.window_profiles[w.type].results[combo].temp_bytes
-                transients.append(max(0, temp - sum(sizes[v] for v in t.internal)))
+                transients.append(max(0, temp - sum(sizes[v] for v in internal)))
                 above.append(held_bytes[rule] + transients[-1])  # the windows up to k's held
                 if rule == RULES[2]:  # the bound: the whole temporaries, held at once
                     bound += temp + sum(n for v, n in sizes.items() if v not in t.internal)
