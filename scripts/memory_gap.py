@@ -106,16 +106,11 @@ def main() -> None:
     for p, choices in enumerate(plans):
         _, composed, strategies = evaluate(problem, choices)
 
-        def spec(v, block, labels):
-            return ((None,) * len(g.values[v].shape) if block is None else dims.spec_axes(
-                labels, ba.blocks[block].strategies[strategies[block]].axes, names))
-
-        def bytes_of(v, s):
-            return shard_bytes(g.values[v].shape, itemsize(g.values[v].dtype), s,
-                               analysis.mesh_shape, names)
-
         def nbytes(v, block, labels):
-            return bytes_of(v, spec(v, block, labels))
+            spec = ((None,) * len(g.values[v].shape) if block is None else dims.spec_axes(
+                labels, ba.blocks[block].strategies[strategies[block]].axes, names))
+            return shard_bytes(g.values[v].shape, itemsize(g.values[v].dtype), spec,
+                               analysis.mesh_shape, names)
 
         def reader_bytes(v, late_only=False):  # v in each layout one of its readers wants
             return [nbytes(v, ba.owner[u], member[u].ins[pos]) for u in g.users.get(v, ())
@@ -149,8 +144,9 @@ def main() -> None:
                 if rule == RULES[6]:  # a backward fusion cannot recompute past an all-gather
                     for v, i, inside in residuals[k]:
                         made = nbytes(v, ba.owner[i], member[i].outs[g.ops[i].outputs.index(v)])
-                        if max(reader_bytes(v, True), default=0) > made:
-                            sizes[v] = max(reader_bytes(v, True))
+                        gathered = max(reader_bytes(v, True), default=0)
+                        if gathered > made:
+                            sizes[v] = gathered
                             if inside:
                                 internal.add(v)
                 held_bytes[rule] += sum(sizes.values())
