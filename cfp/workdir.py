@@ -21,6 +21,7 @@ ANALYSIS_FORMAT = "cfp-analysis"
 WINDOW_FORMAT = "cfp-window-profile"
 PROFILE_FORMAT = "cfp-profile"
 RESHARD_FORMAT = "cfp-reshard-profile"
+CHOSEN_FORMAT = "cfp-chosen-combinations"
 SEARCH_FORMAT = "cfp-search"
 
 
@@ -115,6 +116,15 @@ class ProfileCheckpoint:
 
     def save_reshards(self, known: dict) -> None:
         write_record(self.dir / "reshard.pkl", RESHARD_FORMAT, self.fp, known)
+
+    def load_chosen(self) -> dict | None:
+        """The combinations an earlier run chose to measure per window type, or None."""
+        path = self.dir / "chosen.pkl"
+        return (read_record(path, CHOSEN_FORMAT, self.fp, hint=f"delete {path}")
+                if path.exists() else None)
+
+    def save_chosen(self, chosen: dict) -> None:
+        write_record(self.dir / "chosen.pkl", CHOSEN_FORMAT, self.fp, chosen)
 
 
 def write_profile_csv(path: Path, rec) -> None:

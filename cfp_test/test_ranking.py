@@ -67,3 +67,39 @@ def test_a_whole_segment_profile_measures_the_ranked_and_the_baselines():
                 if c not in ranked:
                     del p.results[c]
     assert names(build_problem(analysis, whole, None)[0]) < names(problem)
+
+
+def test_a_resumed_profile_measures_what_the_first_run_chose(tmp_path):
+    """The cost model that ranks a whole segment's combinations is fitted on the mesh, so it
+    differs from run to run: the first run's choice is kept in the checkpoint, and a resumed
+    run whose fit comes out different still chooses the same combinations. Control: the same
+    different fit with nothing kept chooses other combinations."""
+    from cfp.passes import profile as profile_pass
+    from cfp.windows import split_windows
+    from cfp.workdir import ProfileCheckpoint
+    spec = WorkloadSpec("gpt", "tiny", None, "float32", ()).resolved()
+    analysis = run_analysis(spec, (2, 2))
+    windows, reps = split_windows(analysis, 8, whole_segments=True)
+    options = ProfileOptions(max_combinations=8, whole_segments=True)
+
+    class Worker:  # the calls _chosen makes of cfp.worker.Worker, in one process
+        def __init__(self, cost):
+            self.cost = cost
+
+        def share(self, value):
+            return value
+
+        def call(self, fn, *args):
+            return self.cost
+
+    other = CostModel((1e-3, 1e-6), (1e-8, 1e-10), 1e9, 1e12)
+    quiet = lambda event, **f: None  # noqa: E731
+    first = profile_pass._chosen(analysis, windows, reps, options, Worker(COST), quiet,
+                                 ProfileCheckpoint(tmp_path, ("fp",)))
+    assert first and all(len(c) > 8 for c in first.values())
+    resumed = profile_pass._chosen(analysis, windows, reps, options, Worker(other), quiet,
+                                   ProfileCheckpoint(tmp_path, ("fp",)))
+    assert resumed == first
+    fresh = profile_pass._chosen(analysis, windows, reps, options, Worker(other), quiet,
+                                 ProfileCheckpoint(tmp_path / "fresh", ("fp",)))
+    assert fresh != first

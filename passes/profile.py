@@ -107,6 +107,12 @@ class MemoryCheckpoint:
     def save_reshards(self, known):
         pass
 
+    def load_chosen(self):
+        return None
+
+    def save_chosen(self, chosen):
+        pass
+
 
 def run_profile(analysis, options: ProfileOptions, checkpoint=None,
                 on_result: Callable | None = None) -> ProfileRecord:
@@ -127,7 +133,7 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
         options.compilation_cache, options.runtime), phases)
     compiled, window_profiles = 0, {}
     try:
-        chosen = _chosen(analysis, windows, reps, options, worker, notify)
+        chosen = _chosen(analysis, windows, reps, options, worker, notify, checkpoint)
         # Across processes what is known is process 0's checkpoint's.
         known = worker.share([_known(k, windows[rep], analysis, checkpoint, chosen.get(k))
                               for k, rep in enumerate(reps)])
@@ -168,10 +174,13 @@ def _known(k, window: Window, analysis, checkpoint, chosen=None) -> tuple[tuple,
     return space, results, [c for c in every if c not in results]
 
 
-def _chosen(analysis, windows, reps, options: ProfileOptions, worker, notify) -> dict:
+def _chosen(analysis, windows, reps, options: ProfileOptions, worker, notify,
+            checkpoint=None) -> dict:
     """Per window type whose space is over ``max_combinations`` (with whole segments), the
     combinations measured (``cfp.ranking``): the cheapest by the additive analytic price,
-    with a cost model fitted on the mesh where none is given, and those the baselines use."""
+    with a cost model fitted on the mesh where none is given, and those the baselines use.
+    A fitted model differs from run to run, so its choice is kept in ``checkpoint`` and a
+    resumed profile measures what the first run chose."""
     from cfp import ranking
     from cfp.workloads import AXIS_NAMES
     large = [k for k, rep in enumerate(reps)
@@ -180,6 +189,10 @@ def _chosen(analysis, windows, reps, options: ProfileOptions, worker, notify) ->
         return {}
     cost = options.cost_model
     if cost is None:
+        checkpoint = checkpoint or MemoryCheckpoint()
+        chosen = worker.share(checkpoint.load_chosen())  # process 0's decides for all
+        if chosen is not None:
+            return chosen
         from cfp.measure import fit_cost_model_for
         cost = worker.call(fit_cost_model_for, tuple(analysis.mesh_shape))
     names = AXIS_NAMES[:len(analysis.mesh_shape)]
@@ -191,6 +204,8 @@ def _chosen(analysis, windows, reps, options: ProfileOptions, worker, notify) ->
                                              names, also)
         notify("ranked", k=k, space=ranking.space_size(analysis, w),
                cheapest=options.max_combinations, baselines=len(out[k]) - options.max_combinations)
+    if options.cost_model is None:
+        checkpoint.save_chosen(out)
     return out
 
 

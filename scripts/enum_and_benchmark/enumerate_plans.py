@@ -11,6 +11,10 @@ Two spaces (``--space``), both defined over the profile pass's window types:
   enumerated for a transformer too. It checks that no single change of cfp's plan is faster,
   and how well the composed predictions order the alternatives search weighed.
 
+cfp's pick is ``cfp_own``'s of ``benchmark.py``: the measured fastest of search's own
+predictions within the budget, whether or not search kept it or a baseline it validated
+(the summary's ``search_kept`` says which).
+
 Every plan of the space, and cfp's own pick (which may lie outside the uniform space, since its
 choices may differ between instances), is compiled and timed in interleaved rounds. Plans with
 the same block strategies are timed once. A space larger than ``--chunk`` runs in chunks, cfp's
@@ -90,7 +94,6 @@ def spearman(a, b) -> float:
 
 
 def main(a) -> None:
-    import json
     mesh_shape, backend, label, workdir, spec, run_fp, analysis, _ = start(a)
     import jax
     import numpy as np
@@ -105,10 +108,10 @@ def main(a) -> None:
                                                  a.whole_segments)
     budget = int(a.memory_budget * 2**30) if a.memory_budget else None
     problem, _ = build_problem(analysis, prof, budget)
-    cfp_strats = tuple(b["strategy_index"] for b in
-                       json.loads((workdir / "plan.json").read_text())["blocks"])
+    cfp_strats, kept = own_pick(workdir, run_fp, budget)
     space_def, counts, size, picks = plan_space(problem, prof.windows,
                                                 _choices_of(problem, cfp_strats), a.space)
+    print(f"cfp's pick: the fastest of search's own predictions; search kept {kept}")
     print(f"space: {space_def}; feasible combinations per window type {counts}: {size} plans")
     if size > a.max_plans:
         raise SystemExit(f"enumerate: {size} plans is over --max-plans {a.max_plans}")
@@ -174,7 +177,8 @@ def main(a) -> None:
                    cfp_rank=ranked.index("cfp") + 1,
                    cfp_over_best=f"{gap:.4f}", cfp_over_best_lo=f"{glo:.4f}",
                    cfp_over_best_hi=f"{ghi:.4f}", cfp_among_best="cfp" in tied,
-                   cfp_same_program_as=" ".join(same_as), tied_with_best=len(tied),
+                   cfp_same_program_as=" ".join(same_as), search_kept=kept,
+                   tied_with_best=len(tied),
                    ordering_accuracy=f"{acc:.4f}", pairs_outside_10pct=pairs,
                    spearman=f"{rho:.4f}", volume_ordering_accuracy=f"{vacc:.4f}",
                    volume_spearman=f"{vrho:.4f}", fit_windows_weight=f"{w_win:.3f}",
@@ -190,6 +194,23 @@ def main(a) -> None:
         print(f"{k:>26}: {v}")
     _plot(out / f"{stem}-{label}-{a.mesh}-{a.space}.png", names, predicted, med, comm, label,
           a.mesh, space_def, backend, n_dev)
+
+
+def own_pick(workdir: Path, run_fp, budget) -> tuple[tuple, str]:
+    """Block strategies of ``cfp_own``'s pick (the measured fastest of search's own predictions
+    within the budget, as in ``benchmark.py``), and what search kept: ``its own prediction``
+    when the pick is the kept plan, else the kept plan's source (``baseline dp``, ...)."""
+    import json
+    from cfp.passes.search import fastest_within_budget
+    from cfp.records import read_record
+    from cfp.workdir import SEARCH_FORMAT
+    rec = read_record(workdir / "search.pkl", SEARCH_FORMAT, run_fp, hint="run search first")
+    own = [c for c in rec.candidates if c.source == "predicted"]
+    pick = tuple(own[fastest_within_budget(own, budget)].strategies)
+    plan = json.loads((workdir / "plan.json").read_text())
+    if tuple(b["strategy_index"] for b in plan["blocks"]) == pick:
+        return pick, "its own prediction"
+    return pick, plan["source"]
 
 
 def time_in_chunks(names, chunk: int, rounds: int, load, unload, measure):
