@@ -74,8 +74,10 @@ class Worker:
         self.conn, child = ctx.Pipe()
         runtime = self.options.runtime
         generation = multihost.next_generation() if runtime is not None else 0
-        self.proc = ctx.Process(target=_main, args=(child,) + self.args + (generation,),
-                                daemon=True)
+        # The step's records go through the pipe, not the spawn: a spawned process that dies
+        # importing the user's script again leaves a large spawn payload half written, and
+        # the parent waiting on it.
+        self.proc = ctx.Process(target=_main, args=(child, generation), daemon=True)
         before = {k: os.environ.get(k) for k in host_memory.POOLED}
         os.environ.update(host_memory.POOLED)  # the worker's heap keeps its blocks
         try:
@@ -87,6 +89,10 @@ class Worker:
                 else:
                     os.environ[k] = v
         child.close()
+        try:
+            self.conn.send(self.args)
+        except OSError:
+            pass  # it died before taking them: its end of the pipe reads as closed below
         kind, payload = self._recv()
         if kind == "joining":
             self.log_path = payload
@@ -105,7 +111,9 @@ class Worker:
         if kind != "ready":
             self.proc.join(timeout=5)
             raise CfpError(f"the measurement worker died while starting (exit code "
-                           f"{self.proc.exitcode})")
+                           f"{self.proc.exitcode}); a script that runs cfp must do so under "
+                           f"`if __name__ == '__main__':`, since workers are spawned processes "
+                           f"that import it again")
         self.overhead_s, setup_phases = payload
         log.info("worker %d ready in %.1f s; launch overhead %.3f ms", self.proc.pid,
                  time.perf_counter() - t0, self.overhead_s * 1e3)
@@ -233,8 +241,9 @@ class Worker:
         return known
 
 
-def _main(conn, analysis, options: WorkerOptions, generation: int = 0):
+def _main(conn, generation: int = 0):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    analysis, options = conn.recv()
     phases = Phases()
     try:
         if options.runtime is not None:

@@ -53,3 +53,43 @@ def test_bad_user_steps_get_one_line(tmp_path, capsys):
     assert "takes no num_heads (it declares num_layers)" in capsys.readouterr().err
     assert main(base + ["--model", "zoo_extra:per_example_loss"]) == 2
     assert "not a scalar" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_a_script_without_a_main_guard_stops_with_one_line(tmp_path, guarded):
+    """Workers are spawned processes that import the user's script again, so a script whose
+    call to cfp is not under a main guard kills its worker before the worker takes its end of
+    the pipe: cfp says so in one line and stops instead of waiting for ever (the analysis of
+    even the tiny GPT is larger than a pipe's buffer, so it must not travel in the spawn).
+    Control: the same script guarded gets past the worker's start (its profile budget spent
+    at once)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+    body = textwrap.dedent(f"""
+        import sys
+        from cfp.cli import main
+        args = ["--model", "gpt", "--config", "tiny", "--mesh", "4",
+                "--workdir", {str(tmp_path / "wd")!r}]
+        def run():
+            sys.exit(main(args + ["--mode", "analysis"])
+                     or main(args + ["--mode", "profile", "--profile-budget", "0.001"]))
+        """)
+    body += "if __name__ == '__main__':\n    run()\n" if guarded else "run()\n"
+    script = tmp_path / "train.py"
+    script.write_text(body)
+    here = str(Path(__file__).parent)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               PYTHONPATH=os.pathsep.join([here] + [p for p in [os.environ.get("PYTHONPATH")]
+                                                    if p]))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=240, env=env)
+    if guarded:
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "died while starting" not in done.stderr
+    else:
+        assert done.returncode != 0
+        last = done.stderr.strip().splitlines()[-1]
+        assert "died while starting" in last and "__name__" in last, done.stderr[-2000:]
