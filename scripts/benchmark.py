@@ -73,7 +73,7 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def start(a):
+def start(a, modes=("analysis", "profile", "search")):
     """Set up the devices (before JAX starts), run cfp's passes in the benchmark's work dir
     (``modes``; what is already there is resumed) and return (mesh shape, backend, label,
     work dir, spec, run fingerprint, analysis, {mode: seconds})."""
@@ -89,7 +89,7 @@ def start(a):
     workdir = ROOT / "profiles" / f"bench-{label}-{a.mesh}"
     flags = cfp_flags(a) + ["--workdir", str(workdir)]
     print(f"== {label} on mesh {a.mesh} ({backend}, {math.prod(mesh_shape)} devices)")
-    seconds = {mode: run_cfp(flags, mode) for mode in ("analysis", "profile", "search")}
+    seconds = {mode: run_cfp(flags, mode) for mode in modes}
     spec = WorkloadSpec(a.model, a.config, a.batch_size, a.dtype, tuple(
         (k, getattr(a, k)) for k in ("num_layers", "seq_len", "hidden_size", "num_heads",
                                      "vocab_size", "num_experts") if getattr(a, k) is not None)
