@@ -175,7 +175,7 @@ def _known(k, window: Window, analysis, checkpoint, chosen=None) -> tuple[tuple,
 
 
 def _chosen(analysis, windows, reps, options: ProfileOptions, worker, notify,
-            checkpoint=None) -> dict:
+            checkpoint) -> dict:
     """Per window type whose space is over ``max_combinations`` (with whole segments), the
     combinations measured (``cfp.ranking``): the cheapest by the additive analytic price,
     with a cost model fitted on the mesh where none is given, and those the baselines use.
@@ -189,7 +189,6 @@ def _chosen(analysis, windows, reps, options: ProfileOptions, worker, notify,
         return {}
     cost = options.cost_model
     if cost is None:
-        checkpoint = checkpoint or MemoryCheckpoint()
         chosen = worker.share(checkpoint.load_chosen())  # process 0's decides for all
         if chosen is not None:
             return chosen
@@ -249,7 +248,8 @@ def _priced(analysis, options: ProfileOptions, windows, reps, start) -> ProfileR
     names = AXIS_NAMES[:len(analysis.mesh_shape)]
     cost = options.cost_model
     window_profiles = {}
-    chosen = _chosen(analysis, windows, reps, options, None, lambda event, **f: None)
+    chosen = _chosen(analysis, windows, reps, options, None, lambda event, **f: None,
+                     MemoryCheckpoint())
     for k, rep in enumerate(reps):
         w = windows[rep]
         space = tuple(window_space(analysis, w))

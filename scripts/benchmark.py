@@ -183,21 +183,27 @@ def append_rows(path: Path, fields, rows, keys=("workload", "mesh")) -> None:
     tmp.replace(path)
 
 
+def own_pick(workdir: Path, run_fp, budget) -> tuple[tuple, int]:
+    """(block strategies of ``cfp_own``'s pick: the measured fastest of search's own
+    predictions within the budget, how many own predictions search measured)."""
+    from cfp.passes.search import fastest_within_budget
+    from cfp.records import read_record
+    from cfp.workdir import SEARCH_FORMAT
+    rec = read_record(workdir / "search.pkl", SEARCH_FORMAT, run_fp, hint="run search first")
+    own = [c for c in rec.candidates if c.source == "predicted"]
+    return tuple(own[fastest_within_budget(own, budget)].strategies), len(own)
+
+
 def build_plans(a, workdir: Path, mesh, analysis, program, run_fp, host):
     """Plan name -> PlannedStep (see the module docstring for the names)."""
     from cfp.baselines import applies, baseline_plan, load_rules
     from cfp.execute import PlannedStep
-    from cfp.passes.search import fastest_within_budget
-    from cfp.records import read_record
-    from cfp.workdir import SEARCH_FORMAT
     blocks = json.loads((workdir / "plan.json").read_text())["blocks"]
-    rec = read_record(workdir / "search.pkl", SEARCH_FORMAT, run_fp, hint="run search first")
-    own = [c for c in rec.candidates if c.source == "predicted"]
     budget = int(a.memory_budget * 2**30) if a.memory_budget else None
-    analytic = analytic_plans(a, workdir, analysis, run_fp, len(own))
+    own, n_own = own_pick(workdir, run_fp, budget)
+    analytic = analytic_plans(a, workdir, analysis, run_fp, n_own)
     plans = {"cfp": PlannedStep(program, analysis, [b["strategy_index"] for b in blocks], mesh),
-             "cfp_own": PlannedStep(program, analysis,
-                                    own[fastest_within_budget(own, budget)].strategies, mesh),
+             "cfp_own": PlannedStep(program, analysis, own, mesh),
              "analytic": PlannedStep(program, analysis, fastest_measured(
                  analytic, program, analysis, mesh, host, budget), mesh),
              "analytic_top1": PlannedStep(program, analysis, analytic[0], mesh)}

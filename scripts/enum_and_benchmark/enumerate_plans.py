@@ -47,8 +47,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from benchmark import (append_rows, bootstrap_ratio, normalized_hlo, start,  # noqa: E402
-                       workload_parser)
+from benchmark import (append_rows, bootstrap_ratio, normalized_hlo, own_pick,  # noqa: E402
+                       start, workload_parser)
 
 
 def parse_args(argv=None):
@@ -108,7 +108,7 @@ def main(a) -> None:
                                                  a.whole_segments)
     budget = int(a.memory_budget * 2**30) if a.memory_budget else None
     problem, _ = build_problem(analysis, prof, budget)
-    cfp_strats, kept = own_pick(workdir, run_fp, budget)
+    cfp_strats, kept = own_pick_and_kept(workdir, run_fp, budget)
     space_def, counts, size, picks = plan_space(problem, prof.windows,
                                                 _choices_of(problem, cfp_strats), a.space)
     print(f"cfp's pick: the fastest of search's own predictions; search kept {kept}")
@@ -196,17 +196,12 @@ def main(a) -> None:
           a.mesh, space_def, backend, n_dev)
 
 
-def own_pick(workdir: Path, run_fp, budget) -> tuple[tuple, str]:
-    """Block strategies of ``cfp_own``'s pick (the measured fastest of search's own predictions
-    within the budget, as in ``benchmark.py``), and what search kept: ``its own prediction``
-    when the pick is the kept plan, else the kept plan's source (``baseline dp``, ...)."""
+def own_pick_and_kept(workdir: Path, run_fp, budget) -> tuple[tuple, str]:
+    """Block strategies of ``cfp_own``'s pick (``benchmark.own_pick``), and what search kept:
+    ``its own prediction`` when the pick is the kept plan, else the kept plan's source
+    (``baseline dp``, ...)."""
     import json
-    from cfp.passes.search import fastest_within_budget
-    from cfp.records import read_record
-    from cfp.workdir import SEARCH_FORMAT
-    rec = read_record(workdir / "search.pkl", SEARCH_FORMAT, run_fp, hint="run search first")
-    own = [c for c in rec.candidates if c.source == "predicted"]
-    pick = tuple(own[fastest_within_budget(own, budget)].strategies)
+    pick, _ = own_pick(workdir, run_fp, budget)
     plan = json.loads((workdir / "plan.json").read_text())
     if tuple(b["strategy_index"] for b in plan["blocks"]) == pick:
         return pick, "its own prediction"

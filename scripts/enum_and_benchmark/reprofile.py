@@ -28,7 +28,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "scripts" / "enum_and_benchmark"))
 
 from benchmark import append_rows, cfp_flags, start  # noqa: E402
-from enumerate_plans import (_choices_of, distinct_plans, ordering_accuracy, own_pick,  # noqa: E402
+from benchmark import own_pick  # noqa: E402
+from enumerate_plans import (_choices_of, distinct_plans, ordering_accuracy,  # noqa: E402
                              parse_args, plan_space, spearman)
 
 
