@@ -13,6 +13,8 @@ kernel's OOM killer ends the worker, not the pass.
 - ``time_in_context``: what a resharding adds to the op producing its value (paired,
   interleaved, with a bootstrap interval).
 - ``launch_overhead``: the fixed cost of launching a program, subtracted from every window time.
+- ``speed_anchor``: a fixed program run in every round of every batch (``time_rounds``), the
+  machine's speed gauge, through which the profile pass puts every batch on one scale.
 - ``model_cost``: the analytic backend: Alpa's alpha-beta collectives plus a roofline for compute.
 """
 from __future__ import annotations
@@ -63,6 +65,9 @@ class Measurement:
     # the share the hypervisor stole for other machines (steal): this process's own CPU time
     # counts stolen time as its own, so ``others_cpu_share`` sees only part of it
     stolen_cpu_share: float = float("nan")
+    # median seconds of ``speed_anchor`` over the rounds of this one's batch (NaN: none ran):
+    # the profile pass rescales every batch's times to the anchor's median over the profile
+    anchor_s: float = float("nan")
 
     def busy(self) -> bool:
         """Whether this was timed while other work ran on the machine's cores."""
@@ -382,27 +387,33 @@ def time_runs(fn, args, *, best_s: float | None, warmup: int = 1, min_runs: int 
 
 
 def time_rounds(programs: Sequence[tuple], *, best_s: float | None, warmup: int = 1,
-                min_rounds: int = 5, max_rounds: int = 30,
-                rel_error: float = 0.02) -> list[tuple[list[float], bool]]:
-    """Timed runs of several ``(fn, args)`` in interleaved rounds, per program its times
-    (seconds) and whether it stopped early because it was already 1.5x slower than the best
-    (``best_s`` or the best of these).
+                min_rounds: int = 10, max_rounds: int = 30, rel_error: float = 0.02,
+                anchor: tuple | None = None,
+                overhead_s: float = 0.0) -> tuple[list[tuple[list[float], bool]], list[float]]:
+    """Timed runs of several ``(fn, args)`` in interleaved rounds: per program its times
+    (seconds, ``overhead_s`` subtracted) and whether it stopped early because it was already
+    1.5x slower than the best (``best_s`` or the best of these); and the times of ``anchor``
+    (a ``(fn, args)`` run first in every round, launch included; none without one).
 
     Each round runs every program still being timed once, so a change of the machine's speed
-    during the batch falls on all of them alike instead of on whichever ran then. A program
-    leaves after ``min_rounds`` once its median's standard error is within ``rel_error``
-    (see ``time_runs``), or at ``max_rounds``."""
+    during the batch falls on all of them alike instead of on whichever ran then; the anchor
+    tells how fast the machine ran during the batch, against other batches. A program leaves
+    after ``min_rounds`` once its median's standard error is within ``rel_error`` (see
+    ``time_runs``), or at ``max_rounds``."""
     import jax
-    for fn, args in programs:
+    for fn, args in list(programs) + ([anchor] if anchor else []):
         for _ in range(warmup):
             jax.block_until_ready(fn(*args))
     times: list[list[float]] = [[] for _ in programs]
+    anchor_times: list[float] = []
     early = [False] * len(programs)
     live = list(range(len(programs)))
     rounds = 0
     while live:
+        if anchor:
+            anchor_times.append(run_once_s(*anchor))  # whole: a gauge, not a window
         for i in live:
-            times[i].append(run_once_s(*programs[i]))
+            times[i].append(max(0.0, run_once_s(*programs[i]) - overhead_s))
         rounds += 1
         best = min([statistics.median(t) for t, e in zip(times, early) if t and not e]
                    + ([best_s] if best_s else []))
@@ -414,7 +425,7 @@ def time_rounds(programs: Sequence[tuple], *, best_s: float | None, warmup: int 
                                           or median_rel_error(times[i]) > rel_error):
                 still.append(i)
         live = still
-    return list(zip(times, early))
+    return list(zip(times, early)), anchor_times
 
 
 def time_in_context(producer, with_reshard, args, *, min_rounds: int = 5,
@@ -473,6 +484,32 @@ def launch_overhead(mesh, repeats: int = 50) -> float:
     f = jax.jit(lambda a: a + 1)
     times, _ = time_runs(f, (x,), best_s=None, warmup=5, min_runs=repeats, max_runs=repeats)
     return statistics.median(times)
+
+
+def speed_anchor(mesh, rows_per_device: int = 512, width: int = 256, layers: int = 6):
+    """``(fn, args)``: a fixed program on the mesh, timed in every round of every batch as the
+    machine's speed gauge (a data-parallel stack of ``tanh(x @ w)``: every device computes,
+    as in a window). It depends on the mesh alone, so every window type, every batch and a
+    resumed profile time against the same program. On a GPU it is launch-bound and gauges
+    the launch path, which varies little there."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+    from cfp.multihost import put
+    n = math.prod(mesh.devices.shape)
+    rng = np.random.default_rng(0)
+    x = put(rng.uniform(-1, 1, (n * rows_per_device, width)).astype(np.float32),
+            NamedSharding(mesh, PartitionSpec(mesh.axis_names)))
+    w = put((rng.uniform(-1, 1, (width, width)) / math.sqrt(width)).astype(np.float32),
+            NamedSharding(mesh, PartitionSpec()))
+
+    def stack(x, w):
+        for _ in range(layers):
+            x = jnp.tanh(x @ w)
+        return x
+    fn = jax.jit(stack)
+    jax.block_until_ready(fn(x, w))  # compiled here, not in the first round it is timed in
+    return fn, (x, w)
 
 
 # ---------------------------------------------------------------------------------------------

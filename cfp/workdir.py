@@ -128,7 +128,8 @@ class ProfileCheckpoint:
 
 
 def write_profile_csv(path: Path, rec) -> None:
-    """One row per measured combination of every window type."""
+    """One row per measured combination of every window type; times on the profile's one
+    scale (``ProfileRecord.anchor_s``), ``batch_anchor_s`` the anchor's time in its batch."""
     rows = []
     for k, seg in sorted(rec.window_profiles.items()):
         for combo, m in sorted(seg.results.items()):
@@ -137,7 +138,7 @@ def write_profile_csv(path: Path, rec) -> None:
                          "time_min_s": m.time_min_s, "time_max_s": m.time_max_s,
                          "runs": m.runs, "others_cpu_share": m.others_cpu_share,
                          "stolen_cpu_share": m.stolen_cpu_share,
-                         "busy": m.busy(),
+                         "busy": m.busy(), "batch_anchor_s": m.anchor_s,
                          "memory_gb": m.peak_bytes / 2**30,
                          "compile_s": m.compile_s,
                          "unnamed_collectives": len(m.unnamed_collectives),

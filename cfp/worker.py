@@ -303,7 +303,7 @@ def _quiet_log(runtime, generation: int) -> str:
 
 
 def _setup(analysis, phases: Phases):
-    from cfp.measure import launch_overhead
+    from cfp.measure import launch_overhead, speed_anchor
     from cfp.workloads import make_mesh, trace_step
     with phases("tracing"):
         program = trace_step(analysis.spec.build())
@@ -318,8 +318,9 @@ def _setup(analysis, phases: Phases):
     with phases("running"):
         mesh = make_mesh(analysis.mesh_shape)
         overhead = launch_overhead(mesh)
+        anchor = speed_anchor(mesh)
     return {"analysis": analysis, "program": program, "mesh": mesh, "overhead": overhead,
-            "inputs": {}, "programs": {}}
+            "anchor": anchor, "inputs": {}, "programs": {}}
 
 
 def _measure_window(conn, state, options: WorkerOptions, window, combos, best_s,
@@ -446,8 +447,8 @@ def _verdict(state, options, wp, got) -> Measurement | None:
 def _run(state, runnable, host_inputs, best_s) -> list[Measurement]:
     """Measurements of the compiled combinations ``runnable`` ((combination, compiled),
     ...), in order: each run once alone (a program XLA fails running is that combination's
-    ``run_error`` or ``oom``), then the rest timed in interleaved rounds
-    (``measure.time_rounds``), the launch overhead subtracted."""
+    ``run_error`` or ``oom``), then the rest timed in interleaved rounds against the speed
+    anchor (``measure.time_rounds``), the launch overhead subtracted."""
     import jax
     from cfp.measure import CpuShare, time_rounds
     out, programs = {}, []
@@ -466,16 +467,17 @@ def _run(state, runnable, host_inputs, best_s) -> list[Measurement]:
             continue
         programs.append((k, got, exe, args))
     cpu = CpuShare().start()
-    timed = time_rounds([(exe, args) for _, _, exe, args in programs], best_s=best_s,
-                        warmup=0)
+    timed, anchor_times = time_rounds([(exe, args) for _, _, exe, args in programs],
+                                      best_s=best_s, warmup=0, anchor=state["anchor"],
+                                      overhead_s=state["overhead"])
     others, stolen = cpu.share()
     for (k, got, _, _), (times, early) in zip(programs, timed):
         _, _, compile_s, mem, colls, _, _ = got
-        times = [max(0.0, t - state["overhead"]) for t in times]
         out[k] = Measurement(
             "ok", statistics.median(times), min(times), max(times), len(times), compile_s,
             collectives=colls, note="stopped early: 1.5x slower than the best" if early else "",
-            others_cpu_share=others, stolen_cpu_share=stolen, **mem)
+            others_cpu_share=others, stolen_cpu_share=stolen,
+            anchor_s=statistics.median(anchor_times[:len(times)]), **mem)
     return [out[k] for k in range(len(runnable))]
 
 

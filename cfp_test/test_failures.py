@@ -162,6 +162,40 @@ def test_a_budget_cut_profile_is_finished_by_the_next_run(tmp_path):
     assert len(full.reshard_s) > 0
 
 
+def test_batches_timed_at_other_speeds_land_on_one_scale():
+    """Each batch is timed in its own stretch of time; the speed anchor timed in its rounds
+    puts it on the profile's one scale. A window type timed while the machine ran 1.3x slower
+    (its combinations and the anchor alike) reads as fast as the others once rescaled; the
+    same slow stretch without an anchor time (the control) keeps its 1.3x."""
+    import dataclasses
+    from cfp.measure import Measurement
+    from cfp.passes.profile import WindowProfile, on_one_scale
+
+    def profile(k, times_s, anchor_s):
+        return WindowProfile(k, (k,), (len(times_s),), {
+            (i,): Measurement("ok", t, 0.9 * t, 1.1 * t, 10, anchor_s=anchor_s)
+            for i, t in enumerate(times_s)})
+    fast = {0: profile(0, [0.050, 0.060], 0.010), 1: profile(1, [0.040], 0.010),
+            2: profile(2, [0.030], 0.010)}
+    slow = {**fast, 1: profile(1, [0.040 * 1.3], 0.010 * 1.3)}
+    scaled, scale_s = on_one_scale(slow)
+    assert scale_s == pytest.approx(0.010)
+    assert scaled[1].results[(0,)].time_s == pytest.approx(0.040)
+    assert scaled[1].results[(0,)].time_max_s == pytest.approx(1.1 * 0.040)
+    assert scaled[0].results[(1,)].time_s == pytest.approx(0.060)  # already on the scale
+    unanchored = {**slow, 1: dataclasses.replace(slow[1], results={
+        c: dataclasses.replace(m, anchor_s=float("nan")) for c, m in slow[1].results.items()})}
+    assert on_one_scale(unanchored)[0][1].results[(0,)].time_s == pytest.approx(0.040 * 1.3)
+
+
+def test_a_window_type_is_timed_in_batches_of_even_size():
+    from cfp.passes.profile import even_batches
+    sizes = lambda n, most: [len(b) for _, b in even_batches(list(range(n)), most)]  # noqa
+    assert sizes(34, 16) == [12, 12, 10]  # not 16, 16 and a last 2 timed nearly alone
+    assert sizes(32, 16) == [16, 16] and sizes(5, 16) == [5] and sizes(0, 16) == []
+    assert [i for i, _ in even_batches(list(range(34)), 16)] == [0, 12, 24]
+
+
 def test_timings_taken_on_a_busy_machine_are_told(capsys):
     """Every timed combination carries the share of the cores other processes took while it
     was timed; one over ``BUSY_SHARE`` is reported as timed on a busy machine, naming its
@@ -177,6 +211,10 @@ def test_timings_taken_on_a_busy_machine_are_told(capsys):
     assert shares and all(math.isfinite(x) and 0 <= x <= 1 for x in shares), shares
     assert all(0 <= m.stolen_cpu_share <= 1 for p in rec.window_profiles.values()
                for m in p.results.values())
+    # every batch timed the speed anchor too, and the record's scale is its median
+    anchors = [m.anchor_s for p in rec.window_profiles.values() for m in p.results.values()
+               if m.status == "ok" and not m.same_program_as]
+    assert anchors and all(a > 0 for a in anchors) and rec.anchor_s > 0
 
     def with_share(share_of, stolen_of=lambda k, c: 0.0):
         profiles = {k: dataclasses.replace(p, results={

@@ -6,7 +6,9 @@ its blocks' strategies, checks it against the compiled HLO, and times it on the 
 worker process (``cfp.worker``). With ``whole_segments`` each segment is one window, and where
 its space exceeds ``max_combinations`` only the combinations ``cfp.ranking`` chooses are
 measured. It then times every resharding a boundary between windows can
-need, and returns a ``ProfileRecord`` holding every window type's results. Each result is
+need, and returns a ``ProfileRecord`` holding every window type's results, each batch's times
+put on one scale through the speed anchor timed in every round (``on_one_scale``), so that a
+window type timed while the machine ran slower does not read slower. Each result is
 handed to ``checkpoint`` as it comes (the CLI saves it to the work dir, so an interrupted run
 resumes where it stopped). Across processes (``ProfileOptions.runtime``) every process's
 worker measures the same combinations in lockstep, and what is known and when the budget is
@@ -21,6 +23,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import statistics
 import time
 from typing import Callable, Literal
 
@@ -39,7 +42,7 @@ class ProfileOptions:
     whole_segments: bool = False  # one window per segment, measured in part (cfp.ranking)
     budget_s: float | None = None  # wall-clock budget of the whole pass; the rest not_measured
     memory_budget_bytes: int = 2**62  # per device; over it a combination is recorded oom
-    batch: int = 16  # combinations compiled before timing them
+    batch: int = 16  # at most this many combinations compiled, then timed together
     cost_model: CostModel | None = None  # for cost == "model" or "analytic"
     compilation_cache: str | None = None  # JAX's persistent compilation cache directory
     runtime: object = None  # cfp.multihost.Runtime: measure across these processes' devices
@@ -74,6 +77,9 @@ class ProfileRecord:
     # resharding -> 95% interval (s) of what it adds after its producer; where the interval
     # does not lie above 0 the resharding counts as 0 (measure.time_in_context)
     reshard_interval_s: dict = dataclasses.field(default_factory=dict)
+    # the speed anchor's median seconds over the profile: the scale of every window time
+    # (``on_one_scale``; NaN where nothing was timed against it)
+    anchor_s: float = float("nan")
 
     def reshards_counted_zero(self) -> int:
         """Timed reshardings whose interval does not lie above 0, so counted as 0."""
@@ -153,14 +159,38 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
         raise
     finally:
         worker.close()
+    window_profiles, anchor_s = on_one_scale(window_profiles)
     rec = ProfileRecord(tuple(windows), tuple(reps), window_profiles, tuple(bounds),
                         {k: t and t[0] for k, t in timed.items()}, overhead, options.cost,
                         options.max_combinations, time.perf_counter() - start, compiled,
                         dict(phases.seconds),
                         options.whole_segments,
-                        {k: t[1:] for k, t in timed.items() if t and options.cost == "measure"})
+                        {k: t[1:] for k, t in timed.items() if t and options.cost == "measure"},
+                        anchor_s)
     log.info("profile pass: %.1f s, phases %s", rec.time_s, rec.phase_s)
     return rec
+
+
+def on_one_scale(window_profiles: dict) -> tuple[dict, float]:
+    """``window_profiles`` with every timed measurement rescaled from its batch's speed anchor
+    time (``Measurement.anchor_s``) to the anchor's median over the whole profile, and that
+    median. Each batch is timed in its own stretch of time; the anchor, the same program in
+    every round of every batch (of a resumed run too), tells how fast the machine ran then.
+    Measurements with no anchor time (priced, or from a profile before the anchor) stay."""
+    anchors = [m.anchor_s for p in window_profiles.values() for m in p.results.values()
+               if m.anchor_s > 0]  # NaN compares False
+    if not anchors:
+        return window_profiles, float("nan")
+    scale_s = statistics.median(anchors)
+
+    def rescaled(m: Measurement) -> Measurement:
+        if not m.anchor_s > 0:
+            return m
+        f = scale_s / m.anchor_s
+        return dataclasses.replace(m, time_s=m.time_s * f, time_min_s=m.time_min_s * f,
+                                   time_max_s=m.time_max_s * f)
+    return {k: dataclasses.replace(p, results={c: rescaled(m) for c, m in p.results.items()})
+            for k, p in window_profiles.items()}, scale_s
 
 
 def _known(k, window: Window, analysis, checkpoint, chosen=None) -> tuple[tuple, dict, list]:
@@ -216,13 +246,13 @@ def _profile_window(k, window: Window, space, results, todo, worker: Worker,
              window.start, window.end - 1, len(todo), len(results))
     best = min((m.time_s for m in results.values() if m.status == "ok"), default=None)
     done = 0
-    for i in range(0, len(todo), options.batch):
+    for i, batch in even_batches(todo, options.batch):
         if worker.share(_spent(options, start)):
             for c in todo[i:]:
                 results[c] = Measurement("not_measured", note="--profile-budget spent")
             notify("not_measured", k=k, count=len(todo) - i)
             break
-        for combo, m in worker.measure_window(window, todo[i:i + options.batch], best):
+        for combo, m in worker.measure_window(window, batch, best):
             results[combo] = m
             done += 1
             if m.status == "ok":
@@ -233,6 +263,14 @@ def _profile_window(k, window: Window, space, results, todo, worker: Worker,
     profile = WindowProfile(k, blocks, space, dict(results))
     checkpoint.save_window(k, profile)
     return profile, done
+
+
+def even_batches(items: list, most: int) -> list[tuple[int, list]]:
+    """``items`` in consecutive batches of even size, at most ``most`` each, with the index of
+    each batch's first item: 34 at most 16 go as 12, 12, 10, since a last batch of two would
+    be timed nearly alone, unlike the rest."""
+    size = max(1, math.ceil(len(items) / max(1, math.ceil(len(items) / most))))
+    return [(i, items[i:i + size]) for i in range(0, len(items), size)]
 
 
 def _spent(options: ProfileOptions, start: float) -> bool:

@@ -60,7 +60,7 @@ def main() -> None:
                 for fn, args in programs]
 
     def in_rounds() -> list[float]:
-        return [statistics.median(t) * 1e3 for t, _ in time_rounds(programs, best_s=None)]
+        return [statistics.median(t) * 1e3 for t, _ in time_rounds(programs, best_s=None)[0]]
 
     passes, wall_s = {}, {}
     for name, timer in (("sequence 1", in_sequence), ("rounds 1", in_rounds),
