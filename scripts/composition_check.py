@@ -158,43 +158,21 @@ def main() -> None:
 
 
 def _other_profiles(args, base, workdir, analysis, problem, steps, measured_s, out, label):
-    """Profile the same analysis ``args.profiles - 1`` more times (each in a fresh worker, in
-    a scratch work dir) and compose the same plans from each against the steps measured
-    once: how much the check's time figures depend on which profile it drew. One line per
-    profile (0 is the work dir's) printed and appended to ``<out>-profiles.csv``."""
-    import shutil
-    import tempfile
-    from cfp.cli import main as cli
-    from cfp.passes.search import SCALE, build_problem
-    from cfp.solver import evaluate
-    from cfp.workdir import WorkDir
-    from cfp.workloads import run_fingerprint
+    """Compose the same plans from ``args.profiles - 1`` more profiles against the steps
+    measured once (``predictions_from_profiles``): how much the check's time figures depend on
+    which profile it drew. One line per profile (0 is the work dir's) printed and appended to
+    ``<out>-profiles.csv``."""
+    at = base.index("--workdir")
     strategies = [[problem.groups[g].options[c].strategies for g, c in enumerate(ps.choices)]
                   for ps in steps]
-    profiles = [workdir]
-    at = base.index("--workdir") + 1
-    scratch = tempfile.mkdtemp(prefix="cfp-profiles-")
-    try:
-        for k in range(1, args.profiles):
-            d = Path(scratch) / str(k)
-            d.mkdir()
-            shutil.copy(workdir / "analysis.pkl", d / "analysis.pkl")
-            assert cli(base[:at] + [str(d)] + base[at + 1:] + ["--mode", "profile"]) == 0
-            profiles.append(d)
-        lines = []
-        for k, d in enumerate(profiles):
-            profile = WorkDir(d, run_fingerprint(analysis.spec, analysis.mesh_shape)).read_profile(
-                analysis, "measure", args.max_combinations, args.whole_segments)
-            other, _ = build_problem(analysis, profile, None)
-            index = [{o.strategies: i for i, o in enumerate(g.options)} for g in other.groups]
-            predicted = [evaluate(other, [ix[s] for ix, s in zip(index, plan)])[0] / SCALE
-                         + profile.launch_overhead_s for plan in strategies]
-            err = [(p - m) / m for p, m in zip(predicted, measured_s)]
-            slope = fit_with_interval([[p] for p in predicted], measured_s)[0][0]
-            lines.append((k, statistics.median(abs(e) for e in err), statistics.median(err),
-                          slope))
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    lines = []
+    for k, _, predicted in predictions_from_profiles(
+            base[:at] + base[at + 2:], workdir, analysis, strategies, args.profiles - 1,
+            args.max_combinations, args.whole_segments):
+        err = [(p - m) / m for p, m in zip(predicted, measured_s)]
+        slope = fit_with_interval([[p] for p in predicted], measured_s)[0][0]
+        lines.append((k, statistics.median(abs(e) for e in err), statistics.median(err),
+                      slope))
     path = out.with_name(f"{out.stem}-profiles.csv")
     new = not path.exists()
     with open(path, "a") as f:
@@ -207,6 +185,46 @@ def _other_profiles(args, base, workdir, analysis, problem, steps, measured_s, o
     print(f"the same plans composed from {len(lines)} profiles of one analysis: median |time "
           f"error| {100 * min(x[1] for x in lines):.1f}% to {100 * max(x[1] for x in lines):.1f}%"
           f"; lines appended to {path}")
+
+
+def predictions_from_profiles(flags, workdir: Path, analysis, plans, more: int,
+                              max_combinations: int, whole_segments: bool):
+    """Per profile, (its index, its record, the composed step seconds of each plan in
+    ``plans``: block strategies per window group): 0 is ``workdir``'s, then ``more`` fresh
+    profiles of the same analysis, each by ``--mode profile`` with ``flags`` (no
+    ``--workdir``) in a scratch work dir holding a copy of ``analysis.pkl`` and, with whole
+    segments, ``chosen.pkl``, so that the same combinations are measured. The scratch dirs
+    are removed after."""
+    import shutil
+    import tempfile
+    from cfp.cli import main as cli
+    from cfp.passes.search import build_problem, predicted_seconds
+    from cfp.workdir import WorkDir
+    from cfp.workloads import run_fingerprint
+    run_fp = run_fingerprint(analysis.spec, analysis.mesh_shape)
+    dirs, scratch = [workdir], Path(tempfile.mkdtemp(prefix="cfp-profiles-"))
+    out = []
+    try:
+        for k in range(1, more + 1):
+            d = scratch / str(k)
+            d.mkdir()
+            for name in ("analysis.pkl", "chosen.pkl"):
+                if (workdir / name).exists():
+                    shutil.copy(workdir / name, d / name)
+            if cli(list(flags) + ["--workdir", str(d), "--mode", "profile"]) != 0:
+                raise SystemExit(f"profile {k} failed")
+            dirs.append(d)
+        for k, d in enumerate(dirs):
+            profile = WorkDir(d, run_fp).read_profile(analysis, "measure", max_combinations,
+                                                      whole_segments)
+            other, _ = build_problem(analysis, profile, None)
+            index = [{o.strategies: i for i, o in enumerate(g.options)} for g in other.groups]
+            out.append((k, profile, [
+                predicted_seconds(other, [ix[s] for ix, s in zip(index, plan)],
+                                  profile.launch_overhead_s) for plan in plans]))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return out
 
 
 def fit_with_interval(x, y, *, resamples: int = 2000, seed: int = 0):

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import csv
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,8 +25,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "scripts" / "enum_and_benchmark"))
 
-from benchmark import append_rows, cfp_flags, start  # noqa: E402
-from benchmark import own_pick  # noqa: E402
+from benchmark import append_rows, cfp_flags, own_pick, start  # noqa: E402
+from composition_check import predictions_from_profiles  # noqa: E402
 from enumerate_plans import (_choices_of, distinct_plans, ordering_accuracy,  # noqa: E402
                              parse_args, plan_space, spearman)
 
@@ -39,8 +37,7 @@ def main(argv=None) -> None:
     extra, rest = ap.parse_known_args(argv)
     a = parse_args(rest)
     _, backend, label, workdir, _, run_fp, analysis, _ = start(a, modes=())
-    from cfp.cli import main as cli
-    from cfp.passes.search import build_problem, predicted_seconds
+    from cfp.passes.search import build_problem
     from cfp.workdir import WorkDir
     budget = int(a.memory_budget * 2**30) if a.memory_budget else None
     read = lambda d: WorkDir(d, run_fp).read_profile(  # noqa: E731
@@ -58,36 +55,20 @@ def main(argv=None) -> None:
         raise SystemExit(f"reprofile: the row's plans ({len(measured)}) are not this work dir's "
                          f"space ({len(plans)}): run enumerate_plans.py with these flags first")
     names = list(plans)
-    strategies = {n: [problem.groups[g].options[c].strategies for g, c in enumerate(plans[n])]
-                  for n in names}
-    dirs, scratch = [workdir], Path(tempfile.mkdtemp(prefix="cfp-reprofile-"))
+    strategies = [[problem.groups[g].options[c].strategies for g, c in enumerate(plans[n])]
+                  for n in names]
+    meas = [measured[n] for n in names]
     rows = []
-    try:
-        for k in range(1, extra.profiles + 1):
-            d = scratch / str(k)
-            d.mkdir()
-            for name in ("analysis.pkl", "chosen.pkl"):
-                if (workdir / name).exists():
-                    shutil.copy(workdir / name, d / name)
-            assert cli(cfp_flags(a) + ["--workdir", str(d), "--mode", "profile"]) == 0
-            dirs.append(d)
-        for k, d in enumerate(dirs):
-            prof = read(d)
-            other, _ = build_problem(analysis, prof, None)
-            index = [{o.strategies: i for i, o in enumerate(g.options)} for g in other.groups]
-            pred = [predicted_seconds(other, [ix[s] for ix, s in zip(index, strategies[n])],
-                                      prof.launch_overhead_s) for n in names]
-            meas = [measured[n] for n in names]
-            acc, pairs = ordering_accuracy(pred, meas)
-            rows.append(dict(workload=label, mesh=a.mesh, space_def=space_def, profile=k,
-                             ordering_accuracy=f"{acc:.4f}", pairs_outside_10pct=pairs,
-                             spearman=f"{spearman(pred, meas):.4f}",
-                             profile_s=f"{prof.time_s:.0f}", backend=backend))
-            print(f"profile {k}: ordering accuracy {100 * acc:.1f}% over {pairs} pairs, "
-                  f"Spearman {spearman(pred, meas):.2f}"
-                  + (" (the row's own)" if k == 0 else ""))
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    for k, prof, pred in predictions_from_profiles(cfp_flags(a), workdir, analysis, strategies,
+                                                   extra.profiles, a.max_combinations,
+                                                   a.whole_segments):
+        acc, pairs = ordering_accuracy(pred, meas)
+        rows.append(dict(workload=label, mesh=a.mesh, space_def=space_def, profile=k,
+                         ordering_accuracy=f"{acc:.4f}", pairs_outside_10pct=pairs,
+                         spearman=f"{spearman(pred, meas):.4f}",
+                         profile_s=f"{prof.time_s:.0f}", backend=backend))
+        print(f"profile {k}: ordering accuracy {100 * acc:.1f}% over {pairs} pairs, "
+              f"Spearman {spearman(pred, meas):.2f}" + (" (the row's own)" if k == 0 else ""))
     append_rows(out / f"{a.date}-enum-{backend}-profiles.csv", list(rows[0]), rows,
                 ("workload", "mesh", "space_def"))
 
