@@ -158,3 +158,33 @@ def test_kept_plan_fits_the_budget_once_compiled():
     assert fastest_within_budget(cands, int(1.2 * gb)) == 1  # composed 1.0 fits, compiled not
     with pytest.raises(CfpError, match="no candidate plan fits"):
         fastest_within_budget(cands, int(1.05 * gb))
+
+
+def test_benchmark_plans_take_turns_one_step_at_a_time():
+    """``time_interleaved``: between two steps of one plan every other plan takes one, the
+    order rotates each round, and a round's figure is the median of its steps (one step held up
+    by another process does not move it). Control: ``time_steps`` called plan after plan, as
+    the benchmark did before, runs each plan's steps in one block."""
+    import time
+    from cfp.execute import time_interleaved, time_steps
+    log = []
+
+    def run(name, slow_step=None):
+        def step():
+            log.append(name)
+            time.sleep(0.050 if log.count(name) == slow_step else 0.002)
+            return 0
+        return step, ()
+
+    def take_turns(names):
+        return all(names[i] != names[i + 1] for i in range(len(names) - 1))
+
+    a, b = run("a", slow_step=3), run("b")
+    times = time_interleaved([a, b], rounds=2, min_steps=5, min_seconds=0.0)
+    assert log[:10] == ["a", "b"] * 5 and log[10:] == ["b", "a"] * 5
+    assert take_turns(log[:10]) and take_turns(log[10:])
+    assert times[0][0] < 0.010  # the mean of a's first round would be 11.6 ms
+    log.clear()
+    for r in (a, b):
+        time_steps(*r, min_steps=5, min_seconds=0.0)
+    assert not take_turns(log)

@@ -8,9 +8,11 @@ For one workload and mesh, in one process: run cfp's three passes (timing each),
   here), its top K plans (K as many as search's own) measured the same way, the fastest kept;
 - ``analytic_top1``: the cost model's one pick, taken without measuring, as Alpa does;
 - every baseline in ``cfp/baseline_rules/`` that applies, and the single-device step.
-All plans are compiled, then timed in interleaved rounds (the order rotates each round), so
-drift hits every plan alike. Appends one row per timed round to ``<out>/<date>-<backend>.csv``
-(workload, mesh, plan, round, step_s, backend, devices), the pass overheads and the launch
+All plans are compiled, then timed in rounds in which they take turns one step at a time (the
+order rotates each round; ``cfp.execute.time_interleaved``), so drift hits every plan alike;
+a round's figure per plan is the median of its steps there. Appends one row per timed
+round to ``<out>/<date>-<backend>.csv`` (workload, mesh, plan, round, step_s, backend,
+devices), the pass overheads and the launch
 overhead to ``<date>-<backend>-overheads.csv``, each plan's compiled collectives to
 ``<date>-<backend>-plans.csv``, and prints each plan's time against cfp's, then the two
 questions: does profiling beat the cost model (``cfp_own`` over ``analytic``), and does it beat
@@ -58,7 +60,7 @@ def workload_parser(doc: str, *, model: str, rounds: int, min_seconds: float,
     p.add_argument("--memory-budget", type=float, default=None, help="GB per device")
     p.add_argument("--rounds", type=int, default=rounds)
     p.add_argument("--min-seconds", type=float, default=min_seconds,
-                   help="per plan and round: at least 5 steps or this long")
+                   help="per plan and round: at least 5 steps and this long")
     p.add_argument("--max-combinations", type=int, default=max_combinations)
     p.add_argument("--whole-segments", action="store_true",
                    help="profile whole segments, measured in part (cfp --whole-segments)")
@@ -263,7 +265,7 @@ def benchmark(a) -> None:
     mesh_shape, backend, label, workdir, spec, run_fp, analysis, sec = start(a)
     import jax
     import numpy as np
-    from cfp.execute import real_inputs, time_steps
+    from cfp.execute import real_inputs, time_interleaved
     from cfp.measure import CpuShare
     from cfp.sharding import collectives
     from cfp.workloads import make_mesh, trace_step
@@ -302,13 +304,10 @@ def benchmark(a) -> None:
         jax.block_until_ready(ps.compiled(*ps.args))
     hlo = {name: normalized_hlo(ps.compiled) for name, ps in plans.items()}
     names = list(plans)
-    times = {n: [] for n in names}
     cpu = CpuShare().start()
-    for r in range(a.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for n in order:
-            times[n].append(time_steps(plans[n].compiled, plans[n].args,
-                                       min_seconds=a.min_seconds))
+    per_round = time_interleaved([(plans[n].compiled, plans[n].args) for n in names],
+                                 rounds=a.rounds, min_seconds=a.min_seconds)
+    times = dict(zip(names, per_round))
     others, stolen = cpu.share()
     rows = [dict(workload=label, mesh=a.mesh, plan=n, round=r, step_s=f"{t:.6e}",
                  backend=backend, devices=n_dev) for n in names for r, t in enumerate(times[n])]
