@@ -3,8 +3,8 @@
 Reads a finished ``scripts/benchmark.py`` row (its work dir under ``profiles/`` and its rows in
 ``<out>/<date>-<backend>.csv``; nothing is compiled or timed) and prints, for each plan search
 ran end to end (its own predictions and the baselines) and for the cost model's top plans
-(``analytic_plans``, solved again), the step time composed from the row's measured profile,
-and the measured medians of the benchmark's plans. Where the cost model's plan measured
+(``analytic_plans``, solved again), the step time composed from the row's measured profile
+(and of it the windows' sum and the boundary reshardings'), and the measured medians of the benchmark's plans. Where the cost model's plan measured
 faster than ``cfp_own``, this tells whether the profile priced it higher (the composition
 ranked the two the other way) or did not price it (a combination outside the measured set).
 
@@ -26,7 +26,7 @@ def main(argv=None) -> None:
     a = parse_args(argv)
     mesh_shape, backend, label, workdir, spec, run_fp, analysis, _ = start(a, ("analysis",))
     import pandas as pd
-    from cfp.passes.search import build_problem, predicted_seconds
+    from cfp.passes.search import SCALE, build_problem, predicted_seconds
     from cfp.records import read_record
     from cfp.workdir import SEARCH_FORMAT, WorkDir
     profile = WorkDir(workdir, run_fp).read_profile(analysis, "measure", a.max_combinations,
@@ -35,12 +35,16 @@ def main(argv=None) -> None:
     index = [{o.strategies: i for i, o in enumerate(g.options)} for g in problem.groups]
 
     def composed_ms(strategies) -> str:
+        """The composed step, and of it the windows' sum and the boundary reshardings'."""
         try:
             choices = [ix[tuple(strategies[b] for b in g.blocks)]
                        for ix, g in zip(index, problem.groups)]
         except KeyError:
-            return "not priced"
-        return f"{predicted_seconds(problem, choices, profile.launch_overhead_s) * 1e3:.1f}"
+            return f"{'not priced':>12}{'':>10}{'':>13}"
+        step_s = predicted_seconds(problem, choices, profile.launch_overhead_s)
+        windows_s = sum(g.options[c].cost for g, c in zip(problem.groups, choices)) / SCALE
+        reshard_s = step_s - windows_s - profile.launch_overhead_s
+        return f"{step_s * 1e3:>12.1f}{windows_s * 1e3:>10.1f}{reshard_s * 1e3:>13.1f}"
 
     rec = read_record(workdir / "search.pkl", SEARCH_FORMAT, run_fp, hint="run search first")
     own = [c for c in rec.candidates if c.source == "predicted"]
@@ -49,12 +53,13 @@ def main(argv=None) -> None:
     rows = rows[(rows.workload == workload_label(a)) & (rows.mesh == a.mesh)]
     medians_ms = (rows.groupby("plan").step_s.median() * 1e3).round(1).to_dict()
     print(f"{label} mesh {a.mesh} ({backend}): composed from the measured profile, ms")
-    print(f"{'plan':<28}{'composed':>12}{'search measured':>17}")
+    print(f"{'plan':<28}{'composed':>12}{'windows':>10}{'reshardings':>13}"
+          f"{'search measured':>17}")
     for c in rec.candidates:
-        print(f"{c.source:<28}{composed_ms(c.strategies):>12}"
+        print(f"{c.source:<28}{composed_ms(c.strategies)}"
               f"{sorted(c.measured_s)[len(c.measured_s) // 2] * 1e3:>17.1f}")
     for k, strategies in enumerate(analytic_plans(a, workdir, analysis, run_fp, len(own))):
-        print(f"{f'cost model top {k + 1}':<28}{composed_ms(strategies):>12}{'-':>17}")
+        print(f"{f'cost model top {k + 1}':<28}{composed_ms(strategies)}{'-':>17}")
     print(f"benchmark medians ({csv.name}), ms: " + ", ".join(
         f"{p} {m}" for p, m in sorted(medians_ms.items(), key=lambda kv: kv[1])))
 
