@@ -4,7 +4,9 @@ Reads a finished ``scripts/benchmark.py`` row (its work dir under ``profiles/`` 
 ``<out>/<date>-<backend>.csv``; nothing is compiled or timed) and prints, for each plan search
 ran end to end (its own predictions and the baselines) and for the cost model's top plans
 (``analytic_plans``, solved again), the step time composed from the row's measured profile
-(and of it the windows' sum and the boundary reshardings'), and the measured medians of the benchmark's plans. Where the cost model's plan measured
+(and of it the windows' sum and the boundary reshardings'), and the measured medians of the
+benchmark's plans; then the windows where ``cfp_own``'s pick and the fastest baseline search
+ran differ, with each side's composed time and strategies. Where the cost model's plan measured
 faster than ``cfp_own``, this tells whether the profile priced it higher (the composition
 ranked the two the other way) or did not price it (a combination outside the measured set).
 
@@ -19,7 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmark import analytic_plans, parse_args, start, workload_label  # noqa: E402
+from benchmark import (analytic_plans, own_pick, parse_args, start,  # noqa: E402
+                       workload_label)
 
 
 def main(argv=None) -> None:
@@ -62,6 +65,20 @@ def main(argv=None) -> None:
         print(f"{f'cost model top {k + 1}':<28}{composed_ms(strategies)}{'-':>17}")
     print(f"benchmark medians ({csv.name}), ms: " + ", ".join(
         f"{p} {m}" for p, m in sorted(medians_ms.items(), key=lambda kv: kv[1])))
+    budget = int(a.memory_budget * 2**30) if a.memory_budget else None
+    mine = own_pick(workdir, run_fp, budget)[0]
+    base = min((c for c in rec.candidates if c.source != "predicted"),
+               key=lambda c: sorted(c.measured_s)[len(c.measured_s) // 2])
+    print(f"windows where cfp_own's pick and search's fastest {base.source} differ "
+          "(composed ms, strategies):")
+    blocks = analysis.blocks.blocks
+    for g, ix in zip(problem.groups, index):
+        combos = [tuple(plan[b] for b in g.blocks) for plan in (mine, base.strategies)]
+        if combos[0] != combos[1] and all(c in ix for c in combos):
+            print(f"  blocks {g.blocks[0]}..{g.blocks[-1]}: " + "; ".join(
+                f"{who} {g.options[ix[c]].cost / SCALE * 1e3:.2f} "
+                f"[{', '.join(blocks[b].strategies[k].name for b, k in zip(g.blocks, c))}]"
+                for who, c in zip(("cfp_own", base.source.split()[-1]), combos)))
 
 
 if __name__ == "__main__":
