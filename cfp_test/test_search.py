@@ -188,3 +188,25 @@ def test_benchmark_plans_take_turns_one_step_at_a_time():
     for r in (a, b):
         time_steps(*r, min_steps=5, min_seconds=0.0)
     assert not take_turns(log)
+
+
+def test_a_profile_batch_rotates_which_combination_follows_the_anchor():
+    """``time_rounds`` runs the anchor first in every round and then every combination still
+    timed, in an order that rotates each round: the one right after the anchor pays for the
+    caches the anchor left, and in a fixed order a window type's first combination (every
+    block at its first strategy, data parallelism in most models) paid it in every round.
+    Control: the log of a fixed order fails the same check."""
+    from cfp.measure import time_rounds
+    log = []
+
+    def program(name):
+        return (lambda: log.append(name) or 0), ()
+
+    def after_anchor(names):
+        return {names[i + 1] for i, n in enumerate(names[:-1]) if n == "anchor"}
+
+    time_rounds([program("a"), program("b"), program("c")], best_s=None, warmup=0,
+                min_rounds=3, max_rounds=3, anchor=program("anchor"))
+    assert len(log) == 12 and log.count("anchor") == 3
+    assert after_anchor(log) == {"a", "b", "c"}
+    assert after_anchor(["anchor", "a", "b", "c"] * 3) == {"a"}

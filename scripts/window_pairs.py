@@ -1,0 +1,69 @@
+"""The windows where two plans differ, timed again side by side in one batch.
+
+A profile times a window type's combinations in batches, minutes apart, and puts the batches
+on one scale by the speed anchor (Profile, *Measurement*). For a finished
+``scripts/benchmark.py`` row, this takes the windows where ``cfp_own``'s pick and the fastest
+baseline search ran differ (``bench_predictions.py`` lists them), and times each window's two
+combinations again in one batch of the profile's own worker, in the same rounds. It prints
+the profile's times and the paired ones: if the pair's ratio differs from the profile's, the
+profile's batches, not the windows, decided which plan the composition ranks ahead.
+
+    python scripts/window_pairs.py --model gpt --config tiny --num-layers 2 --num-heads 8 \
+      --hidden-size 256 --seq-len 128 --memory-budget 2 --mesh 8 --max-combinations 32 \
+      --out scripts/results/compute-bound
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchmark import own_pick, parse_args, start  # noqa: E402
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    mesh_shape, backend, label, workdir, spec, run_fp, analysis, _ = start(a, ("analysis",))
+    from cfp.records import read_record
+    from cfp.workdir import SEARCH_FORMAT, WorkDir
+    from cfp.worker import Worker, WorkerOptions
+    profile = WorkDir(workdir, run_fp).read_profile(analysis, "measure", a.max_combinations,
+                                                    a.whole_segments)
+    rec = read_record(workdir / "search.pkl", SEARCH_FORMAT, run_fp, hint="run search first")
+    budget = int(a.memory_budget * 2**30) if a.memory_budget else None
+    mine = own_pick(workdir, run_fp, budget)[0]
+    base = min((c for c in rec.candidates if c.source != "predicted"),
+               key=lambda c: sorted(c.measured_s)[len(c.measured_s) // 2])
+    other = base.source.split()[-1]
+    worker = Worker(analysis, WorkerOptions("measure", budget or 2**40, 16))
+    print(f"{label} mesh {a.mesh} ({backend}): windows where cfp_own's pick and {other} "
+          f"differ, ms (paired: both in one batch, raw, not rescaled)")
+    print(f"{'window':<10}{'blocks':<10}{'profile cfp_own':>16}{other:>10}{'ratio':>8}"
+          f"{'paired cfp_own':>16}{other:>10}{'ratio':>8}")
+    seen = set()
+    try:
+        for w in profile.windows:
+            pair = [tuple(plan[b] for b in range(w.start, w.end))
+                    for plan in (mine, base.strategies)]
+            if pair[0] == pair[1] or (w.type, *pair) in seen:
+                continue
+            seen.add((w.type, *pair))
+            results = profile.window_profiles[w.type].results
+            if any(c not in results or results[c].status != "ok" for c in pair):
+                continue
+            was = [results[c].time_s * 1e3 for c in pair]
+            now = dict(worker.measure_window(w, pair, None))
+            if any(now[c].status != "ok" for c in pair):
+                print(f"{w.type:<10}{f'{w.start}..{w.end - 1}':<10} not ok when paired")
+                continue
+            paired = [now[c].time_s * 1e3 for c in pair]
+            print(f"{w.type:<10}{f'{w.start}..{w.end - 1}':<10}{was[0]:>16.2f}{was[1]:>10.2f}"
+                  f"{was[0] / was[1]:>8.3f}{paired[0]:>16.2f}{paired[1]:>10.2f}"
+                  f"{paired[0] / paired[1]:>8.3f}")
+    finally:
+        worker.close()
+
+
+if __name__ == "__main__":
+    main()
