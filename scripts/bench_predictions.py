@@ -21,8 +21,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmark import (analytic_plans, own_pick, parse_args, start,  # noqa: E402
-                       workload_label)
+from benchmark import (analytic_plans, budget_bytes, own_pick, parse_args,  # noqa: E402
+                       start, workload_label)
+
+
+def compared_plans(workdir: Path, run_fp, budget):
+    """(the row's search record, ``cfp_own``'s block strategies, the baseline search measured
+    fastest): the two plans whose differing windows this script and ``window_pairs.py`` list."""
+    from cfp.records import read_record
+    from cfp.workdir import SEARCH_FORMAT
+    rec = read_record(workdir / "search.pkl", SEARCH_FORMAT, run_fp, hint="run search first")
+    base = min((c for c in rec.candidates if c.source != "predicted"), key=lambda c: c.median_s)
+    return rec, own_pick(workdir, run_fp, budget)[0], base
 
 
 def main(argv=None) -> None:
@@ -30,8 +40,7 @@ def main(argv=None) -> None:
     mesh_shape, backend, label, workdir, spec, run_fp, analysis, _ = start(a, ("analysis",))
     import pandas as pd
     from cfp.passes.search import SCALE, build_problem, predicted_seconds
-    from cfp.records import read_record
-    from cfp.workdir import SEARCH_FORMAT, WorkDir
+    from cfp.workdir import WorkDir
     profile = WorkDir(workdir, run_fp).read_profile(analysis, "measure", a.max_combinations,
                                                     a.whole_segments)
     problem, _ = build_problem(analysis, profile, None)
@@ -49,7 +58,7 @@ def main(argv=None) -> None:
         reshard_s = step_s - windows_s - profile.launch_overhead_s
         return f"{step_s * 1e3:>12.1f}{windows_s * 1e3:>10.1f}{reshard_s * 1e3:>13.1f}"
 
-    rec = read_record(workdir / "search.pkl", SEARCH_FORMAT, run_fp, hint="run search first")
+    rec, mine, base = compared_plans(workdir, run_fp, budget_bytes(a))
     own = [c for c in rec.candidates if c.source == "predicted"]
     csv = Path(a.out) / f"{a.date}-{backend}.csv"
     rows = pd.read_csv(csv, dtype={"mesh": str})
@@ -60,15 +69,11 @@ def main(argv=None) -> None:
           f"{'search measured':>17}")
     for c in rec.candidates:
         print(f"{c.source:<28}{composed_ms(c.strategies)}"
-              f"{sorted(c.measured_s)[len(c.measured_s) // 2] * 1e3:>17.1f}")
+              f"{c.median_s * 1e3:>17.1f}")
     for k, strategies in enumerate(analytic_plans(a, workdir, analysis, run_fp, len(own))):
         print(f"{f'cost model top {k + 1}':<28}{composed_ms(strategies)}{'-':>17}")
     print(f"benchmark medians ({csv.name}), ms: " + ", ".join(
         f"{p} {m}" for p, m in sorted(medians_ms.items(), key=lambda kv: kv[1])))
-    budget = int(a.memory_budget * 2**30) if a.memory_budget else None
-    mine = own_pick(workdir, run_fp, budget)[0]
-    base = min((c for c in rec.candidates if c.source != "predicted"),
-               key=lambda c: sorted(c.measured_s)[len(c.measured_s) // 2])
     print(f"windows where cfp_own's pick and search's fastest {base.source} differ "
           "(composed ms, strategies):")
     blocks = analysis.blocks.blocks

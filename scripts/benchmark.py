@@ -185,6 +185,11 @@ def append_rows(path: Path, fields, rows, keys=("workload", "mesh")) -> None:
     tmp.replace(path)
 
 
+def budget_bytes(a) -> int | None:
+    """``--memory-budget`` in bytes per device; None without one."""
+    return int(a.memory_budget * 2**30) if a.memory_budget else None
+
+
 def own_pick(workdir: Path, run_fp, budget) -> tuple[tuple, int]:
     """(block strategies of ``cfp_own``'s pick: the measured fastest of search's own
     predictions within the budget, how many own predictions search measured)."""
@@ -201,7 +206,7 @@ def build_plans(a, workdir: Path, mesh, analysis, program, run_fp, host):
     from cfp.baselines import applies, baseline_plan, load_rules
     from cfp.execute import PlannedStep
     blocks = json.loads((workdir / "plan.json").read_text())["blocks"]
-    budget = int(a.memory_budget * 2**30) if a.memory_budget else None
+    budget = budget_bytes(a)
     own, n_own = own_pick(workdir, run_fp, budget)
     analytic = analytic_plans(a, workdir, analysis, run_fp, n_own)
     plans = {"cfp": PlannedStep(program, analysis, [b["strategy_index"] for b in blocks], mesh),
@@ -222,7 +227,7 @@ def analytic_plans(a, workdir: Path, analysis, run_fp, k: int) -> list:
     from cfp.passes.search import build_problem, top_plans
     profile = WorkDir(workdir, run_fp).read_profile(analysis, "model", a.max_combinations,
                                                       a.whole_segments)
-    budget = int(a.memory_budget * 2**30) if a.memory_budget else None
+    budget = budget_bytes(a)
     problem, _ = build_problem(analysis, profile, budget)
     return [sol.strategies for sol in top_plans(problem, k, 60.0)]
 

@@ -19,22 +19,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmark import own_pick, parse_args, start  # noqa: E402
+from bench_predictions import compared_plans  # noqa: E402
+from benchmark import budget_bytes, parse_args, start  # noqa: E402
 
 
 def main(argv=None) -> None:
     a = parse_args(argv)
     mesh_shape, backend, label, workdir, spec, run_fp, analysis, _ = start(a, ("analysis",))
-    from cfp.records import read_record
-    from cfp.workdir import SEARCH_FORMAT, WorkDir
+    from cfp.workdir import WorkDir
     from cfp.worker import Worker, WorkerOptions
     profile = WorkDir(workdir, run_fp).read_profile(analysis, "measure", a.max_combinations,
                                                     a.whole_segments)
-    rec = read_record(workdir / "search.pkl", SEARCH_FORMAT, run_fp, hint="run search first")
-    budget = int(a.memory_budget * 2**30) if a.memory_budget else None
-    mine = own_pick(workdir, run_fp, budget)[0]
-    base = min((c for c in rec.candidates if c.source != "predicted"),
-               key=lambda c: sorted(c.measured_s)[len(c.measured_s) // 2])
+    budget = budget_bytes(a)
+    _, mine, base = compared_plans(workdir, run_fp, budget)
     other = base.source.split()[-1]
     worker = Worker(analysis, WorkerOptions("measure", budget or 2**40, 16))
     print(f"{label} mesh {a.mesh} ({backend}): windows where cfp_own's pick and {other} "

@@ -47,8 +47,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from benchmark import (append_rows, bootstrap_ratio, normalized_hlo, own_pick,  # noqa: E402
-                       start, workload_parser)
+from benchmark import (append_rows, bootstrap_ratio, budget_bytes,  # noqa: E402
+                       normalized_hlo, own_pick, start, workload_parser)
 
 
 def parse_args(argv=None):
@@ -106,7 +106,7 @@ def main(a) -> None:
     n_dev = math.prod(mesh_shape)
     prof = WorkDir(workdir, run_fp).read_profile(analysis, "measure", a.max_combinations,
                                                  a.whole_segments)
-    budget = int(a.memory_budget * 2**30) if a.memory_budget else None
+    budget = budget_bytes(a)
     problem, _ = build_problem(analysis, prof, budget)
     cfp_strats, kept = own_pick_and_kept(workdir, run_fp, budget)
     space_def, counts, size, picks = plan_space(problem, prof.windows,

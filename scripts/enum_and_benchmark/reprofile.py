@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "scripts" / "enum_and_benchmark"))
 
-from benchmark import append_rows, cfp_flags, own_pick, start  # noqa: E402
+from benchmark import append_rows, budget_bytes, cfp_flags, own_pick, start  # noqa: E402
 from composition_check import predictions_from_profiles  # noqa: E402
 from enumerate_plans import (_choices_of, distinct_plans, ordering_accuracy,  # noqa: E402
                              parse_args, plan_space, spearman)
@@ -39,7 +39,7 @@ def main(argv=None) -> None:
     _, backend, label, workdir, _, run_fp, analysis, _ = start(a, modes=())
     from cfp.passes.search import build_problem
     from cfp.workdir import WorkDir
-    budget = int(a.memory_budget * 2**30) if a.memory_budget else None
+    budget = budget_bytes(a)
     read = lambda d: WorkDir(d, run_fp).read_profile(  # noqa: E731
         analysis, "measure", a.max_combinations, a.whole_segments)
     problem, _ = build_problem(analysis, read(workdir), budget)
