@@ -7,8 +7,10 @@ window type and ``reshard.pkl``, rewritten atomically), so an interrupted run re
 measures nothing twice.
 
 Layout of ``<workdir>``: ``analysis.pkl``; ``window_<k>.pkl``, ``reshard.pkl``,
-``profile.pkl`` and ``profile.csv`` (in ``model/`` for ``--cost model``); ``search.pkl``,
-``plan.json`` and ``debug_*/`` text dumps.
+``profile.pkl`` and ``profile.csv`` (in ``model/`` for ``--cost model``); ``chosen.pkl``, the
+combinations every profile of the work dir measures of a window too large to measure whole
+(whichever profile ran first chose them); ``search.pkl``, ``plan.json`` and ``debug_*/`` text
+dumps.
 """
 from __future__ import annotations
 
@@ -56,8 +58,13 @@ class WorkDir:
 
     def profile_checkpoint(self, analysis, cost: str, max_combinations: int,
                            whole_segments: bool = False) -> "ProfileCheckpoint":
-        return ProfileCheckpoint(self.profile_dir(cost), self.profile_fingerprint(
-            analysis, cost, max_combinations, whole_segments))
+        """The checkpoint of one profile; its chosen combinations are the work dir's, shared
+        by the profiles of every cost, so that ``--cost model`` prices what was measured."""
+        return ProfileCheckpoint(
+            self.profile_dir(cost),
+            self.profile_fingerprint(analysis, cost, max_combinations, whole_segments),
+            chosen=(self.profile_dir("measure") / "chosen.pkl", self.profile_fingerprint(
+                analysis, "measure", max_combinations, whole_segments)))
 
     def write_profile(self, rec, analysis) -> Path:
         out = self.profile_dir(rec.cost)
@@ -95,9 +102,12 @@ class ProfileCheckpoint:
     """Per-result saves of the profile pass in ``directory``, and what an earlier,
     interrupted run of the same profile left there."""
 
-    def __init__(self, directory: Path, fingerprint: tuple):
+    def __init__(self, directory: Path, fingerprint: tuple,
+                 chosen: tuple[Path, tuple] | None = None):
         self.dir, self.fp = Path(directory), fingerprint
         self.dir.mkdir(parents=True, exist_ok=True)
+        # (path, fingerprint) of the chosen combinations; by default this profile's own
+        self.chosen_path, self.chosen_fp = chosen or (self.dir / "chosen.pkl", fingerprint)
 
     def load_window(self, k: int) -> dict:
         path = self.dir / f"window_{k}.pkl"
@@ -119,12 +129,12 @@ class ProfileCheckpoint:
 
     def load_chosen(self) -> dict | None:
         """The combinations an earlier run chose to measure per window type, or None."""
-        path = self.dir / "chosen.pkl"
-        return (read_record(path, CHOSEN_FORMAT, self.fp, hint=f"delete {path}")
+        path = self.chosen_path
+        return (read_record(path, CHOSEN_FORMAT, self.chosen_fp, hint=f"delete {path}")
                 if path.exists() else None)
 
     def save_chosen(self, chosen: dict) -> None:
-        write_record(self.dir / "chosen.pkl", CHOSEN_FORMAT, self.fp, chosen)
+        write_record(self.chosen_path, CHOSEN_FORMAT, self.chosen_fp, chosen)
 
 
 def write_profile_csv(path: Path, rec) -> None:

@@ -103,3 +103,37 @@ def test_a_resumed_profile_measures_what_the_first_run_chose(tmp_path):
     fresh = profile_pass._chosen(analysis, windows, reps, options, Worker(other), quiet,
                                  ProfileCheckpoint(tmp_path / "fresh", ("fp",)))
     assert fresh != first
+
+
+def test_the_model_profile_prices_what_the_measured_profile_chose(tmp_path):
+    """The combinations a whole segment measures are the work dir's: ``--cost model`` run
+    after the measured profile prices the same ones, though its cost model ranks others
+    first, so the cost model's top plan is one search can compose from measurements.
+    Control: the model profile of another work dir chooses by its own model, differently."""
+    from cfp.passes import profile as profile_pass
+    from cfp.windows import split_windows
+    from cfp.workdir import WorkDir
+    spec = WorkloadSpec("gpt", "tiny", None, "float32", ()).resolved()
+    analysis = run_analysis(spec, (2, 2))
+    windows, reps = split_windows(analysis, 8, whole_segments=True)
+    other = CostModel((1e-3, 1e-6), (1e-8, 1e-10), 1e9, 1e12)
+    quiet = lambda event, **f: None  # noqa: E731
+
+    class Worker:  # the calls _chosen makes of cfp.worker.Worker, in one process
+        def share(self, value):
+            return value
+
+        def call(self, fn, *args):
+            return COST
+
+    def chosen(workdir, cost, model):
+        checkpoint = WorkDir(workdir, ("fp",)).profile_checkpoint(analysis, cost, 8, True)
+        options = ProfileOptions(cost=cost, max_combinations=8, whole_segments=True,
+                                 cost_model=model)
+        return profile_pass._chosen(analysis, windows, reps, options, Worker(), quiet,
+                                    checkpoint)
+
+    measured = chosen(tmp_path, "measure", None)
+    assert measured and all(len(c) > 8 for c in measured.values())
+    assert chosen(tmp_path, "model", other) == measured
+    assert chosen(tmp_path / "alone", "model", other) != measured

@@ -133,7 +133,7 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
     phases = Phases()
     windows, reps = split_windows(analysis, options.max_combinations, options.whole_segments)
     if options.cost == "analytic":
-        return _priced(analysis, options, windows, reps, start)
+        return _priced(analysis, options, windows, reps, start, checkpoint)
     worker = Worker(analysis, WorkerOptions(
         options.cost, options.memory_budget_bytes, options.batch, options.cost_model,
         options.compilation_cache, options.runtime), phases)
@@ -208,20 +208,23 @@ def _chosen(analysis, windows, reps, options: ProfileOptions, worker, notify,
             checkpoint) -> dict:
     """Per window type whose space is over ``max_combinations`` (with whole segments), the
     combinations measured (``cfp.ranking``): the cheapest by the additive analytic price,
-    with a cost model fitted on the mesh where none is given, and those the baselines use.
-    A fitted model differs from run to run, so its choice is kept in ``checkpoint`` and a
-    resumed profile measures what the first run chose."""
+    with the options' cost model or, where none is given, one fitted on the mesh, and those
+    the baselines use. The choice is kept in ``checkpoint``, and a later profile of the work
+    dir takes it whatever its cost: a fitted model differs from run to run, so a resumed
+    profile measures what the first run chose, and ``--cost model`` prices the combinations
+    the measured profile holds (its top plan is then one search could compose)."""
     from cfp import ranking
     from cfp.workloads import AXIS_NAMES
     large = [k for k, rep in enumerate(reps)
              if ranking.space_size(analysis, windows[rep]) > options.max_combinations]
     if not large:
         return {}
+    share = worker.share if worker is not None else (lambda value: value)
+    chosen = share(checkpoint.load_chosen())  # process 0's decides for all
+    if chosen is not None:
+        return chosen
     cost = options.cost_model
     if cost is None:
-        chosen = worker.share(checkpoint.load_chosen())  # process 0's decides for all
-        if chosen is not None:
-            return chosen
         from cfp.measure import fit_cost_model_for
         cost = worker.call(fit_cost_model_for, tuple(analysis.mesh_shape))
     names = AXIS_NAMES[:len(analysis.mesh_shape)]
@@ -233,8 +236,7 @@ def _chosen(analysis, windows, reps, options: ProfileOptions, worker, notify,
                                              names, also)
         notify("ranked", k=k, space=ranking.space_size(analysis, w),
                cheapest=options.max_combinations, baselines=len(out[k]) - options.max_combinations)
-    if options.cost_model is None:
-        checkpoint.save_chosen(out)
+    checkpoint.save_chosen(out)
     return out
 
 
@@ -279,15 +281,17 @@ def _spent(options: ProfileOptions, start: float) -> bool:
     return options.budget_s is not None and time.perf_counter() - start > options.budget_s
 
 
-def _priced(analysis, options: ProfileOptions, windows, reps, start) -> ProfileRecord:
-    """The profile of ``cost="analytic"``: every combination and resharding priced."""
+def _priced(analysis, options: ProfileOptions, windows, reps, start,
+            checkpoint) -> ProfileRecord:
+    """The profile of ``cost="analytic"``: every combination (of a window too large to
+    measure whole, those ``_chosen`` gives) and resharding priced."""
     from cfp import analytic
     from cfp.workloads import AXIS_NAMES
     names = AXIS_NAMES[:len(analysis.mesh_shape)]
     cost = options.cost_model
     window_profiles = {}
     chosen = _chosen(analysis, windows, reps, options, None, lambda event, **f: None,
-                     MemoryCheckpoint())
+                     checkpoint)
     for k, rep in enumerate(reps):
         w = windows[rep]
         space = tuple(window_space(analysis, w))

@@ -8,6 +8,12 @@ combinations again in one batch of the profile's own worker, in the same rounds.
 the profile's times and the paired ones: if the pair's ratio differs from the profile's, the
 profile's batches, not the windows, decided which plan the composition ranks ahead.
 
+Then, for each of the two plans and the cost model's top plan (``benchmark.analytic_plans``),
+its whole step and every one of its window instances,
+compiled here and each timed back to back (``step_vs_windows.py``'s way), with the
+collectives of the step and of its windows counted by kind: where a step runs faster than
+its windows add up to, this shows which collectives the whole program merged.
+
     python scripts/window_pairs.py --model gpt --config tiny --num-layers 2 --num-heads 8 \
       --hidden-size 256 --seq-len 128 --memory-budget 2 --mesh 8 --max-combinations 32 \
       --out scripts/results/compute-bound
@@ -20,7 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_predictions import compared_plans  # noqa: E402
-from benchmark import budget_bytes, parse_args, start  # noqa: E402
+from benchmark import analytic_plans, budget_bytes, parse_args, start  # noqa: E402
+from step_vs_windows import _run  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -60,7 +67,46 @@ def main(argv=None) -> None:
                   f"{paired[0] / paired[1]:>8.3f}")
     finally:
         worker.close()
+    steps_against_windows(analysis, profile, mesh_shape, {
+        "cfp_own": mine, other: base.strategies,
+        "cost model top 1": analytic_plans(a, workdir, analysis, run_fp, 1)[0]})
+
+
+def steps_against_windows(analysis, profile, mesh_shape, plans: dict) -> None:
+    """Per plan (name -> block strategies): its step and its windows' sum, each timed back to
+    back (ms), and their collectives by kind."""
+    import collections
+    import jax
+    from cfp.execute import PlannedStep, real_inputs
+    from cfp.measure import WindowProgram, valid_inputs
+    from cfp.sharding import collectives
+    from cfp.workloads import make_mesh, trace_step
+    mesh = make_mesh(mesh_shape)
+    workload = analysis.spec.build()
+    program, host = trace_step(workload), real_inputs(workload)
+
+    def kinds(compiled) -> collections.Counter:
+        return collections.Counter(c.kind for c in collectives(compiled.as_text(), mesh_shape))
+
+    print("whole steps against their windows, each timed back to back, ms; collectives by kind")
+    for name, strategies in plans.items():
+        step = PlannedStep(program, analysis, list(strategies), mesh)
+        step.compile()
+        step_s = _run(step.compiled, step.place(host), 10)[0]
+        windows_s, windows_kinds = 0.0, collections.Counter()
+        for w in profile.windows:
+            wp = WindowProgram(program, analysis, w, mesh)
+            exe, shardings = wp.compile(tuple(strategies[b] for b in range(w.start, w.end)))
+            inputs = [jax.device_put(x, sh) for x, sh in
+                      zip(valid_inputs(wp.graph, wp.sub, seed=w.type), shardings)]
+            windows_s += _run(exe, inputs, 10)[0]
+            windows_kinds += kinds(exe)
+        print(f"{name}: step {1e3 * step_s:.1f}, its {len(profile.windows)} windows "
+              f"{1e3 * windows_s:.1f}; collectives in the step {dict(kinds(step.compiled))}, "
+              f"in the windows {dict(windows_kinds)}", flush=True)
 
 
 if __name__ == "__main__":
+    from cfp.host_memory import run_pooled
+    run_pooled()  # timing measures programs, not the host allocator
     main()
