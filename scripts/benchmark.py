@@ -5,7 +5,8 @@ For one workload and mesh, in one process: run cfp's three passes (timing each),
 - ``cfp_own``: the fastest of search's own predictions as search measured them, no baseline
   among the candidates: what profiling alone finds;
 - ``analytic``: CP-SAT over ``--cost model`` profiles of the same windows (alpha-beta fitted
-  here; of a whole segment, the combinations the measured profile chose), its top K plans (K as many as search's own) measured the same way, the fastest kept;
+  here; of a whole segment, the combinations the measured profile chose), its top K plans
+  (K as many as search's own) measured the same way, the fastest kept;
 - ``analytic_top1``: the cost model's one pick, taken without measuring, as Alpa does;
 - every baseline in ``cfp/baseline_rules/`` that applies, and the single-device step.
 All plans are compiled, then timed in rounds in which they take turns one step at a time (the

@@ -58,7 +58,6 @@ def main() -> None:
     import numpy as np
     from composition_check import random_plans
     from cfp.execute import PlannedStep, real_inputs
-    from cfp.measure import WindowProgram, valid_inputs
     from cfp.passes.search import SCALE, build_problem
     from cfp.records import read_record
     from cfp.solver import evaluate
@@ -92,12 +91,8 @@ def main() -> None:
         row["step_flops"], row["step_bytes"] = _costs(step.compiled)
         row["step_collectives"] = _collectives(step.compiled, mesh_shape)
         totals = dict.fromkeys(("s", "cpu_s", "system_s", "flops", "bytes", "collectives"), 0.0)
-        for g, w, c in zip(problem.groups, profile.windows, choices):
-            wp = WindowProgram(program, analysis, w, mesh)
-            exe, shardings = wp.compile(g.options[c].strategies)
-            inputs = [jax.device_put(x, s) for x, s in
-                      zip(valid_inputs(wp.graph, wp.sub, seed=w.type), shardings)]
-            wall, cpu, system = _run(exe, inputs, args.iters)
+        for exe, (wall, cpu, system) in windows_back_to_back(program, analysis, profile.windows,
+                                                             mesh, strategies, args.iters):
             flops, nbytes = _costs(exe)
             for key, value in (("s", wall), ("cpu_s", cpu), ("system_s", system),
                                ("flops", flops),
@@ -142,6 +137,19 @@ def main() -> None:
             ("all-reducing blocks", [r["allreduce_blocks"] for r in rows])):
         print(f"correlation of the gap with {name}: {np.corrcoef(values, gap)[0, 1]:+.2f}")
     print(f"rows appended to {out}")
+
+
+def windows_back_to_back(program, analysis, windows, mesh, strategies, iters: int):
+    """Per window instance of ``windows`` under the block ``strategies``: (its compiled
+    program, ``_run``'s figures of it on valid inputs)."""
+    import jax
+    from cfp.measure import WindowProgram, valid_inputs
+    for w in windows:
+        wp = WindowProgram(program, analysis, w, mesh)
+        exe, shardings = wp.compile(tuple(strategies[b] for b in range(w.start, w.end)))
+        inputs = [jax.device_put(x, s) for x, s in
+                  zip(valid_inputs(wp.graph, wp.sub, seed=w.type), shardings)]
+        yield exe, _run(exe, inputs, iters)
 
 
 def _run(compiled, args, iters: int) -> tuple[float, float, float]:

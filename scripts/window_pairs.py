@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_predictions import compared_plans  # noqa: E402
 from benchmark import analytic_plans, budget_bytes, parse_args, start  # noqa: E402
-from step_vs_windows import _run  # noqa: E402
+from step_vs_windows import _run, windows_back_to_back  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -76,9 +76,7 @@ def steps_against_windows(analysis, profile, mesh_shape, plans: dict) -> None:
     """Per plan (name -> block strategies): its step and its windows' sum, each timed back to
     back (ms), and their collectives by kind."""
     import collections
-    import jax
     from cfp.execute import PlannedStep, real_inputs
-    from cfp.measure import WindowProgram, valid_inputs
     from cfp.sharding import collectives
     from cfp.workloads import make_mesh, trace_step
     mesh = make_mesh(mesh_shape)
@@ -94,12 +92,9 @@ def steps_against_windows(analysis, profile, mesh_shape, plans: dict) -> None:
         step.compile()
         step_s = _run(step.compiled, step.place(host), 10)[0]
         windows_s, windows_kinds = 0.0, collections.Counter()
-        for w in profile.windows:
-            wp = WindowProgram(program, analysis, w, mesh)
-            exe, shardings = wp.compile(tuple(strategies[b] for b in range(w.start, w.end)))
-            inputs = [jax.device_put(x, sh) for x, sh in
-                      zip(valid_inputs(wp.graph, wp.sub, seed=w.type), shardings)]
-            windows_s += _run(exe, inputs, 10)[0]
+        for exe, (wall, _, _) in windows_back_to_back(program, analysis, profile.windows, mesh,
+                                                      strategies, 10):
+            windows_s += wall
             windows_kinds += kinds(exe)
         print(f"{name}: step {1e3 * step_s:.1f}, its {len(profile.windows)} windows "
               f"{1e3 * windows_s:.1f}; collectives in the step {dict(kinds(step.compiled))}, "
