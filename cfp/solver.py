@@ -69,6 +69,9 @@ class Problem:
     # option). None: one window per group, in the groups' order (a quotient's group stands
     # for several windows, ``solve_alike``).
     sequence: list | None = None
+    # (i, j) -> bool array [S_i, S_j]: some tensor between the two blocks changes layout (a
+    # resharding priced 0 is still one). Empty: not known.
+    reshards: dict = dataclasses.field(default_factory=dict)
 
 
 def _sequence(problem: Problem) -> list:
@@ -130,6 +133,18 @@ def least_memory(problem: Problem) -> int:
         total += new - least[g]
         least[g] = new
     return bound if seq else total
+
+
+def penalizing_reshardings(problem: Problem) -> tuple[Problem, int]:
+    """(``problem`` with every boundary resharding costing more than any whole plan, that
+    penalty): its cheapest plan reshards at as few block pairs as it can, and costs under the
+    penalty when it reshards none."""
+    penalty = 1 + sum(max(o.cost for o in g.options) for g in problem.groups) \
+        + sum(int(t.max()) for t in problem.edges.values())
+    edges = {k: problem.edges.get(k, 0) + penalty * moved.astype(np.int64)
+             for k, moved in problem.reshards.items()}
+    edges.update({k: t for k, t in problem.edges.items() if k not in edges})
+    return dataclasses.replace(problem, edges=edges), penalty
 
 
 def solve(problem: Problem, *, time_limit_s: float = 60.0, exclude=(), workers: int = 1,

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import random
 
@@ -77,7 +78,7 @@ def test_three_passes_plan_json_and_user_jit(tmp_path, capsys):
     assert report["backend"] == "cpu" and report["devices"] == 4
     # plan.json back into the user's own jit
     plan = load_plan(tmp_path / "plan.json")
-    assert plan["source"] == "predicted" or plan["source"].startswith("baseline ")
+    assert plan["source"].startswith(("predicted", "baseline "))
     spec = WorkloadSpec("mlp", "tiny", None, "float32", ()).resolved()
     w = spec.build()
     params = w.init_params(jax.random.key(0))
@@ -210,3 +211,27 @@ def test_a_profile_batch_rotates_which_combination_follows_the_anchor():
     assert len(log) == 12 and log.count("anchor") == 3
     assert after_anchor(log) == {"a", "b", "c"}
     assert after_anchor(["anchor", "a", "b", "c"] * 3) == {"a"}
+
+
+def test_search_also_validates_the_best_plan_without_reshardings():
+    """Three one-block windows of two strategies. Boundary (0, 1) reshards at a price of 1 and
+    boundary (1, 2) at a price of 0 (an interval that included 0): the plan (1, 1, 0) costs
+    nothing in reshardings but still reshards, so the plan without any is (0, 0, 0)."""
+    from cfp.passes.search import UNRESHARDED, predicted_plans
+    from cfp.solver import Group, Option, Problem
+    moved = np.array([[False, True], [True, False]])
+    problem = Problem([Group((0,), [Option((0,), 10), Option((1,), 13)]),
+                       Group((1,), [Option((0,), 14), Option((1,), 10)]),
+                       Group((2,), [Option((0,), 9), Option((1,), 14)])], [2, 2, 2],
+                      {(0, 1): moved.astype(np.int64), (1, 2): np.zeros((2, 2), np.int64)},
+                      reshards={(0, 1): moved, (1, 2): moved})
+    plans = predicted_plans(problem, 2, 10.0)
+    assert [(p.strategies, p.objective) for p in plans] == [
+        ((0, 1, 0), 30), ((1, 1, 0), 32), ((0, 0, 0), 33)]
+    assert [p.status == UNRESHARDED for p in plans] == [False, False, True]
+    # Controls: when a top plan already reshards nothing, or the problem does not say which
+    # layouts change, nothing is added.
+    assert [p.strategies for p in predicted_plans(problem, 3, 10.0)] == [
+        (0, 1, 0), (1, 1, 0), (0, 0, 0)]
+    unknown = dataclasses.replace(problem, reshards={})
+    assert len(predicted_plans(unknown, 2, 10.0)) == 2

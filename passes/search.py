@@ -4,7 +4,8 @@
 (``build_problem``, ``cfp.solver``): one group per window instance, whose options are its
 measured combinations (time, memory), and one edge per pair of blocks that a boundary tensor
 joins, priced from the resharding table. It solves it, asks for the next-best plans too
-(``validate_top``), adds the baseline plans that are plans of the problem
+(``validate_top``) and, when all of those reshard, for the best plan that does not
+(``predicted_plans``), adds the baseline plans that are plans of the problem
 (``baseline_candidates``), runs each end to end on the mesh in interleaved rounds, keeps the
 measured fastest, checks it against the single-device step, and returns a ``SearchRecord``.
 Across processes (``SearchOptions.runtime``) it runs in a worker that joins their runtime
@@ -21,13 +22,14 @@ import numpy as np
 
 from cfp.errors import CfpError
 from cfp.phases import Phases
-from cfp.solver import (Group, Option, Problem, Solution, evaluate, least_memory, solve,
-                        solve_alike)
+from cfp.solver import (Group, Option, Problem, Solution, evaluate, least_memory,
+                        penalizing_reshardings, solve, solve_alike)
 from cfp.windows import (held_for_backward, inputs_read_earlier, layouts, memory_terms,
                          option_memory)
 
 log = logging.getLogger(__name__)
 
+UNRESHARDED = "predicted without reshardings"  # the source of ``predicted_plans``' extra plan
 SCALE = 1e7  # integer cost units per second: 0.1 microsecond, finer than any timing here
 FAILED_RESHARD_S = 1e6  # a resharding XLA could not compile or run: never worth choosing
 
@@ -50,7 +52,7 @@ class SearchOptions:
 class Candidate:
     """A plan search ran end to end."""
 
-    source: str  # "predicted" or "baseline <name>"
+    source: str  # "predicted", UNRESHARDED or "baseline <name>"
     strategies: tuple[int, ...]  # per block
     choices: tuple[int, ...]  # combination index per window instance
     predicted_s: float  # composed from the profiles
@@ -109,7 +111,7 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
     phases = Phases()
     with phases("solving"):
         problem, _ = build_problem(analysis, profile, options.memory_budget_bytes)
-        sols = top_plans(problem, options.validate_top, options.time_limit_s)
+        sols = predicted_plans(problem, options.validate_top, options.time_limit_s)
         solve_s = time.perf_counter() - start
         status = sols[0].status
         if options.validate_baselines:
@@ -124,7 +126,8 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
     steps, times = measure_plans(program, analysis, [s.strategies for s in sols], mesh,
                                  args_host, options, phases)
     candidates = tuple(Candidate(
-        s.status if s.status.startswith("baseline") else "predicted", tuple(s.strategies),
+        s.status if s.status.startswith(("baseline", "predicted")) else "predicted",
+        tuple(s.strategies),
         tuple(s.choices), predicted_seconds(problem, s.choices, profile.launch_overhead_s),
         s.memory, tuple(t), ps.compile_s, memory_of(ps.compiled)["peak_bytes"])
         for s, t, ps in zip(sols, times, steps))
@@ -198,13 +201,16 @@ def build_problem(analysis, profile, memory_budget_bytes: int | None
         groups.append(Group(tuple(range(w.start, w.end)), opts))
         combos[gi] = table
     edges: dict = {}
+    reshards: dict = {}
     for b in profile.boundaries:
         src, src_of = layouts(b.src_labels, blocks[b.src].strategies, names)
         dst, dst_of = layouts(b.dst_labels, blocks[b.dst].strategies, names)
         small = np.zeros((len(src), len(dst)), dtype=np.int64)  # per distinct layout pair
+        moved = np.zeros((len(src), len(dst)), dtype=bool)
         for i, s in enumerate(src):
             for j, d in enumerate(dst):
                 if s != d:
+                    moved[i, j] = True
                     key = (b.shape, b.dtype, s, d)
                     if key not in profile.reshard_s:
                         raise CfpError("the profile has reshardings it did not time (its budget "
@@ -214,6 +220,7 @@ def build_problem(analysis, profile, memory_budget_bytes: int | None
                                             * SCALE))
         key = (b.src, b.dst)
         edges[key] = edges.get(key, 0) + small[np.ix_(src_of, dst_of)]
+        reshards[key] = reshards.get(key, False) | moved[np.ix_(src_of, dst_of)]
     copies: dict[int, list[int]] = {}  # a scan body's block -> its copy in every iteration
     for b in blocks:
         origin = analysis.graph.ops[b.seed].scan_origin
@@ -221,7 +228,7 @@ def build_problem(analysis, profile, memory_budget_bytes: int | None
             copies.setdefault(origin, []).append(b.index)
     ties = [(c[k], c[k + 1]) for c in copies.values() for k in range(len(c) - 1)]
     problem = Problem(groups, [len(b.strategies) for b in blocks], edges, memory_budget_bytes,
-                      ties, alike_blocks(analysis))
+                      ties, alike_blocks(analysis), reshards=reshards)
     return problem, combos
 
 
@@ -293,6 +300,33 @@ def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool
                        f"{problem.memory_budget / 2**30:.3f} GB per device; the smallest any "
                        f"plan reaches is about {need / 2**30:.3f} GB")
     return sols
+
+
+def predicted_plans(problem: Problem, k: int, time_limit_s: float) -> list[Solution]:
+    """The ``k`` cheapest plans (``top_plans``) and, when every one of them reshards between
+    blocks, the cheapest plan that reshards nothing (status ``UNRESHARDED``), if one fits the
+    budget. The composition prices a boundary resharding alone, after a producer op; inside a
+    whole step the same resharding can cost more (README, *Why the composition's picks
+    lose*). Validating the best plan that needs none keeps a plan predicted faster by a few
+    percent, but with reshardings, from winning unmeasured against it."""
+    sols = top_plans(problem, k, time_limit_s)
+    if not problem.reshards or not all(resharded(problem, s.strategies) for s in sols):
+        return sols
+    penalized, _ = penalizing_reshardings(problem)
+    try:
+        sol = top_plans(penalized, 1, time_limit_s)[0]
+    except CfpError:  # out of time: the top plans are the candidates
+        return sols
+    if resharded(problem, sol.strategies):
+        return sols
+    return sols + [dataclasses.replace(sol, objective=evaluate(problem, sol.choices)[0],
+                                       status=UNRESHARDED)]
+
+
+def resharded(problem: Problem, strategies) -> bool:
+    """Whether the plan changes the layout of some tensor between two blocks."""
+    return any(bool(moved[strategies[i], strategies[j]])
+               for (i, j), moved in problem.reshards.items())
 
 
 def baseline_candidates(analysis, problem: Problem, known) -> list[tuple[str, Solution]]:

@@ -31,7 +31,8 @@ def compared_plans(workdir: Path, run_fp, budget):
     from cfp.records import read_record
     from cfp.workdir import SEARCH_FORMAT
     rec = read_record(workdir / "search.pkl", SEARCH_FORMAT, run_fp, hint="run search first")
-    base = min((c for c in rec.candidates if c.source != "predicted"), key=lambda c: c.median_s)
+    base = min((c for c in rec.candidates if not c.source.startswith("predicted")),
+               key=lambda c: c.median_s)
     return rec, own_pick(workdir, run_fp, budget)[0], base
 
 
@@ -59,19 +60,20 @@ def main(argv=None) -> None:
         return f"{step_s * 1e3:>12.1f}{windows_s * 1e3:>10.1f}{reshard_s * 1e3:>13.1f}"
 
     rec, mine, base = compared_plans(workdir, run_fp, budget_bytes(a))
-    own = [c for c in rec.candidates if c.source == "predicted"]
+    top = sum(c.source == "predicted" for c in rec.candidates)
     csv = Path(a.out) / f"{a.date}-{backend}.csv"
     rows = pd.read_csv(csv, dtype={"mesh": str})
     rows = rows[(rows.workload == workload_label(a)) & (rows.mesh == a.mesh)]
     medians_ms = (rows.groupby("plan").step_s.median() * 1e3).round(1).to_dict()
     print(f"{label} mesh {a.mesh} ({backend}): composed from the measured profile, ms")
-    print(f"{'plan':<28}{'composed':>12}{'windows':>10}{'reshardings':>13}"
+    print(f"{'plan':<32}{'composed':>12}{'windows':>10}{'reshardings':>13}"
           f"{'search measured':>17}")
     for c in rec.candidates:
-        print(f"{c.source:<28}{composed_ms(c.strategies)}"
+        print(f"{c.source:<32}{composed_ms(c.strategies)}"
               f"{c.median_s * 1e3:>17.1f}")
-    for k, strategies in enumerate(analytic_plans(a, workdir, analysis, run_fp, len(own))):
-        print(f"{f'cost model top {k + 1}':<28}{composed_ms(strategies)}{'-':>17}")
+    for k, strategies in enumerate(analytic_plans(a, workdir, analysis, run_fp, top)):
+        name = f"cost model top {k + 1}" if k < top else "cost model without reshardings"
+        print(f"{name:<32}{composed_ms(strategies)}{'-':>17}")
     print(f"benchmark medians ({csv.name}), ms: " + ", ".join(
         f"{p} {m}" for p, m in sorted(medians_ms.items(), key=lambda kv: kv[1])))
     print(f"windows where cfp_own's pick and search's fastest {base.source} differ "

@@ -193,13 +193,15 @@ def budget_bytes(a) -> int | None:
 
 def own_pick(workdir: Path, run_fp, budget) -> tuple[tuple, int]:
     """(block strategies of ``cfp_own``'s pick: the measured fastest of search's own
-    predictions within the budget, how many own predictions search measured)."""
+    predictions within the budget, how many top predictions search measured, not counting
+    the best without reshardings)."""
     from cfp.passes.search import fastest_within_budget
     from cfp.records import read_record
     from cfp.workdir import SEARCH_FORMAT
     rec = read_record(workdir / "search.pkl", SEARCH_FORMAT, run_fp, hint="run search first")
-    own = [c for c in rec.candidates if c.source == "predicted"]
-    return tuple(own[fastest_within_budget(own, budget)].strategies), len(own)
+    own = [c for c in rec.candidates if c.source.startswith("predicted")]
+    top = sum(c.source == "predicted" for c in own)
+    return tuple(own[fastest_within_budget(own, budget)].strategies), top
 
 
 def build_plans(a, workdir: Path, mesh, analysis, program, run_fp, host):
@@ -223,14 +225,16 @@ def build_plans(a, workdir: Path, mesh, analysis, program, run_fp, host):
 
 
 def analytic_plans(a, workdir: Path, analysis, run_fp, k: int) -> list:
-    """The ``k`` best plans CP-SAT finds over the ``--cost model`` profiles, best first."""
+    """The plans search would validate over the ``--cost model`` profiles: the ``k`` best
+    CP-SAT finds, best first, and the best without reshardings when all of those reshard
+    (``predicted_plans``)."""
     from cfp.workdir import WorkDir
-    from cfp.passes.search import build_problem, top_plans
+    from cfp.passes.search import build_problem, predicted_plans
     profile = WorkDir(workdir, run_fp).read_profile(analysis, "model", a.max_combinations,
                                                       a.whole_segments)
     budget = budget_bytes(a)
     problem, _ = build_problem(analysis, profile, budget)
-    return [sol.strategies for sol in top_plans(problem, k, 60.0)]
+    return [sol.strategies for sol in predicted_plans(problem, k, 60.0)]
 
 
 def fastest_measured(plans: list, program, analysis, mesh, host, budget) -> list:
