@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_predictions import compared_plans  # noqa: E402
 from benchmark import analytic_plans, budget_bytes, parse_args, start  # noqa: E402
-from step_vs_windows import _run, windows_back_to_back  # noqa: E402
+from step_vs_windows import _costs, _run, windows_back_to_back  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -73,8 +73,9 @@ def main(argv=None) -> None:
 
 
 def steps_against_windows(analysis, profile, mesh_shape, plans: dict) -> None:
-    """Per plan (name -> block strategies): its step and its windows' sum, each timed back to
-    back (ms), and their collectives by kind."""
+    """Per plan (name -> block strategies): its step and its windows' sum (and each window),
+    each timed back to back (ms), their CPU seconds per run and XLA's flops and bytes accessed (the windows'
+    summed), and their collectives by kind."""
     import collections
     from cfp.execute import PlannedStep, real_inputs
     from cfp.sharding import collectives
@@ -90,15 +91,23 @@ def steps_against_windows(analysis, profile, mesh_shape, plans: dict) -> None:
     for name, strategies in plans.items():
         step = PlannedStep(program, analysis, list(strategies), mesh)
         step.compile()
-        step_s = _run(step.compiled, step.place(host), 10)[0]
-        windows_s, windows_kinds = 0.0, collections.Counter()
-        for exe, (wall, _, _) in windows_back_to_back(program, analysis, profile.windows, mesh,
-                                                      strategies, 10):
-            windows_s += wall
+        step_s, step_cpu_s, _ = _run(step.compiled, step.place(host), 10)
+        step_flops, step_bytes = _costs(step.compiled)
+        windows = dict.fromkeys(("s", "cpu_s", "flops", "bytes"), 0.0)
+        windows_kinds, each_ms = collections.Counter(), []
+        for exe, (wall, cpu, _) in windows_back_to_back(program, analysis, profile.windows, mesh,
+                                                        strategies, 10):
+            flops, nbytes = _costs(exe)
+            for key, value in (("s", wall), ("cpu_s", cpu), ("flops", flops), ("bytes", nbytes)):
+                windows[key] += value
             windows_kinds += kinds(exe)
+            each_ms.append(f"{1e3 * wall:.1f}")
         print(f"{name}: step {1e3 * step_s:.1f}, its {len(profile.windows)} windows "
-              f"{1e3 * windows_s:.1f}; collectives in the step {dict(kinds(step.compiled))}, "
-              f"in the windows {dict(windows_kinds)}", flush=True)
+              f"{1e3 * windows['s']:.1f} ({' + '.join(each_ms)}); CPU s per run {step_cpu_s:.3f} and "
+              f"{windows['cpu_s']:.3f}; GFLOP {step_flops / 1e9:.2f} and "
+              f"{windows['flops'] / 1e9:.2f}; GB accessed {step_bytes / 1e9:.3f} and "
+              f"{windows['bytes'] / 1e9:.3f}; collectives in the step "
+              f"{dict(kinds(step.compiled))}, in the windows {dict(windows_kinds)}", flush=True)
 
 
 if __name__ == "__main__":
