@@ -276,7 +276,8 @@ def search_console(rec, devices: int) -> None:
         say(f"numerical check against one device: loss rel. error "
             f"{rec.numerics['loss_rel_err']:.2e}, gradients match")
     plan = rec.plan
-    source = ("cfp's own prediction" if plan.source.startswith("predicted")
+    own = plan.source.startswith("predicted")  # "predicted" or "predicted without reshardings"
+    source = ("cfp's own prediction" + plan.source.removeprefix("predicted") if own
               else f"the {plan.source.split()[-1]} baseline")
     say(f"searched ParallelBlock Strategies solution ({source}): {list(plan.strategies)}")
     say(f"searched training cost (s per step, one per round): "

@@ -135,16 +135,16 @@ def least_memory(problem: Problem) -> int:
     return bound if seq else total
 
 
-def penalizing_reshardings(problem: Problem) -> tuple[Problem, int]:
-    """(``problem`` with every boundary resharding costing more than any whole plan, that
-    penalty): its cheapest plan reshards at as few block pairs as it can, and costs under the
-    penalty when it reshards none."""
+def penalizing_reshardings(problem: Problem) -> Problem:
+    """``problem`` with every boundary resharding costing more than any whole plan: its
+    cheapest plan reshards at as few block pairs as it can, and is the cheapest of those that
+    reshard nowhere when there are any."""
     penalty = 1 + sum(max(o.cost for o in g.options) for g in problem.groups) \
         + sum(int(t.max()) for t in problem.edges.values())
     edges = {k: problem.edges.get(k, 0) + penalty * moved.astype(np.int64)
              for k, moved in problem.reshards.items()}
     edges.update({k: t for k, t in problem.edges.items() if k not in edges})
-    return dataclasses.replace(problem, edges=edges), penalty
+    return dataclasses.replace(problem, edges=edges)
 
 
 def solve(problem: Problem, *, time_limit_s: float = 60.0, exclude=(), workers: int = 1,

@@ -312,9 +312,8 @@ def predicted_plans(problem: Problem, k: int, time_limit_s: float) -> list[Solut
     sols = top_plans(problem, k, time_limit_s)
     if not problem.reshards or not all(resharded(problem, s.strategies) for s in sols):
         return sols
-    penalized, _ = penalizing_reshardings(problem)
     try:
-        sol = top_plans(penalized, 1, time_limit_s)[0]
+        sol = top_plans(penalizing_reshardings(problem), 1, time_limit_s)[0]
     except CfpError:  # out of time: the top plans are the candidates
         return sols
     if resharded(problem, sol.strategies):
