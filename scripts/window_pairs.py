@@ -73,8 +73,9 @@ def main(argv=None) -> None:
 
 
 def steps_against_windows(analysis, profile, mesh_shape, plans: dict) -> None:
-    """Per plan (name -> block strategies): its step and its windows' sum (and each window),
-    each timed back to back (ms), their CPU seconds per run and XLA's flops and bytes accessed (the windows'
+    """Per plan (name -> block strategies; the first is the reference): the blocks where it
+    differs from the first, its step and its windows' sum (and each window), each timed back
+    to back (ms), their CPU seconds per run and XLA's flops and bytes accessed (the windows'
     summed), and their collectives by kind."""
     import collections
     from cfp.execute import PlannedStep, real_inputs
@@ -87,6 +88,12 @@ def steps_against_windows(analysis, profile, mesh_shape, plans: dict) -> None:
     def kinds(compiled) -> collections.Counter:
         return collections.Counter(c.kind for c in collectives(compiled.as_text(), mesh_shape))
 
+    blocks = analysis.blocks.blocks
+    first_name, first = next(iter(plans.items()))
+    for name, strategies in list(plans.items())[1:]:
+        print(f"{name} against {first_name}, blocks that differ: " + "; ".join(
+            f"{b}: {blocks[b].strategies[x].name} against {blocks[b].strategies[y].name}"
+            for b, (x, y) in enumerate(zip(strategies, first)) if x != y))
     print("whole steps against their windows, each timed back to back, ms; collectives by kind")
     for name, strategies in plans.items():
         step = PlannedStep(program, analysis, list(strategies), mesh)
