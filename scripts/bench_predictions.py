@@ -26,14 +26,15 @@ from benchmark import (analytic_plans, budget_bytes, own_pick, parse_args,  # no
 
 
 def compared_plans(workdir: Path, run_fp, budget):
-    """(the row's search record, ``cfp_own``'s block strategies, the baseline search measured
-    fastest): the two plans whose differing windows this script and ``window_pairs.py`` list."""
+    """(the row's search record, ``benchmark.own_pick`` (``cfp_own``'s block strategies, how
+    many top predictions search measured), the baseline search measured fastest): the two
+    plans whose differing windows this script and ``window_pairs.py`` list."""
     from cfp.records import read_record
     from cfp.workdir import SEARCH_FORMAT
     rec = read_record(workdir / "search.pkl", SEARCH_FORMAT, run_fp, hint="run search first")
     base = min((c for c in rec.candidates if not c.source.startswith("predicted")),
                key=lambda c: c.median_s)
-    return rec, own_pick(workdir, run_fp, budget)[0], base
+    return rec, own_pick(workdir, run_fp, budget), base
 
 
 def main(argv=None) -> None:
@@ -59,8 +60,7 @@ def main(argv=None) -> None:
         reshard_s = step_s - windows_s - profile.launch_overhead_s
         return f"{step_s * 1e3:>12.1f}{windows_s * 1e3:>10.1f}{reshard_s * 1e3:>13.1f}"
 
-    rec, mine, base = compared_plans(workdir, run_fp, budget_bytes(a))
-    top = sum(c.source == "predicted" for c in rec.candidates)
+    rec, (mine, top), base = compared_plans(workdir, run_fp, budget_bytes(a))
     csv = Path(a.out) / f"{a.date}-{backend}.csv"
     rows = pd.read_csv(csv, dtype={"mesh": str})
     rows = rows[(rows.workload == workload_label(a)) & (rows.mesh == a.mesh)]

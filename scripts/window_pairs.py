@@ -38,7 +38,7 @@ def main(argv=None) -> None:
     profile = WorkDir(workdir, run_fp).read_profile(analysis, "measure", a.max_combinations,
                                                     a.whole_segments)
     budget = budget_bytes(a)
-    _, mine, base = compared_plans(workdir, run_fp, budget)
+    _, (mine, _), base = compared_plans(workdir, run_fp, budget)
     other = base.source.split()[-1]
     worker = Worker(analysis, WorkerOptions("measure", budget or 2**40, 16))
     print(f"{label} mesh {a.mesh} ({backend}): windows where cfp_own's pick and {other} "
