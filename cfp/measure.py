@@ -627,3 +627,10 @@ def fit_cost_model_for(mesh_shape) -> CostModel:
     """``fit_cost_model`` on a mesh of this shape over JAX's devices (run in the worker)."""
     from cfp.workloads import make_mesh
     return fit_cost_model(make_mesh(tuple(mesh_shape)))
+
+
+def slower(a_s: Sequence[float], b_s: Sequence[float]) -> bool:
+    """Whether program ``a`` is measurably slower than ``b``, from their times in the same
+    interleaved rounds (a round's drift hits both): the 95% interval of the median of the
+    per-round ratios lies above 1."""
+    return median_interval([a / b for a, b in zip(a_s, b_s)])[0] > 1

@@ -7,7 +7,8 @@ joins, priced from the resharding table. It solves it, asks for the next-best pl
 (``validate_top``) and, when all of those reshard, for the best plan that does not
 (``predicted_plans``), adds the baseline plans that are plans of the problem
 (``baseline_candidates``), runs each end to end on the mesh in interleaved rounds, keeps the
-measured fastest, checks it against the single-device step, and returns a ``SearchRecord``.
+measured fastest (``kept_index``: of plans the rounds cannot tell apart, the one predicted
+fastest), checks it against the single-device step, and returns a ``SearchRecord``.
 Across processes (``SearchOptions.runtime``) it runs in a worker that joins their runtime
 (``cfp.worker``), on process 0's plans, timed by the slowest process.
 """
@@ -21,6 +22,7 @@ import time
 import numpy as np
 
 from cfp.errors import CfpError
+from cfp.measure import slower
 from cfp.phases import Phases
 from cfp.solver import (Group, Option, Problem, Solution, evaluate, least_memory,
                         penalizing_reshardings, solve, solve_alike)
@@ -41,8 +43,8 @@ class SearchOptions:
     validate_top: int = 3
     validate_baselines: bool = True  # also run the rule-file baselines that are plans here
     iters: int | None = None  # steps per measurement; None: at least 5 steps and 0.3 s
-    rounds: int = 5  # most measurements per plan, interleaved across plans
-    min_rounds: int = 3  # fewest; more only while the kept plan's range overlaps another's
+    rounds: int = 7  # most measurements per plan, interleaved across plans
+    min_rounds: int = 5  # fewest; more only while the fastest is not ``slower`` than the rest
     check_numerics: bool = True  # on configurations small enough for one device
     runtime: object = None  # cfp.multihost.Runtime: run across these processes' devices
     compilation_cache: str | None = None  # for the worker that runs it across processes
@@ -154,8 +156,8 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
 
 
 def fastest_within_budget(candidates, memory_budget_bytes: int | None) -> int:
-    """Index of the measured fastest candidate whose compiled peak fits the budget (the
-    composed memory that chose them can be off either way)."""
+    """Index of the candidate ``kept_index`` keeps among those whose compiled peak fits the
+    budget (the composed memory that chose them can be off either way)."""
     fits = [i for i, c in enumerate(candidates)
             if memory_budget_bytes is None or c.compiled_peak_bytes <= memory_budget_bytes]
     if not fits:
@@ -163,7 +165,20 @@ def fastest_within_budget(candidates, memory_budget_bytes: int | None) -> int:
         raise CfpError(f"no candidate plan fits {memory_budget_bytes / 2**30:.3f} GB per device "
                        f"once compiled (compiled peaks {peaks[0]:.3f} to {peaks[-1]:.3f} GB, "
                        f"though their composed memory fit): raise --memory-budget")
-    return min(fits, key=lambda i: candidates[i].median_s)
+    return kept_index([c.measured_s for c in candidates], [c.predicted_s for c in candidates],
+                      fits)
+
+
+def kept_index(measured_s, predicted, among) -> int:
+    """Of the plans ``among`` indexes, the one with the fastest median step; but where the
+    interleaved rounds cannot tell plans from it (``slower`` is false), the one of those the
+    profiles predict fastest (``predicted``: seconds or solver cost, lower is faster). Plans a
+    few percent apart swap places from one batch of rounds to the next, while the prediction
+    was composed from windows timed over many rounds: among measured ties it is the evidence
+    that does not flip with the batch."""
+    fastest = min(among, key=lambda i: statistics.median(measured_s[i]))
+    tied = [i for i in among if not slower(measured_s[i], measured_s[fastest])]
+    return min(tied, key=lambda i: (predicted[i], statistics.median(measured_s[i])))
 
 
 def _small(analysis) -> bool:
@@ -366,7 +381,7 @@ def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOpti
                   phases: Phases | None = None):
     """Compile every plan, then time them in interleaved rounds; per plan the compiled step
     and the measured seconds per step of each round. Rounds stop after ``min_rounds`` once
-    the fastest plan's slowest round beats every other plan's fastest."""
+    every other plan is ``slower`` than the fastest."""
     from cfp.execute import PlannedStep, time_steps
     phases = phases or Phases()
     steps = []
@@ -393,7 +408,7 @@ def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOpti
 
 def _separated(times) -> bool:
     best = min(range(len(times)), key=lambda i: statistics.median(times[i]))
-    return all(max(times[best]) < min(t) for i, t in enumerate(times) if i != best)
+    return all(slower(t, times[best]) for i, t in enumerate(times) if i != best)
 
 
 def plan_flops(analysis) -> float:

@@ -11,8 +11,9 @@ Two spaces (``--space``), both defined over the profile pass's window types:
   enumerated for a transformer too. It checks that no single change of cfp's plan is faster,
   and how well the composed predictions order the alternatives search weighed.
 
-cfp's pick is ``cfp_own``'s of ``benchmark.py``: the measured fastest of search's own
-predictions within the budget, whether or not search kept it or a baseline it validated
+cfp's pick is ``cfp_own``'s of ``benchmark.py``: the plan search keeps of its own
+predictions within the budget (the measured fastest, or of those its rounds cannot tell from
+that one, the predicted fastest), whether or not search kept it or a baseline it validated
 (the summary's ``search_kept`` says which).
 
 Every plan of the space, and cfp's own pick (which may lie outside the uniform space, since its
