@@ -287,7 +287,7 @@ def search_console(rec, devices: int) -> None:
     phases_console("search", rec.time_s, rec.phase_s)
     from cfp.measure import slower
     fastest = min(rec.candidates, key=lambda c: c.median_s)
-    why = ("the measured fastest" if plan == fastest
+    why = ("the measured fastest of" if plan == fastest
            else "predicted faster than the measured fastest, which the rounds could not tell "
                 "from it, of" if not slower(plan.measured_s, fastest.measured_s)
            else "the measured fastest within the memory budget of")

@@ -134,6 +134,17 @@ def test_profile_resumes_records_failures_and_refuses_bad_files(tmp_path, capsys
     assert "not a readable" in capsys.readouterr().err
     assert main(["--mode", "profile", "--batch-size", "16"] + base2) == 2
     assert "another run" in capsys.readouterr().err
+    # A resharding table of another run is refused before any window is measured (it was
+    # read after all of them). Control: deleted, as the line says, the same profile runs.
+    for path in fresh.glob("window_*.pkl"):
+        path.unlink()
+    assert main(["--mode", "profile", "--max-combinations", "8"] + base2) == 2
+    err = capsys.readouterr().err
+    assert "reshard.pkl was made for another run" in err and "max_combinations" in err
+    assert not list(fresh.glob("window_*.pkl"))
+    (fresh / "reshard.pkl").unlink()
+    assert main(["--mode", "profile", "--max-combinations", "8"] + base2) == 0
+    assert list(fresh.glob("window_*.pkl"))
 
 
 def read_header(path):

@@ -25,7 +25,7 @@ import logging
 import math
 import statistics
 import time
-from typing import Callable, Literal
+from typing import Callable, Literal, NamedTuple
 
 from cfp.measure import CostModel, Measurement
 from cfp.phases import Phases
@@ -134,14 +134,19 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
     windows, reps = split_windows(analysis, options.max_combinations, options.whole_segments)
     if options.cost == "analytic":
         return _priced(analysis, options, windows, reps, start, checkpoint)
+    # What earlier runs left, read before any work: a file of another run stops the pass here.
+    saved = Saved(checkpoint.load_chosen(),
+                  [checkpoint.load_window(k) for k in range(len(reps))],
+                  checkpoint.load_reshards())
     worker = Worker(analysis, WorkerOptions(
         options.cost, options.memory_budget_bytes, options.batch, options.cost_model,
         options.compilation_cache, options.runtime), phases)
     compiled, window_profiles = 0, {}
     try:
-        chosen = _chosen(analysis, windows, reps, options, worker, notify, checkpoint)
+        chosen = _chosen(analysis, windows, reps, options, worker, notify, checkpoint,
+                         saved.chosen)
         # Across processes what is known is process 0's checkpoint's.
-        known = worker.share([_known(k, windows[rep], analysis, checkpoint, chosen.get(k))
+        known = worker.share([_known(k, windows[rep], analysis, saved.windows[k], chosen.get(k))
                               for k, rep in enumerate(reps)])
         notify("start", num_types=len(reps), total=sum(len(todo) for _, _, todo in known),
                known=sum(len(results) for _, results, _ in known))
@@ -150,8 +155,8 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
                                                     worker, options, checkpoint, start, notify)
             compiled += n
         bounds = boundaries(analysis, windows)
-        timed = _profile_reshards(analysis, bounds, worker, checkpoint, options, start,
-                                  notify)
+        timed = _profile_reshards(analysis, bounds, worker, checkpoint, saved.reshards,
+                                  options, start, notify)
         worker.ensure()
         overhead = worker.overhead_s
     except BaseException:  # Ctrl-C included: what was measured is in the checkpoint
@@ -193,19 +198,27 @@ def on_one_scale(window_profiles: dict) -> tuple[dict, float]:
             for k, p in window_profiles.items()}, scale_s
 
 
-def _known(k, window: Window, analysis, checkpoint, chosen=None) -> tuple[tuple, dict, list]:
-    """(strategies per block, results an earlier run measured, combinations still to
-    measure: ``chosen`` or every one) of window type k; what a budget cut off is measured
+class Saved(NamedTuple):
+    """What a checkpoint held when the pass began."""
+
+    chosen: dict | None  # combinations chosen per window type
+    windows: list[dict]  # per window type, combination -> result
+    reshards: dict  # resharding -> (seconds, interval low, interval high) or None
+
+
+def _known(k, window: Window, analysis, saved: dict, chosen=None) -> tuple[tuple, dict, list]:
+    """(strategies per block, results an earlier run measured (``saved``), combinations still
+    to measure: ``chosen`` or every one) of window type k; what a budget cut off is measured
     now."""
     space = tuple(len(analysis.blocks.blocks[b].strategies)
                   for b in range(window.start, window.end))
-    results = {c: m for c, m in checkpoint.load_window(k).items() if m.status != "not_measured"}
+    results = {c: m for c, m in saved.items() if m.status != "not_measured"}
     every = chosen if chosen is not None else itertools.product(*map(range, space))
     return space, results, [c for c in every if c not in results]
 
 
 def _chosen(analysis, windows, reps, options: ProfileOptions, worker, notify,
-            checkpoint) -> dict:
+            checkpoint, saved: dict | None) -> dict:
     """Per window type whose space is over ``max_combinations`` (with whole segments), the
     combinations measured (``cfp.ranking``): the cheapest by the additive analytic price,
     with the options' cost model or, where none is given, one fitted on the mesh, and those
@@ -220,7 +233,7 @@ def _chosen(analysis, windows, reps, options: ProfileOptions, worker, notify,
     if not large:
         return {}
     share = worker.share if worker is not None else (lambda value: value)
-    chosen = share(checkpoint.load_chosen())  # process 0's decides for all
+    chosen = share(saved)  # process 0's decides for all
     if chosen is not None:
         return chosen
     cost = options.cost_model
@@ -291,7 +304,7 @@ def _priced(analysis, options: ProfileOptions, windows, reps, start,
     cost = options.cost_model
     window_profiles = {}
     chosen = _chosen(analysis, windows, reps, options, None, lambda event, **f: None,
-                     checkpoint)
+                     checkpoint, checkpoint.load_chosen())
     for k, rep in enumerate(reps):
         w = windows[rep]
         space = tuple(window_space(analysis, w))
@@ -325,12 +338,13 @@ def needed_reshards(bounds, blocks, names) -> set[tuple]:
     return needed
 
 
-def _profile_reshards(analysis, bounds, worker, checkpoint, options, start, notify) -> dict:
+def _profile_reshards(analysis, bounds, worker, checkpoint, saved: dict, options, start,
+                      notify) -> dict:
     """Resharding -> (seconds, interval low, interval high), or None where it cannot run."""
     names = ("m0", "m1", "m2")[:len(analysis.mesh_shape)]
     blocks = analysis.blocks.blocks
     needed = needed_reshards(bounds, blocks, names)
-    known = worker.share(dict(checkpoint.load_reshards()))  # process 0's
+    known = worker.share(dict(saved))  # process 0's
     todo = sorted(needed - set(known), key=repr)
     notify("reshards", boundaries=len(bounds), needed=len(needed),
            known=len(needed) - len(todo))

@@ -112,7 +112,7 @@ def main(a) -> None:
     cfp_strats, kept = own_pick_and_kept(workdir, run_fp, budget)
     space_def, counts, size, picks = plan_space(problem, prof.windows,
                                                 _choices_of(problem, cfp_strats), a.space)
-    print(f"cfp's pick: the fastest of search's own predictions; search kept {kept}")
+    print(f"cfp's pick: the plan search keeps of its own predictions; search kept {kept}")
     print(f"space: {space_def}; feasible combinations per window type {counts}: {size} plans")
     if size > a.max_plans:
         raise SystemExit(f"enumerate: {size} plans is over --max-plans {a.max_plans}")
