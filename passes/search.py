@@ -7,8 +7,7 @@ joins, priced from the resharding table. It solves it, asks for the next-best pl
 (``validate_top``) and, when all of those reshard, for the best plan that does not
 (``predicted_plans``), adds the baseline plans that are plans of the problem
 (``baseline_candidates``), runs each end to end on the mesh in interleaved rounds, keeps the
-measured fastest (``kept_index``: of plans the rounds cannot tell apart, the one predicted
-fastest), checks it against the single-device step, and returns a ``SearchRecord``.
+measured fastest, checks it against the single-device step, and returns a ``SearchRecord``.
 Across processes (``SearchOptions.runtime``) it runs in a worker that joins their runtime
 (``cfp.worker``), on process 0's plans, timed by the slowest process.
 """
@@ -156,8 +155,8 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
 
 
 def fastest_within_budget(candidates, memory_budget_bytes: int | None) -> int:
-    """Index of the candidate ``kept_index`` keeps among those whose compiled peak fits the
-    budget (the composed memory that chose them can be off either way)."""
+    """Index of the measured fastest candidate whose compiled peak fits the budget (the
+    composed memory that chose them can be off either way)."""
     fits = [i for i, c in enumerate(candidates)
             if memory_budget_bytes is None or c.compiled_peak_bytes <= memory_budget_bytes]
     if not fits:
@@ -165,20 +164,7 @@ def fastest_within_budget(candidates, memory_budget_bytes: int | None) -> int:
         raise CfpError(f"no candidate plan fits {memory_budget_bytes / 2**30:.3f} GB per device "
                        f"once compiled (compiled peaks {peaks[0]:.3f} to {peaks[-1]:.3f} GB, "
                        f"though their composed memory fit): raise --memory-budget")
-    return kept_index([c.measured_s for c in candidates], [c.predicted_s for c in candidates],
-                      fits)
-
-
-def kept_index(measured_s, predicted, among) -> int:
-    """Of the plans ``among`` indexes, the one with the fastest median step; but where the
-    interleaved rounds cannot tell plans from it (``slower`` is false), the one of those the
-    profiles predict fastest (``predicted``: seconds or solver cost, lower is faster). Plans a
-    few percent apart swap places from one batch of rounds to the next, while the prediction
-    was composed from windows timed over many rounds: among measured ties it is the evidence
-    that does not flip with the batch."""
-    fastest = min(among, key=lambda i: statistics.median(measured_s[i]))
-    tied = [i for i in among if not slower(measured_s[i], measured_s[fastest])]
-    return min(tied, key=lambda i: (predicted[i], statistics.median(measured_s[i])))
+    return min(fits, key=lambda i: candidates[i].median_s)
 
 
 def _small(analysis) -> bool:

@@ -71,9 +71,9 @@ def main(argv=None) -> None:
     for c in rec.candidates:
         print(f"{c.source:<32}{composed_ms(c.strategies)}"
               f"{c.median_s * 1e3:>17.1f}")
-    for k, sol in enumerate(analytic_plans(a, workdir, analysis, run_fp, top)):
+    for k, strategies in enumerate(analytic_plans(a, workdir, analysis, run_fp, top)):
         name = f"cost model top {k + 1}" if k < top else "cost model without reshardings"
-        print(f"{name:<32}{composed_ms(sol.strategies)}{'-':>17}")
+        print(f"{name:<32}{composed_ms(strategies)}{'-':>17}")
     print(f"benchmark medians ({csv.name}), ms: " + ", ".join(
         f"{p} {m}" for p, m in sorted(medians_ms.items(), key=lambda kv: kv[1])))
     print(f"windows where cfp_own's pick and search's fastest {base.source} differ "

@@ -2,13 +2,11 @@
 
 For one workload and mesh, in one process: run cfp's three passes (timing each), then time
 - ``cfp``: the plan search ships (its own predictions and the baselines validated together);
-- ``cfp_own``: the plan search keeps of its own predictions as it measured them
-  (``kept_index``: the fastest, or of those its rounds cannot tell from it, the one predicted
-  fastest), no baseline among the candidates: what profiling alone finds;
+- ``cfp_own``: the fastest of search's own predictions as search measured them, no baseline
+  among the candidates: what profiling alone finds;
 - ``analytic``: CP-SAT over ``--cost model`` profiles of the same windows (alpha-beta fitted
   here; of a whole segment, the combinations the measured profile chose), its top K plans
-  (K as many as search's own) measured and kept the same way (ties to the cost model's
-  prediction);
+  (K as many as search's own) measured the same way, the fastest kept;
 - ``analytic_top1``: the cost model's one pick, taken without measuring, as Alpa does;
 - every baseline in ``cfp/baseline_rules/`` that applies, and the single-device step.
 All plans are compiled, then timed in rounds in which they take turns one step at a time (the
@@ -194,7 +192,7 @@ def budget_bytes(a) -> int | None:
 
 
 def own_pick(workdir: Path, run_fp, budget) -> tuple[tuple, int]:
-    """(block strategies of ``cfp_own``'s pick: the plan search keeps (``kept_index``) of its own
+    """(block strategies of ``cfp_own``'s pick: the measured fastest of search's own
     predictions within the budget, how many top predictions search measured, not counting
     the best without reshardings)."""
     from cfp.passes.search import fastest_within_budget
@@ -218,7 +216,7 @@ def build_plans(a, workdir: Path, mesh, analysis, program, run_fp, host):
              "cfp_own": PlannedStep(program, analysis, own, mesh),
              "analytic": PlannedStep(program, analysis, fastest_measured(
                  analytic, program, analysis, mesh, host, budget), mesh),
-             "analytic_top1": PlannedStep(program, analysis, analytic[0].strategies, mesh)}
+             "analytic_top1": PlannedStep(program, analysis, analytic[0], mesh)}
     for name, rule in load_rules().items():
         if applies(rule, analysis):
             bp = baseline_plan(rule, analysis)
@@ -227,8 +225,8 @@ def build_plans(a, workdir: Path, mesh, analysis, program, run_fp, host):
 
 
 def analytic_plans(a, workdir: Path, analysis, run_fp, k: int) -> list:
-    """The plans (solver ``Solution``s) search would validate over the ``--cost model``
-    profiles: the ``k`` best CP-SAT finds, best first, and the best without reshardings when all of those reshard
+    """The plans search would validate over the ``--cost model`` profiles: the ``k`` best
+    CP-SAT finds, best first, and the best without reshardings when all of those reshard
     (``predicted_plans``)."""
     from cfp.workdir import WorkDir
     from cfp.passes.search import build_problem, predicted_plans
@@ -236,20 +234,19 @@ def analytic_plans(a, workdir: Path, analysis, run_fp, k: int) -> list:
                                                       a.whole_segments)
     budget = budget_bytes(a)
     problem, _ = build_problem(analysis, profile, budget)
-    return predicted_plans(problem, k, 60.0)
+    return [sol.strategies for sol in predicted_plans(problem, k, 60.0)]
 
 
-def fastest_measured(sols: list, program, analysis, mesh, host, budget) -> list:
-    """Of the solutions ``sols``, the block strategies of the plan search would keep among
-    those whose compiled peak fits ``budget``: timed and chosen the way search validates its
-    own (``kept_index``; ties go to the lowest predicted cost)."""
+def fastest_measured(plans: list, program, analysis, mesh, host, budget) -> list:
+    """Of ``plans``, the measured fastest whose compiled peak fits ``budget``, timed the way
+    search validates its own."""
+    import statistics
     from cfp.measure import memory_of
-    from cfp.passes.search import SearchOptions, kept_index, measure_plans
-    plans = [sol.strategies for sol in sols]
+    from cfp.passes.search import SearchOptions, measure_plans
     steps, times = measure_plans(program, analysis, plans, mesh, host, SearchOptions(budget))
     fits = [i for i, ps in enumerate(steps)
             if budget is None or memory_of(ps.compiled)["peak_bytes"] <= budget] or [0]
-    return plans[kept_index(times, [sol.objective for sol in sols], fits)]
+    return plans[min(fits, key=lambda i: statistics.median(times[i]))]
 
 
 class SingleDevice:

@@ -69,7 +69,7 @@ def main(argv=None) -> None:
         worker.close()
     steps_against_windows(analysis, profile, mesh_shape, {
         "cfp_own": mine, other: base.strategies,
-        "cost model top 1": analytic_plans(a, workdir, analysis, run_fp, 1)[0].strategies})
+        "cost model top 1": analytic_plans(a, workdir, analysis, run_fp, 1)[0]})
 
 
 def steps_against_windows(analysis, profile, mesh_shape, plans: dict) -> None:

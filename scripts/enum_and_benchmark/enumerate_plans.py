@@ -11,9 +11,8 @@ Two spaces (``--space``), both defined over the profile pass's window types:
   enumerated for a transformer too. It checks that no single change of cfp's plan is faster,
   and how well the composed predictions order the alternatives search weighed.
 
-cfp's pick is ``cfp_own``'s of ``benchmark.py``: the plan search keeps of its own
-predictions within the budget (the measured fastest, or of those its rounds cannot tell from
-that one, the predicted fastest), whether or not search kept it or a baseline it validated
+cfp's pick is ``cfp_own``'s of ``benchmark.py``: the measured fastest of search's own
+predictions within the budget, whether or not search kept it or a baseline it validated
 (the summary's ``search_kept`` says which).
 
 Every plan of the space, and cfp's own pick (which may lie outside the uniform space, since its
@@ -112,7 +111,7 @@ def main(a) -> None:
     cfp_strats, kept = own_pick_and_kept(workdir, run_fp, budget)
     space_def, counts, size, picks = plan_space(problem, prof.windows,
                                                 _choices_of(problem, cfp_strats), a.space)
-    print(f"cfp's pick: the plan search keeps of its own predictions; search kept {kept}")
+    print(f"cfp's pick: the fastest of search's own predictions; search kept {kept}")
     print(f"space: {space_def}; feasible combinations per window type {counts}: {size} plans")
     if size > a.max_plans:
         raise SystemExit(f"enumerate: {size} plans is over --max-plans {a.max_plans}")
