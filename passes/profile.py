@@ -135,16 +135,15 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
     if options.cost == "analytic":
         return _priced(analysis, options, windows, reps, start, checkpoint)
     # What earlier runs left, read before any work: a file of another run stops the pass here.
-    saved = Saved(checkpoint.load_chosen(),
-                  [checkpoint.load_window(k) for k in range(len(reps))],
+    checkpoint.load_chosen()  # read again where it is used
+    saved = Saved([checkpoint.load_window(k) for k in range(len(reps))],
                   checkpoint.load_reshards())
     worker = Worker(analysis, WorkerOptions(
         options.cost, options.memory_budget_bytes, options.batch, options.cost_model,
         options.compilation_cache, options.runtime), phases)
     compiled, window_profiles = 0, {}
     try:
-        chosen = _chosen(analysis, windows, reps, options, worker, notify, checkpoint,
-                         saved.chosen)
+        chosen = _chosen(analysis, windows, reps, options, worker, notify, checkpoint)
         # Across processes what is known is process 0's checkpoint's.
         known = worker.share([_known(k, windows[rep], analysis, saved.windows[k], chosen.get(k))
                               for k, rep in enumerate(reps)])
@@ -201,7 +200,6 @@ def on_one_scale(window_profiles: dict) -> tuple[dict, float]:
 class Saved(NamedTuple):
     """What a checkpoint held when the pass began."""
 
-    chosen: dict | None  # combinations chosen per window type
     windows: list[dict]  # per window type, combination -> result
     reshards: dict  # resharding -> (seconds, interval low, interval high) or None
 
@@ -218,7 +216,7 @@ def _known(k, window: Window, analysis, saved: dict, chosen=None) -> tuple[tuple
 
 
 def _chosen(analysis, windows, reps, options: ProfileOptions, worker, notify,
-            checkpoint, saved: dict | None) -> dict:
+            checkpoint) -> dict:
     """Per window type whose space is over ``max_combinations`` (with whole segments), the
     combinations measured (``cfp.ranking``): the cheapest by the additive analytic price,
     with the options' cost model or, where none is given, one fitted on the mesh, and those
@@ -233,7 +231,7 @@ def _chosen(analysis, windows, reps, options: ProfileOptions, worker, notify,
     if not large:
         return {}
     share = worker.share if worker is not None else (lambda value: value)
-    chosen = share(saved)  # process 0's decides for all
+    chosen = share(checkpoint.load_chosen())  # process 0's decides for all
     if chosen is not None:
         return chosen
     cost = options.cost_model
@@ -304,7 +302,7 @@ def _priced(analysis, options: ProfileOptions, windows, reps, start,
     cost = options.cost_model
     window_profiles = {}
     chosen = _chosen(analysis, windows, reps, options, None, lambda event, **f: None,
-                     checkpoint, checkpoint.load_chosen())
+                     checkpoint)
     for k, rep in enumerate(reps):
         w = windows[rep]
         space = tuple(window_space(analysis, w))
