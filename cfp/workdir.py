@@ -108,6 +108,11 @@ class ProfileCheckpoint:
         self.dir.mkdir(parents=True, exist_ok=True)
         # (path, fingerprint) of the chosen combinations; by default this profile's own
         self.chosen_path, self.chosen_fp = chosen or (self.dir / "chosen.pkl", fingerprint)
+        # A file another run left is refused now, before the pass does any work.
+        for path in sorted(self.dir.glob("window_*.pkl")):
+            read_record(path, WINDOW_FORMAT, self.fp, hint=f"delete {path} to profile afresh")
+        self.load_reshards()
+        self.load_chosen()
 
     def load_window(self, k: int) -> dict:
         path = self.dir / f"window_{k}.pkl"

@@ -25,7 +25,7 @@ import logging
 import math
 import statistics
 import time
-from typing import Callable, Literal, NamedTuple
+from typing import Callable, Literal
 
 from cfp.measure import CostModel, Measurement
 from cfp.phases import Phases
@@ -134,10 +134,6 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
     windows, reps = split_windows(analysis, options.max_combinations, options.whole_segments)
     if options.cost == "analytic":
         return _priced(analysis, options, windows, reps, start, checkpoint)
-    # What earlier runs left, read before any work: a file of another run stops the pass here.
-    checkpoint.load_chosen()  # read again where it is used
-    saved = Saved([checkpoint.load_window(k) for k in range(len(reps))],
-                  checkpoint.load_reshards())
     worker = Worker(analysis, WorkerOptions(
         options.cost, options.memory_budget_bytes, options.batch, options.cost_model,
         options.compilation_cache, options.runtime), phases)
@@ -145,7 +141,7 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
     try:
         chosen = _chosen(analysis, windows, reps, options, worker, notify, checkpoint)
         # Across processes what is known is process 0's checkpoint's.
-        known = worker.share([_known(k, windows[rep], analysis, saved.windows[k], chosen.get(k))
+        known = worker.share([_known(k, windows[rep], analysis, checkpoint, chosen.get(k))
                               for k, rep in enumerate(reps)])
         notify("start", num_types=len(reps), total=sum(len(todo) for _, _, todo in known),
                known=sum(len(results) for _, results, _ in known))
@@ -154,8 +150,8 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
                                                     worker, options, checkpoint, start, notify)
             compiled += n
         bounds = boundaries(analysis, windows)
-        timed = _profile_reshards(analysis, bounds, worker, checkpoint, saved.reshards,
-                                  options, start, notify)
+        timed = _profile_reshards(analysis, bounds, worker, checkpoint, options, start,
+                                  notify)
         worker.ensure()
         overhead = worker.overhead_s
     except BaseException:  # Ctrl-C included: what was measured is in the checkpoint
@@ -197,20 +193,13 @@ def on_one_scale(window_profiles: dict) -> tuple[dict, float]:
             for k, p in window_profiles.items()}, scale_s
 
 
-class Saved(NamedTuple):
-    """What a checkpoint held when the pass began."""
-
-    windows: list[dict]  # per window type, combination -> result
-    reshards: dict  # resharding -> (seconds, interval low, interval high) or None
-
-
-def _known(k, window: Window, analysis, saved: dict, chosen=None) -> tuple[tuple, dict, list]:
-    """(strategies per block, results an earlier run measured (``saved``), combinations still
-    to measure: ``chosen`` or every one) of window type k; what a budget cut off is measured
+def _known(k, window: Window, analysis, checkpoint, chosen=None) -> tuple[tuple, dict, list]:
+    """(strategies per block, results an earlier run measured, combinations still to
+    measure: ``chosen`` or every one) of window type k; what a budget cut off is measured
     now."""
     space = tuple(len(analysis.blocks.blocks[b].strategies)
                   for b in range(window.start, window.end))
-    results = {c: m for c, m in saved.items() if m.status != "not_measured"}
+    results = {c: m for c, m in checkpoint.load_window(k).items() if m.status != "not_measured"}
     every = chosen if chosen is not None else itertools.product(*map(range, space))
     return space, results, [c for c in every if c not in results]
 
@@ -336,13 +325,12 @@ def needed_reshards(bounds, blocks, names) -> set[tuple]:
     return needed
 
 
-def _profile_reshards(analysis, bounds, worker, checkpoint, saved: dict, options, start,
-                      notify) -> dict:
+def _profile_reshards(analysis, bounds, worker, checkpoint, options, start, notify) -> dict:
     """Resharding -> (seconds, interval low, interval high), or None where it cannot run."""
     names = ("m0", "m1", "m2")[:len(analysis.mesh_shape)]
     blocks = analysis.blocks.blocks
     needed = needed_reshards(bounds, blocks, names)
-    known = worker.share(dict(saved))  # process 0's
+    known = worker.share(dict(checkpoint.load_reshards()))  # process 0's
     todo = sorted(needed - set(known), key=repr)
     notify("reshards", boundaries=len(bounds), needed=len(needed),
            known=len(needed) - len(todo))
