@@ -109,27 +109,35 @@ def time_steps(compiled, args, *, iters: int | None = None, min_steps: int = 5,
     return total_s / n
 
 
-def time_interleaved(runs, *, rounds: int, min_steps: int = 5,
-                     min_seconds: float = 0.3) -> list[list[float]]:
+def time_interleaved(runs, *, rounds: int, min_steps: int = 5, min_seconds: float = 0.3,
+                     seed: int = 0) -> list[list[float]]:
     """Seconds per step of each of ``runs`` (pairs of a compiled step and its arguments), one
     figure per round: the median of that run's steps in the round.
 
-    Within a round the runs take turns one step at a time (the order rotating each round), and
-    every run takes as many steps as the others, until each has run ``min_steps`` steps and
-    ``min_seconds``. Steps taken in turn share the machine's state of the same seconds, so
-    the ratio of two runs' figures in one round carries little of the machine's drift; a
-    run's steps taken in one block each (``time_steps``, round after round) put seconds
-    between the steps compared. The median keeps one step delayed by another process out of
-    the figure. Each step is waited for, as in ``time_steps``."""
+    Within a round the runs take turns one step at a time, and every run takes as many steps
+    as the others, until each has run ``min_steps`` steps and ``min_seconds``. Steps taken in
+    turn share the machine's state of the same seconds, so the ratio of two runs' figures in
+    one round carries little of the machine's drift; a run's steps taken in one block each
+    (``time_steps``, round after round) put seconds between the steps compared. The order is
+    shuffled on every pass (seeded; no run takes two steps in a row), since a step runs slower
+    right after some others: in an order that only rotated, each run always followed the same
+    one, and the first plan, always after the last, carried its cost in every step. The median
+    keeps one step delayed by another process out of the figure. Each step is waited for, as
+    in ``time_steps``."""
+    import random
     import statistics
     from cfp.measure import run_once_s
+    rng, last = random.Random(seed), None
     times: list[list[float]] = [[] for _ in runs]
-    for r in range(rounds):
-        order = [(r + k) % len(runs) for k in range(len(runs))]
+    for _ in range(rounds):
         steps_s: list[list[float]] = [[] for _ in runs]
         while any(len(s) < min_steps or sum(s) < min_seconds for s in steps_s):
+            order = rng.sample(range(len(runs)), len(runs))
+            if len(order) > 1 and order[0] == last:
+                order[0], order[1] = order[1], order[0]
             for i in order:
                 steps_s[i].append(run_once_s(*runs[i]))
+            last = order[-1]
         for i, s in enumerate(steps_s):
             times[i].append(statistics.median(s))
     return times

@@ -179,10 +179,11 @@ def test_validation_rounds_separate_plans_round_by_round():
 
 
 def test_benchmark_plans_take_turns_one_step_at_a_time():
-    """``time_interleaved``: between two steps of one plan every other plan takes one, the
-    order rotates each round, and a round's figure is the median of its steps (one step held up
-    by another process does not move it). Control: ``time_steps`` called plan after plan, as
-    the benchmark did before, runs each plan's steps in one block."""
+    """``time_interleaved``: between two steps of one plan another plan takes one, every plan
+    follows several others (the order is shuffled on every pass), and a round's figure is the
+    median of its steps (one step held up by another process does not move it). Controls:
+    ``time_steps`` called plan after plan, as the benchmark did before, runs each plan's steps
+    in one block; an order that only rotates each round puts every plan after the same one."""
     import time
     from cfp.execute import time_interleaved, time_steps
     log = []
@@ -197,11 +198,22 @@ def test_benchmark_plans_take_turns_one_step_at_a_time():
     def take_turns(names):
         return all(names[i] != names[i + 1] for i in range(len(names) - 1))
 
+    def same_predecessor(names):  # per run, the share of its steps after its usual predecessor
+        import collections
+        before = collections.defaultdict(collections.Counter)
+        for i in range(1, len(names)):
+            before[names[i]][names[i - 1]] += 1
+        return [max(c.values()) / sum(c.values()) for c in before.values()]
+
     a, b = run("a", slow_step=3), run("b")
     times = time_interleaved([a, b], rounds=2, min_steps=5, min_seconds=0.0)
-    assert log[:10] == ["a", "b"] * 5 and log[10:] == ["b", "a"] * 5
-    assert take_turns(log[:10]) and take_turns(log[10:])
+    assert len(log) == 20 and take_turns(log)
     assert times[0][0] < 0.010  # the mean of a's first round would be 11.6 ms
+    log.clear()
+    time_interleaved([run("a"), run("b"), run("c")], rounds=3, min_steps=5, min_seconds=0.0)
+    assert take_turns(log) and max(same_predecessor(log)) < 0.7
+    rotated = [n for r in range(3) for _ in range(5) for n in ("abc"[r:] + "abc"[:r])]
+    assert min(same_predecessor(rotated)) > 0.9  # control
     log.clear()
     for r in (a, b):
         time_steps(*r, min_steps=5, min_seconds=0.0)

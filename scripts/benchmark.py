@@ -10,7 +10,7 @@ For one workload and mesh, in one process: run cfp's three passes (timing each),
 - ``analytic_top1``: the cost model's one pick, taken without measuring, as Alpa does;
 - every baseline in ``cfp/baseline_rules/`` that applies, and the single-device step.
 All plans are compiled, then timed in rounds in which they take turns one step at a time (the
-order rotates each round; ``cfp.execute.time_interleaved``), so drift hits every plan alike;
+order shuffled on every pass; ``cfp.execute.time_interleaved``), so drift hits every plan alike;
 a round's figure per plan is the median of its steps there. Appends one row per timed
 round to ``<out>/<date>-<backend>.csv`` (workload, mesh, plan, round, step_s, backend,
 devices), the pass overheads and the launch

@@ -13,8 +13,10 @@ before counted every window's (printed next), and before that, over the held set
 bias add's input). Two more rules, printed last: each held activation at the largest layout a
 backward reader wants; and cfp's, with a value the backward pass reads but the held set leaves
 to recomputation (a cheap elementwise op's result) held in the layout a backward reader
-gathers it to, since a backward fusion cannot recompute past an all-gather. A window's
-transient loses what its own held activations gain. Last, a
+gathers it to, since a backward fusion cannot recompute past an all-gather. Then cfp's, with
+each held activation placed in a free buffer of a step output (of at least its size, or of its
+size exactly), as XLA's buffer assignment reuses an output's buffer until the output is
+written. A window's transient loses what its own held activations gain. Last, a
 bound from the windows' own programs: every window holding its whole compiled temporaries at
 once, plus the held activations that cross windows; a step above it holds more than its
 windows compiled alone do (the held set, sized from the graph, can pass it). For
@@ -45,8 +47,11 @@ RULES = ("producer layout", "largest reader layout",
          "same, every window's beside the largest transient (as composed earlier on 2026-11-24)",
          "same, of the held set without elementwise residuals (the rule before 2026-11-24)",
          "largest layout a backward reader wants",
-         "cfp's, and a cheap residual that a backward reader gathers held gathered")
+         "cfp's, and a cheap residual that a backward reader gathers held gathered",
+         "cfp's, each held activation in a free step-output buffer at least its size",
+         "cfp's, each held activation in a free step-output buffer of its size")
 PREFIX = RULES[:3] + RULES[5:]  # a window's transient beside the held activations up to it
+REUSED = RULES[7:]  # XLA places temporaries in output buffers not yet written
 
 
 def main() -> None:
@@ -117,18 +122,20 @@ def main() -> None:
                     if u in member and (u > loss_op or not late_only)
                     for pos, x in enumerate(g.ops[u].inputs) if x == v]
 
-        split = {"inputs": 0, "outputs": 0}
+        split, output_sizes = {"inputs": 0, "outputs": 0}, []
         for w, t in zip(profile.windows, terms):
             for v, k, labels in t.adding:
                 n = nbytes(v, None if k is None else w.start + k, labels)
                 split["inputs" if g.values[v].input_index is not None else "outputs"] += n
+                if g.values[v].input_index is None:
+                    output_sizes.append(n)
         # Each rule sizes every held activation; a window's transient is its compiled
         # temporaries less its own held activations, so what a rule adds to the held bytes it
         # takes from that window's transient.
         peaks, held_bytes, transient = {}, {}, {}
         bound = split["inputs"] + split["outputs"]
         for rule in RULES:
-            held_bytes[rule], transients, above = 0, [], []
+            held_bytes[rule], transients, above, held_sizes = 0, [], [], []
             for k, (w, t) in enumerate(zip(profile.windows,
                                            terms_before if rule == RULES[4] else terms)):
                 combo = problem.groups[k].options[choices[k]].strategies
@@ -139,7 +146,7 @@ def main() -> None:
                     made = nbytes(v, w.start + pos, labels)
                     sizes[v] = (made if rule == RULES[0] else max([made] + reader_bytes(v))
                                 if rule == RULES[1] else max([made] + reader_bytes(v, True))
-                                if rule == RULES[5] else kept(term))  # cfp's, both held sets
+                                if rule == RULES[5] else kept(term))  # cfp's, and as cfp's
                 internal = set(t.internal)
                 if rule == RULES[6]:  # a backward fusion cannot recompute past an all-gather
                     for v, i, inside in residuals[k]:
@@ -150,9 +157,11 @@ def main() -> None:
                             if inside:
                                 internal.add(v)
                 held_bytes[rule] += sum(sizes.values())
+                held_sizes += sizes.values()
                 temp = profile.window_profiles[w.type].results[combo].temp_bytes
                 transients.append(max(0, temp - sum(sizes[v] for v in internal)))
-                above.append(held_bytes[rule] + transients[-1])  # the windows up to k's held
+                above.append((held_bytes[rule] if rule not in REUSED else _not_placed(
+                    held_sizes, output_sizes, exact=rule == RULES[8])) + transients[-1])
                 if rule == RULES[2]:  # the bound: the whole temporaries, held at once
                     bound += temp + sum(n for v, n in sizes.items() if v not in t.internal)
             transient[rule] = max(transients, default=0)
@@ -192,22 +201,49 @@ def main() -> None:
           f"plans below the compiled peak")
 
 
+def _not_placed(held_sizes: list[int], output_sizes: list[int], exact: bool) -> int:
+    """The held bytes left over when each held activation, largest first, takes the smallest
+    free step-output buffer it fits (of its size exactly, with ``exact``): XLA's buffer
+    assignment reuses an output's buffer for temporaries whose lives end before the output is
+    written (the optimizer's update writes the outputs at the step's end), largest first. It
+    places transients there too, and one whose life overlaps a held activation's keeps that
+    buffer from it; this leaves transients out, so it places more than XLA does."""
+    free, left = sorted(output_sizes), 0
+    for n in sorted(held_sizes, reverse=True):
+        fits = [j for j, size in enumerate(free) if size == n or (size > n and not exact)]
+        if fits:
+            free.pop(fits[0])
+        else:
+            left += n
+    return left
+
+
 def _print_peak(dump: str, top: int) -> None:
     """The largest temporaries live at the peak of the heap XLA simulated, from its dump."""
     assignment = open(glob.glob(f"{dump}/*after_optimizations-buffer-assignment.txt")[0]).read()
     live_range = open(glob.glob(f"{dump}/*after_optimizations-live-range.txt")[0]).read()
     hlo = open(glob.glob(f"{dump}/*after_optimizations.txt")[0]).read()
-    size, in_parameter = {}, False
+    size, in_output, in_parameter, live_out = {}, set(), False, False
     for line in assignment.splitlines():
         if line.startswith("allocation"):
-            in_parameter = "parameter" in line
+            in_parameter, live_out = "parameter" in line, "maybe-live-out" in line
         m = re.match(r"\s*value: <\d+ (\S+) @0> \(size=(\d+)", line)
         if m and not in_parameter:
             size[m.group(1)] = int(m.group(2))
+            if live_out:
+                in_output.add(m.group(1))
     ranges = [(name, int(s), int(e)) for name, s, e in re.findall(
         r"^\s+(\S+?)\{\}:(\d+)-(\d+)", live_range.split("BufferLiveRange:")[1], re.M)
         if name in size]
     end = max(e for _, _, e in ranges)
+    # A value in an output's buffer that dies before the step ends is a temporary placed there
+    # before the output is written.
+    placed = [(n, s, e) for n, s, e in ranges if n in in_output and e < end]
+    at_once = [sum(size[n] for n, s, e in placed if s <= t <= e) for t in range(end + 1)]
+    t_most = max(range(end + 1), key=at_once.__getitem__)
+    print(f"  temporaries placed in step outputs' buffers before the outputs are written: "
+          f"{len(placed)}, at most {at_once[t_most] / 1e6:.1f} MB live at once (instruction "
+          f"{t_most} of {end})")
     live = [sum(size[n] for n, s, e in ranges if s <= t <= e) for t in range(end + 1)]
     t_peak = max(range(end + 1), key=live.__getitem__)
     print(f"  at the compiled peak (instruction {t_peak} of {end}): {live[t_peak] / 1e6:.1f} MB "
@@ -218,7 +254,8 @@ def _print_peak(dump: str, top: int) -> None:
         shape = m.group(1) if m else ""
         op = re.search(r'op_name="([^"]*)"', m.group(2)) if m else None
         op = op.group(1) if op else ""
-        print(f"    {size[name] / 1e6:5.2f} MB {name} {shape} live {s}-{e} ({op})")
+        where = " [in an output's buffer]" if name in in_output and e < end else ""
+        print(f"    {size[name] / 1e6:5.2f} MB {name} {shape} live {s}-{e} ({op}){where}")
 
 
 if __name__ == "__main__":
