@@ -1,7 +1,7 @@
 """The plan in the user's own jit, timed next to cfp's own planned step.
 
-Three programs of one step under one plan, side by side in one process, interleaved over
-rounds (the order rotates each round), medians:
+Three programs of one step under one plan, side by side in one process, taking turns one
+step at a time over rounds (``cfp.execute.time_interleaved``), medians:
 
 - ``cfp``: cfp's planned step (``cfp.execute.PlannedStep``, what search ran);
 - ``plan.jit``: ``cfp.plan.jit(train_step, plan, mesh, ...)``: the user's step with the plan's
@@ -43,7 +43,7 @@ def main() -> None:
         assert cli(["--memory-budget", "2", "--workdir", str(workdir)]) == 0
 
     import jax
-    from cfp.execute import PlannedStep, example_inputs, time_steps
+    from cfp.execute import PlannedStep, example_inputs, time_interleaved, time_steps
     from cfp.models import adam_init
     from cfp.plan import jit as plan_jit
     from cfp.plan import load_plan, step_shardings
@@ -78,11 +78,9 @@ def main() -> None:
     for c, a in programs.values():  # warm up
         time_steps(c, a, iters=2)
     backend = jax.devices()[0].platform
-    rows, names = [], list(programs)
-    for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            c, a = programs[name]
-            rows.append((name, r, time_steps(c, a)))
+    names = list(programs)
+    per_round = time_interleaved([programs[n] for n in names], rounds=args.rounds)
+    rows = [(name, r, t) for name, times in zip(names, per_round) for r, t in enumerate(times)]
     date = datetime.date.today().isoformat()
     out = Path(args.out or ROOT / "scripts" / "results" / f"{date}-user-jit-{backend}.csv")
     out.parent.mkdir(parents=True, exist_ok=True)
