@@ -109,8 +109,8 @@ def time_steps(compiled, args, *, iters: int | None = None, min_steps: int = 5,
     return total_s / n
 
 
-def time_interleaved(runs, *, rounds: int, min_steps: int = 5, min_seconds: float = 0.3,
-                     seed: int = 0) -> list[list[float]]:
+def time_interleaved(runs, *, rounds: int, min_steps: int = 5,
+                     min_seconds: float = 0.3) -> list[list[float]]:
     """Seconds per step of each of ``runs`` (pairs of a compiled step and its arguments), one
     figure per round: the median of that run's steps in the round.
 
@@ -127,7 +127,7 @@ def time_interleaved(runs, *, rounds: int, min_steps: int = 5, min_seconds: floa
     import random
     import statistics
     from cfp.measure import run_once_s
-    rng, last = random.Random(seed), None
+    rng, last = random.Random(0), None
     times: list[list[float]] = [[] for _ in runs]
     for _ in range(rounds):
         steps_s: list[list[float]] = [[] for _ in runs]

@@ -210,11 +210,12 @@ def _not_placed(held_sizes: list[int], output_sizes: list[int], exact: bool) -> 
     buffer from it; this leaves transients out, so it places more than XLA does."""
     free, left = sorted(output_sizes), 0
     for n in sorted(held_sizes, reverse=True):
-        fits = [j for j, size in enumerate(free) if size == n or (size > n and not exact)]
-        if fits:
-            free.pop(fits[0])
-        else:
+        j = next((j for j, size in enumerate(free) if size == n or (size > n and not exact)),
+                 None)
+        if j is None:
             left += n
+        else:
+            free.pop(j)
     return left
 
 
@@ -239,6 +240,7 @@ def _print_peak(dump: str, top: int) -> None:
     # A value in an output's buffer that dies before the step ends is a temporary placed there
     # before the output is written.
     placed = [(n, s, e) for n, s, e in ranges if n in in_output and e < end]
+    placed_names = {n for n, _, _ in placed}
     at_once = [sum(size[n] for n, s, e in placed if s <= t <= e) for t in range(end + 1)]
     t_most = max(range(end + 1), key=at_once.__getitem__)
     print(f"  temporaries placed in step outputs' buffers before the outputs are written: "
@@ -254,7 +256,7 @@ def _print_peak(dump: str, top: int) -> None:
         shape = m.group(1) if m else ""
         op = re.search(r'op_name="([^"]*)"', m.group(2)) if m else None
         op = op.group(1) if op else ""
-        where = " [in an output's buffer]" if name in in_output and e < end else ""
+        where = " [in an output's buffer]" if name in placed_names else ""
         print(f"    {size[name] / 1e6:5.2f} MB {name} {shape} live {s}-{e} ({op}){where}")
 
 

@@ -46,8 +46,10 @@ def rotating(runs, rounds: int, passes: int = 5) -> list[list[float]]:
 
 
 def main() -> None:
+    from cfp.baselines import RULES_DIR
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--other", default="megatron")
+    ap.add_argument("--other", default="megatron", choices=sorted(
+        [p.stem for p in RULES_DIR.glob("*.json")] + ["single_device"]))
     ap.add_argument("--rounds", type=int, default=15)
     own = ap.parse_args()
     a = parse_args(["--model", "gpt", "--config", "tiny", "--num-layers", "2", "--num-heads",
