@@ -19,7 +19,6 @@ the passes run first if it has no plan); ``--other`` names a baseline rule or
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -59,9 +58,9 @@ def main() -> None:
     import jax
     from cfp.baselines import baseline_plan, load_rules
     from cfp.execute import PlannedStep, real_inputs, time_interleaved
+    from cfp.plan import load_plan
     from cfp.workloads import make_mesh, trace_step
-    strategies = [b["strategy_index"] for b in
-                  json.loads((workdir / "plan.json").read_text())["blocks"]]
+    strategies = [b["strategy_index"] for b in load_plan(workdir / "plan.json")["blocks"]]
     workload, mesh = spec.build(), make_mesh(mesh_shape)
     program, host = trace_step(workload), real_inputs(workload)
     steps = [PlannedStep(program, analysis, strategies, mesh) for _ in range(COPIES)]
