@@ -14,6 +14,11 @@ Besides the errors, fits measured on predicted step time: the slope of one regre
 intercept, and the weights of the prediction's terms (window times, reshardings between
 windows; the launch is subtracted first), each with a 95% bootstrap interval over the plans.
 
+The profile's speed anchor (``measure.speed_anchor``, timed in every round of the profile) is
+timed at the start of every round of steps too; the summary's second line gives its time then
+against its time over the profile, and the time error and slope with the predictions scaled by
+that ratio: the composition at the speed the machine ran the steps.
+
 ``--profiles N`` profiles the analysis N - 1 more times (fresh workers, scratch work dirs)
 and composes the same plans from each against the steps measured once: the check's time
 figures depend on the profile it drew (each window type is timed in its own stretch of
@@ -96,6 +101,7 @@ def main() -> None:
     from cfp.workloads import make_mesh, run_fingerprint
     from cfp.workdir import ANALYSIS_FORMAT, WorkDir
     from cfp.passes.search import SCALE, build_problem
+    from cfp.solver import evaluate
 
     analysis = read_record(workdir / "analysis.pkl", ANALYSIS_FORMAT, None, hint="")
     run_fp = run_fingerprint(analysis.spec, mesh_shape)
@@ -103,7 +109,7 @@ def main() -> None:
                                                     args.whole_segments)
     problem, _ = build_problem(analysis, profile, None)
     cpu = CpuShare().start()
-    steps, times = random_plan_steps(analysis, problem, make_mesh(mesh_shape), args)
+    steps, times, anchor_s = random_plan_steps(analysis, problem, make_mesh(mesh_shape), args)
     others, stolen = cpu.share()
     for ps in steps:
         ps.predicted_s = ps.cost / SCALE + profile.launch_overhead_s
@@ -145,6 +151,10 @@ def main() -> None:
           f"windows {weights[0]:.2f} [{weights_ci[0][0]:.2f}, {weights_ci[0][1]:.2f}], "
           f"reshardings {weights[1]:.2f} [{weights_ci[1][0]:.2f}, {weights_ci[1][1]:.2f}]; "
           f"rows appended to {out}")
+    unscaled_problem, _ = build_problem(analysis, as_timed(profile), None)
+    _speed_lines(rows, [evaluate(unscaled_problem, ps.choices)[0] / SCALE
+                        + profile.launch_overhead_s for ps in steps],
+                 statistics.median(anchor_s), profile.anchor_s)
     print(f"while the plans were compiled and run, others took {others:.0%} of the cores "
           f"({stolen:.0%} stolen by the hypervisor)")
     busy = profile.busy_window_types()
@@ -155,6 +165,47 @@ def main() -> None:
     if args.profiles > 1:
         _other_profiles(args, base, workdir, analysis, problem, steps,
                         [r[1] for r in rows], out, label)
+
+
+def as_timed(profile):
+    """``profile`` with each window time back at its batch's own speed: undoes the rescaling
+    to the speed anchor's median over the profile (``passes.profile.on_one_scale``)."""
+    import dataclasses
+    if not profile.anchor_s > 0:
+        return profile
+
+    def timed(m):
+        if not m.anchor_s > 0:
+            return m
+        f = m.anchor_s / profile.anchor_s
+        return dataclasses.replace(m, time_s=m.time_s * f, time_min_s=m.time_min_s * f,
+                                   time_max_s=m.time_max_s * f)
+    return dataclasses.replace(profile, window_profiles={
+        k: dataclasses.replace(p, results={c: timed(m) for c, m in p.results.items()})
+        for k, p in profile.window_profiles.items()})
+
+
+def _speed_lines(rows, unscaled_s, steps_anchor_s: float, profile_anchor_s: float) -> None:
+    """Prints how the speed anchor bears on the time figures: composed from the window times
+    as timed (``unscaled_s`` per plan, each batch at its own speed: ``as_timed``), and with
+    every prediction scaled by the anchor's time during the steps over its time during the
+    profile (``ProfileRecord.anchor_s``): the composition at the speed the machine ran the
+    steps. ``rows``: (predicted s, measured s, ...) per plan."""
+    if not profile_anchor_s > 0:  # NaN: a profile without the anchor
+        print("the profile has no speed anchor: no figures at another scale")
+        return
+
+    def figures(predicted):
+        abs_t = sorted(abs(p / r[1] - 1) for p, r in zip(predicted, rows))
+        slope, ci = fit_with_interval([[p] for p in predicted], [r[1] for r in rows])
+        return (f"median |time error| {100 * statistics.median(abs_t):.1f}% (max "
+                f"{100 * abs_t[-1]:.1f}%), slope {slope[0]:.2f} [{ci[0][0]:.2f}, {ci[0][1]:.2f}]")
+    ratio = steps_anchor_s / profile_anchor_s
+    print(f"composed from the window times as timed, not rescaled by the speed anchor: "
+          f"{figures(unscaled_s)}")
+    print(f"speed anchor {1e3 * steps_anchor_s:.2f} ms during the steps, "
+          f"{1e3 * profile_anchor_s:.2f} ms over the profile (x{ratio:.3f}); predictions "
+          f"scaled by it: {figures([r[0] * ratio for r in rows])}")
 
 
 def _other_profiles(args, base, workdir, analysis, problem, steps, measured_s, out, label):
@@ -251,8 +302,10 @@ def random_plans(problem, count: int, seed: int) -> list[tuple[int, ...]]:
 def random_plan_steps(analysis, problem, mesh, args):
     """``args.plans`` random plans of ``problem`` (one option per group), each compiled
     (``PlannedStep`` with ``cost`` and ``mem`` as composed) and timed on ``mesh`` in
-    ``args.rounds`` interleaved rounds: (steps, seconds per step of each round)."""
+    ``args.rounds`` interleaved rounds: (steps, seconds per step of each round, seconds of the
+    profile's speed anchor, ``ANCHOR_RUNS`` runs at the start of each round)."""
     from cfp.execute import PlannedStep, real_inputs, time_steps
+    from cfp.measure import run_once_s, speed_anchor
     from cfp.solver import evaluate
     from cfp.workloads import trace_step
     plans = random_plans(problem, args.plans, args.seed)
@@ -267,11 +320,16 @@ def random_plan_steps(analysis, problem, mesh, args):
         time_steps(ps.compiled, ps.args, iters=2)
         ps.cost, ps.mem, ps.choices = cost, mem, choices
         steps.append(ps)
-    times = [[] for _ in steps]
+    anchor = speed_anchor(mesh)
+    times, anchor_s = [[] for _ in steps], []
     for _ in range(args.rounds):
+        anchor_s += [run_once_s(*anchor) for _ in range(ANCHOR_RUNS)]
         for i, ps in enumerate(steps):
             times[i].append(time_steps(ps.compiled, ps.args, iters=args.iters))
-    return steps, times
+    return steps, times, anchor_s
+
+
+ANCHOR_RUNS = 3  # speed-anchor runs per round of steps
 
 
 def _plot(rows, path, args, xlabel="predicted step s (composed profiles)") -> None:

@@ -45,7 +45,7 @@ def main() -> None:
     cost = fit_cost_model(mesh)
     profile = run_profile(analysis, ProfileOptions(cost="analytic", cost_model=cost))
     problem, _ = build_problem(analysis, profile, None)
-    steps, times = random_plan_steps(analysis, problem, mesh, args)
+    steps, times, _ = random_plan_steps(analysis, problem, mesh, args)
     for ps in steps:
         ps.predicted_s = ps.cost / SCALE
     rows = [(ps.predicted_s, statistics.median(t)) for ps, t in zip(steps, times)]
