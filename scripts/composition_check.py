@@ -14,10 +14,11 @@ Besides the errors, fits measured on predicted step time: the slope of one regre
 intercept, and the weights of the prediction's terms (window times, reshardings between
 windows; the launch is subtracted first), each with a 95% bootstrap interval over the plans.
 
-The profile's speed anchor (``measure.speed_anchor``, timed in every round of the profile) is
-timed at the start of every round of steps too; the summary's second line gives its time then
-against its time over the profile, and the time error and slope with the predictions scaled by
-that ratio: the composition at the speed the machine ran the steps.
+Two more lines follow the summary: the time error and slope composed from the window times as
+timed (each profile batch at its own speed: ``as_timed``), and, with the profile's speed anchor
+(``measure.speed_anchor``, timed in every round of the profile) timed at the start of every
+round of steps too, its time then against its time over the profile and the figures with the
+predictions scaled by that ratio: the composition at the speed the machine ran the steps.
 
 ``--profiles N`` profiles the analysis N - 1 more times (fresh workers, scratch work dirs)
 and composes the same plans from each against the steps measured once: the check's time
