@@ -102,7 +102,6 @@ def main() -> None:
     from cfp.workloads import make_mesh, run_fingerprint
     from cfp.workdir import ANALYSIS_FORMAT, WorkDir
     from cfp.passes.search import SCALE, build_problem
-    from cfp.solver import evaluate
 
     analysis = read_record(workdir / "analysis.pkl", ANALYSIS_FORMAT, None, hint="")
     run_fp = run_fingerprint(analysis.spec, mesh_shape)
@@ -136,25 +135,23 @@ def main() -> None:
             f.write(f"{label},{args.mesh},{backend},{n_dev},{i},"
                     f"{ps.predicted_s:.6g},{meas:.6g},{terr:.4f},{ps.predicted_mem},"
                     f"{ps.compiled_mem},{merr:.4f}\n")
-    abs_t = sorted(abs(r[2]) for r in rows)
+    time_abs, time_max, slope, slope_ci = time_figures([r[0] for r in rows],
+                                                       [r[1] for r in rows])
     abs_m = sorted(abs(r[3]) for r in rows)
     pairs = [(a, b) for a in rows for b in rows if a is not b]
     agree = sum((a[0] < b[0]) == (a[1] < b[1]) for a, b in pairs) / max(1, len(pairs))
-    slope, slope_ci = fit_with_interval([[r[0]] for r in rows], [r[1] for r in rows])
     weights, weights_ci = fit_with_interval(
         [[r[4], r[5]] for r in rows], [r[1] - profile.launch_overhead_s for r in rows])
     print(f"{label} mesh {args.mesh} ({backend}, {n_dev} devices), "
-          f"{len(rows)} random plans: median |time error| {100 * statistics.median(abs_t):.1f}% "
-          f"(max {100 * abs_t[-1]:.1f}%), median |memory error| "
+          f"{len(rows)} random plans: median |time error| {100 * time_abs:.1f}% "
+          f"(max {100 * time_max:.1f}%), median |memory error| "
           f"{100 * statistics.median(abs_m):.1f}% (max {100 * abs_m[-1]:.1f}%), pairwise "
           f"order agreement {100 * agree:.0f}%; slope of measured on predicted "
           f"{slope[0]:.2f} [{slope_ci[0][0]:.2f}, {slope_ci[0][1]:.2f}]; term weights: "
           f"windows {weights[0]:.2f} [{weights_ci[0][0]:.2f}, {weights_ci[0][1]:.2f}], "
           f"reshardings {weights[1]:.2f} [{weights_ci[1][0]:.2f}, {weights_ci[1][1]:.2f}]; "
           f"rows appended to {out}")
-    unscaled_problem, _ = build_problem(analysis, as_timed(profile), None)
-    _speed_lines(rows, [evaluate(unscaled_problem, ps.choices)[0] / SCALE
-                        + profile.launch_overhead_s for ps in steps],
+    _speed_lines(rows, [as_timed_s(ps, problem, profile) for ps in steps],
                  statistics.median(anchor_s), profile.anchor_s)
     print(f"while the plans were compiled and run, others took {others:.0%} of the cores "
           f"({stolen:.0%} stolen by the hypervisor)")
@@ -168,22 +165,26 @@ def main() -> None:
                         [r[1] for r in rows], out, label)
 
 
-def as_timed(profile):
-    """``profile`` with each window time back at its batch's own speed: undoes the rescaling
-    to the speed anchor's median over the profile (``passes.profile.on_one_scale``)."""
-    import dataclasses
-    if not profile.anchor_s > 0:
-        return profile
+def as_timed_s(ps, problem, profile) -> float:
+    """``ps``'s composed step seconds with each window time back at its batch's own speed:
+    the rescaling to the speed anchor's median over the profile
+    (``passes.profile.on_one_scale``) undone."""
+    from cfp.passes.search import SCALE
+    seconds = ps.predicted_s
+    for window, group, c in zip(profile.windows, problem.groups, ps.choices):
+        option = group.options[c]
+        m = profile.window_profiles[window.type].results[option.strategies]
+        if m.anchor_s > 0 and profile.anchor_s > 0:
+            seconds += option.cost / SCALE * (m.anchor_s / profile.anchor_s - 1)
+    return seconds
 
-    def timed(m):
-        if not m.anchor_s > 0:
-            return m
-        f = m.anchor_s / profile.anchor_s
-        return dataclasses.replace(m, time_s=m.time_s * f, time_min_s=m.time_min_s * f,
-                                   time_max_s=m.time_max_s * f)
-    return dataclasses.replace(profile, window_profiles={
-        k: dataclasses.replace(p, results={c: timed(m) for c, m in p.results.items()})
-        for k, p in profile.window_profiles.items()})
+
+def time_figures(predicted_s, measured_s):
+    """(median and largest |time error|, slope of measured on predicted with its 95%
+    interval) over the plans."""
+    errors = [abs(p / m - 1) for p, m in zip(predicted_s, measured_s)]
+    slope, ci = fit_with_interval([[p] for p in predicted_s], measured_s)
+    return statistics.median(errors), max(errors), slope, ci
 
 
 def _speed_lines(rows, unscaled_s, steps_anchor_s: float, profile_anchor_s: float) -> None:
@@ -197,10 +198,9 @@ def _speed_lines(rows, unscaled_s, steps_anchor_s: float, profile_anchor_s: floa
         return
 
     def figures(predicted):
-        abs_t = sorted(abs(p / r[1] - 1) for p, r in zip(predicted, rows))
-        slope, ci = fit_with_interval([[p] for p in predicted], [r[1] for r in rows])
-        return (f"median |time error| {100 * statistics.median(abs_t):.1f}% (max "
-                f"{100 * abs_t[-1]:.1f}%), slope {slope[0]:.2f} [{ci[0][0]:.2f}, {ci[0][1]:.2f}]")
+        median, most, slope, ci = time_figures(predicted, [r[1] for r in rows])
+        return (f"median |time error| {100 * median:.1f}% (max {100 * most:.1f}%), slope "
+                f"{slope[0]:.2f} [{ci[0][0]:.2f}, {ci[0][1]:.2f}]")
     ratio = steps_anchor_s / profile_anchor_s
     print(f"composed from the window times as timed, not rescaled by the speed anchor: "
           f"{figures(unscaled_s)}")
@@ -300,6 +300,9 @@ def random_plans(problem, count: int, seed: int) -> list[tuple[int, ...]]:
     return [tuple(rng.randrange(len(g.options)) for g in problem.groups) for _ in range(count)]
 
 
+ANCHOR_RUNS = 3  # speed-anchor runs per round of steps
+
+
 def random_plan_steps(analysis, problem, mesh, args):
     """``args.plans`` random plans of ``problem`` (one option per group), each compiled
     (``PlannedStep`` with ``cost`` and ``mem`` as composed) and timed on ``mesh`` in
@@ -329,8 +332,6 @@ def random_plan_steps(analysis, problem, mesh, args):
             times[i].append(time_steps(ps.compiled, ps.args, iters=args.iters))
     return steps, times, anchor_s
 
-
-ANCHOR_RUNS = 3  # speed-anchor runs per round of steps
 
 
 def _plot(rows, path, args, xlabel="predicted step s (composed profiles)") -> None:
