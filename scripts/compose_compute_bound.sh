@@ -28,5 +28,8 @@ for mesh in 8 2x4; do
       | grep -E "combinations|cheapest|reshardings timed|profile pass|random plans|warning|others took|anchor|as timed" \
       | tee -a "$out"
     echo "row wall time $((SECONDS - start)) s" | tee -a "$out"
+    # the name above follows benchmark.workload_label; if that changes, no old work dir is
+    # moved aside and a row could reuse a profile: stop instead
+    [[ -d $workdir ]] || { echo "no work dir $workdir: its name no longer follows workload_label" >&2; exit 1; }
   done
 done
