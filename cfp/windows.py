@@ -212,23 +212,26 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
     Adding up: the window's parameters, optimizer state and batch coming in (those not in
     ``read_earlier``, held for an earlier window already) and their updates going out, plus the
     activations it produces in the forward pass and holds for the backward pass
-    (``held_for_backward``, each in the layout ``MemoryTerms`` says XLA keeps). Transient: the
-    compiled temporaries less the held activations inside them; one window's transient counts
+    (``held_for_backward``, each in the layout ``MemoryTerms`` says XLA keeps) or holds
+    gathered (``MemoryTerms.gathered``). Transient: the compiled temporaries less the held
+    activations inside them; one window's transient counts
     in the step's peak at a time, beside the held activations of the windows up to it (those
     of later windows the backward pass has freed: ``solver``). Held: the activations among the
     adding-up bytes. ``held`` and ``terms`` (``memory_terms``) are what the caller computed
     already, for many combinations."""
     terms = terms or memory_terms(analysis, window, read_earlier, held)
-    size, held_size = term_sizers(analysis, window, combo, axis_names)
+    size, held_size, gathered_size = term_sizers(analysis, window, combo, axis_names)
     held_bytes = {t[0]: held_size(t) for t in terms.held}
+    held_bytes.update((t[0], n) for t in terms.gathered if (n := gathered_size(t)))
     adding = sum(size(*t) for t in terms.adding) + sum(held_bytes.values())
-    held_internal = sum(held_bytes[v] for v in terms.internal)
+    held_internal = sum(held_bytes.get(v, 0) for v in terms.internal)
     return adding, max(0, measured.temp_bytes - held_internal), sum(held_bytes.values())
 
 
 def term_sizers(analysis, window: Window, combo, axis_names):
     """Bytes per device of a step input or output term (value, block position or None,
-    labels), and of a held activation term (``MemoryTerms.held``)."""
+    labels), of a held activation term (``MemoryTerms.held``), and of a gathered residual
+    term (``MemoryTerms.gathered``: 0 where no backward reader wants a larger layout)."""
     blocks = [analysis.blocks.blocks[b] for b in range(window.start, window.end)]
     axes = [b.strategies[k].axes for b, k in zip(blocks, combo)]
     g, mesh_shape = analysis.graph, analysis.mesh_shape
@@ -250,7 +253,12 @@ def term_sizers(analysis, window: Window, combo, axis_names):
         kept = [spec(v, *made)] + [s for s in (spec(v, *r) for r in backward) if s in early]
         return max(nbytes(v, s) for s in kept)
 
-    return size, held_size
+    def gathered_size(term):
+        v, made, backward = term
+        largest = max(nbytes(v, spec(v, *r)) for r in backward)
+        return largest if largest > size(v, *made) else 0
+
+    return size, held_size, gathered_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,11 +270,20 @@ class MemoryTerms:
     labels), its forward readers' in the window, its backward readers' in the window). It is
     held in the producer's layout, unless a backward reader wants a layout that a forward
     reader wanted too: XLA then keeps the forward pass's copy (an all-gather's result, say)
-    instead of gathering again, and the larger layout counts (``scripts/memory_gap.py``)."""
+    instead of gathering again, and the larger layout counts (``scripts/memory_gap.py``).
+
+    A gathered residual is (value, its producer's (position, labels), its backward readers'
+    in the window): a forward result the held set leaves to recomputation (a cheap
+    elementwise op's) that the backward pass reads. Where a backward reader wants it in a
+    larger layout than its producer makes, it is held in the largest such layout: a backward
+    fusion cannot recompute past the all-gather, and XLA keeps the gathered copy from the
+    forward pass to the backward (``scripts/memory_gap.py`` lists these at the compiled peak).
+    Otherwise it is recomputed and counts nothing."""
 
     adding: tuple  # step inputs not read earlier, step outputs
     held: tuple = ()  # activations the window holds for its backward pass
-    internal: frozenset = frozenset()  # the held ones that do not leave the window
+    internal: frozenset = frozenset()  # the held and gathered ones that do not leave the window
+    gathered: tuple = ()  # residuals held where a backward reader gathers them
 
 
 def memory_terms(analysis, window: Window, read_earlier: frozenset[int] = frozenset(),
@@ -275,32 +292,38 @@ def memory_terms(analysis, window: Window, read_earlier: frozenset[int] = frozen
     blocks = [analysis.blocks.blocks[b] for b in range(window.start, window.end)]
     sub = sub_program(g, window_ops(analysis, window))
     kept = held_for_backward(g) if held is None else held
-    loss_op = g.values[g.outputs[-1]].producer if g.outputs else None
+    loss = g.values[g.outputs[-1]] if g.outputs else None
+    loss_op = loss.producer if loss is not None and not loss.shape else None
+    backward_from = len(g.ops) if loss_op is None else loss_op  # no backward pass: none
     want, made = {}, {}  # live-ins as their first reader wants them; results as made
-    readers = {}  # held activation -> ([forward readers], [backward readers]) in the window
+    readers = {}  # value -> ([forward readers], [backward readers]) in the window
     for k, block in enumerate(blocks):
         for m in block.members:
             op = g.ops[m.op]
             for v, lab in zip(op.inputs, m.ins):
                 if v not in want or m.op < want[v][0]:
                     want[v] = (m.op, k, lab)
-                if v in kept:
-                    readers.setdefault(v, ([], []))[m.op > loss_op].append((k, lab))
+                readers.setdefault(v, ([], []))[m.op > backward_from].append((k, lab))
             for v, lab in zip(op.outputs, m.outs):
                 made[v] = (k, lab)
     adding = [(v,) + (want[v][1:] if v in want else (None, None)) for v in sub.live_ins
               if g.values[v].input_index is not None and v not in read_earlier]
     outputs, leaving = set(g.outputs), set(sub.live_outs)
     adding += [(v,) + made.get(v, (None, None)) for v in sub.live_outs if v in outputs]
-    held_terms, internal = [], set()
+    held_terms, gathered, internal = [], [], set()
     for i in sub.ops:
         for v in g.ops[i].outputs:
+            forward, backward = readers.get(v, ((), ()))
             if v in kept:
-                forward, backward = readers.get(v, ((), ()))
                 held_terms.append((v, made[v], tuple(forward), tuple(backward)))
-                if v not in leaving:
-                    internal.add(v)
-    return MemoryTerms(tuple(adding), tuple(held_terms), frozenset(internal))
+            elif i < backward_from and backward and v in made:
+                gathered.append((v, made[v], tuple(backward)))
+            else:
+                continue
+            if v not in leaving:
+                internal.add(v)
+    return MemoryTerms(tuple(adding), tuple(held_terms), frozenset(internal),
+                       tuple(gathered))
 
 
 # Elementwise ops XLA does not duplicate into another fusion (``IsExpensive``): a backward op

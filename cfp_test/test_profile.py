@@ -263,6 +263,49 @@ def test_a_held_activation_counts_in_the_copy_xla_keeps():
     assert seen["forward copy kept"] > 0, seen
 
 
+def test_a_residual_a_backward_reader_gathers_counts_gathered():
+    """A forward result the held set leaves to recomputation (a cheap elementwise op's) that a
+    backward reader in its window wants in a larger layout than its producer makes is held in
+    that larger layout (a backward fusion cannot recompute past the all-gather): a window's
+    held bytes exceed the rule without such residuals by exactly their gathered bytes. The
+    control: where no backward reader wants a larger layout, a residual adds nothing."""
+    import dataclasses
+    import itertools
+    import types
+    from cfp.jax_compat import itemsize
+    from cfp.windows import memory_terms, option_memory, shard_bytes
+    a = _analysis("gpt", (8,), num_layers=2)
+    g, names = a.graph, ("m0",)
+    windows = split_windows(a, 32, whole_segments=True)[0]
+    w = max(windows, key=lambda w: w.end - w.start)
+    terms = memory_terms(a, w)
+    without = dataclasses.replace(terms, gathered=())
+    blocks = [a.blocks.blocks[b] for b in range(w.start, w.end)]
+    measured = types.SimpleNamespace(temp_bytes=0)
+    seen = {"gathered": 0, "recomputed": 0}
+    for v, made, backward in terms.gathered:
+        positions = sorted({made[0]} | {k for k, _ in backward})
+        if len(positions) > 2:
+            continue
+        for picks in itertools.product(*(range(len(blocks[k].strategies)) for k in positions)):
+            combo = [0] * len(blocks)
+            for k, s in zip(positions, picks):
+                combo[k] = s
+            axes = [b.strategies[c].axes for b, c in zip(blocks, combo)]
+
+            def extra(term):  # its bytes where a backward reader wants it larger, else 0
+                x, made, backward = term
+                nbytes = [shard_bytes(g.values[x].shape, itemsize(g.values[x].dtype),
+                                      dims.spec_axes(lab, axes[k], names),
+                                      a.mesh_shape, names) for k, lab in (made,) + backward]
+                return max(nbytes[1:]) if max(nbytes[1:]) > nbytes[0] else 0
+            held = option_memory(a, w, combo, measured, names, terms=terms)[2]
+            held_without = option_memory(a, w, combo, measured, names, terms=without)[2]
+            assert held - held_without == sum(map(extra, terms.gathered))
+            seen["gathered" if extra((v, made, backward)) else "recomputed"] += 1
+    assert seen["gathered"] > 0 and seen["recomputed"] > 0, seen
+
+
 def test_a_resharding_is_timed_after_its_producer():
     """A resharding that moves data (an all-gather of 4 MB over 8 devices) adds time after the
     op producing its value; the control, the producer timed against itself, adds nothing

@@ -6,14 +6,15 @@ the largest transient against the compiled program's arguments, outputs and temp
 median error with each held activation sized at its producer's layout, at the largest layout
 one of its readers wants, and as the composition sizes it (``windows.MemoryTerms``: the
 layout a backward reader in its window wants where a forward reader there wants it too, else
-the producer's). These three count a window's transient beside the held activations of the
-windows up to it (the backward pass has freed the later ones', ``solver``); the composition
-before counted every window's (printed next), and before that, over the held set
-``windows.held_for_backward`` made before it counted elementwise residuals (a tanh's result, a
-bias add's input). Two more rules, printed last: each held activation at the largest layout a
-backward reader wants; and cfp's, with a value the backward pass reads but the held set leaves
-to recomputation (a cheap elementwise op's result) held in the layout a backward reader
-gathers it to, since a backward fusion cannot recompute past an all-gather. Then cfp's, with
+the producer's; and a value the backward pass reads but the held set leaves to recomputation,
+a cheap elementwise op's result, held in the layout a backward reader in its window gathers it
+to, since a backward fusion cannot recompute past an all-gather). These three count a
+window's transient beside the held activations of the windows up to it (the backward pass
+has freed the later ones', ``solver``); the composition before counted every window's (printed
+next), and before that, over the held set ``windows.held_for_backward`` made before it counted
+elementwise residuals (a tanh's result, a bias add's input). Two more rules, printed last:
+each held activation at the largest layout a backward reader wants; and cfp's without the
+gathered residuals (the rule before 2026-11-26). Then cfp's, with
 each held activation placed in a free buffer of a step output (of at least its size, or of its
 size exactly), as XLA's buffer assignment reuses an output's buffer until the output is
 written. A window's transient loses what its own held activations gain. Last, a
@@ -43,15 +44,17 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 
 RULES = ("producer layout", "largest reader layout",
-         "backward reader's layout where a forward reader made it (cfp's)",
+         "backward reader's layout where a forward reader made it, and a cheap residual that "
+         "a backward reader gathers held gathered (cfp's)",
          "same, every window's beside the largest transient (as composed earlier on 2026-11-24)",
          "same, of the held set without elementwise residuals (the rule before 2026-11-24)",
          "largest layout a backward reader wants",
-         "cfp's, and a cheap residual that a backward reader gathers held gathered",
+         "same, no residual held gathered (the rule before 2026-11-26)",
          "cfp's, each held activation in a free step-output buffer at least its size",
          "cfp's, each held activation in a free step-output buffer of its size")
 PREFIX = RULES[:3] + RULES[5:]  # a window's transient beside the held activations up to it
 REUSED = RULES[7:]  # XLA places temporaries in output buffers not yet written
+GATHERED = RULES[2:4] + RULES[7:]  # cfp's, with the gathered residuals
 
 
 def main() -> None:
@@ -73,9 +76,8 @@ def main() -> None:
     from cfp.passes.search import build_problem
     from cfp.records import read_record
     from cfp.solver import evaluate
-    from cfp.sharding import sub_program
     from cfp.windows import (held_for_backward, inputs_read_earlier, memory_terms,
-                             shard_bytes, term_sizers, window_ops)
+                             shard_bytes, term_sizers)
     from cfp.workdir import ANALYSIS_FORMAT, WorkDir
     from cfp.workloads import AXIS_NAMES, make_mesh, run_fingerprint, trace_step
 
@@ -95,15 +97,6 @@ def main() -> None:
                     for k, w in enumerate(profile.windows)]
     print(f"held activations: {len(held)}; without elementwise residuals: {len(held_before)}")
     loss_op = g.values[g.outputs[-1]].producer
-    # Per window, the values the backward pass reads that are not held (a backward fusion
-    # recomputes a cheap op's result from what is held): (value, its producer, whether it
-    # stays inside the window).
-    residuals = []
-    for w in profile.windows:
-        sub = sub_program(g, window_ops(analysis, w))
-        residuals.append([(v, i, v not in sub.live_outs) for i in sub.ops
-                          if i < loss_op and i in member for v in g.ops[i].outputs
-                          if v not in held and any(u > loss_op for u in g.users.get(v, ()))])
     plans = random_plans(problem, args.plans, args.seed)
     program, mesh = trace_step(analysis.spec.build()), make_mesh(mesh_shape)
     errors: dict[str, list[float]] = {rule: [] for rule in RULES}
@@ -139,7 +132,7 @@ def main() -> None:
             for k, (w, t) in enumerate(zip(profile.windows,
                                            terms_before if rule == RULES[4] else terms)):
                 combo = problem.groups[k].options[choices[k]].strategies
-                kept = term_sizers(analysis, w, combo, names)[1]
+                _, kept, gathered = term_sizers(analysis, w, combo, names)
                 sizes = {}
                 for term in t.held:
                     v, (pos, labels) = term[0], term[1]
@@ -147,15 +140,9 @@ def main() -> None:
                     sizes[v] = (made if rule == RULES[0] else max([made] + reader_bytes(v))
                                 if rule == RULES[1] else max([made] + reader_bytes(v, True))
                                 if rule == RULES[5] else kept(term))  # cfp's, and as cfp's
-                internal = set(t.internal)
-                if rule == RULES[6]:  # a backward fusion cannot recompute past an all-gather
-                    for v, i, inside in residuals[k]:
-                        made = nbytes(v, ba.owner[i], member[i].outs[g.ops[i].outputs.index(v)])
-                        gathered = max(reader_bytes(v, True), default=0)
-                        if gathered > made:
-                            sizes[v] = gathered
-                            if inside:
-                                internal.add(v)
+                if rule in GATHERED:
+                    sizes.update((term[0], n) for term in t.gathered if (n := gathered(term)))
+                internal = t.internal & sizes.keys()
                 held_bytes[rule] += sum(sizes.values())
                 held_sizes += sizes.values()
                 temp = profile.window_profiles[w.type].results[combo].temp_bytes
