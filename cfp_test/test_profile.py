@@ -224,11 +224,24 @@ def test_a_step_input_counts_once_in_composed_memory():
     assert input_bytes([frozenset()] * len(windows)) > replicated  # counted per reader
 
 
+def _combos_over(blocks, positions):
+    """Every combination of the window's ``blocks`` that varies the blocks at ``positions``
+    (at most two; none when more) and leaves the others on their first strategy."""
+    import itertools
+    positions = sorted(positions)
+    if len(positions) > 2:
+        return
+    for picks in itertools.product(*(range(len(blocks[k].strategies)) for k in positions)):
+        combo = [0] * len(blocks)
+        for k, s in zip(positions, picks):
+            combo[k] = s
+        yield combo
+
+
 def test_a_held_activation_counts_in_the_copy_xla_keeps():
     """A held activation counts in its producer's layout, or in a larger one where a backward
     reader in its window wants the layout a forward reader there made (XLA keeps that copy);
     the control: a backward reader alone wanting a larger layout leaves the producer's."""
-    import itertools
     from cfp.windows import held_for_backward, memory_terms, shard_bytes, term_sizers
     a = _analysis("gpt", (2, 4), num_layers=2)
     g, names = a.graph, ("m0", "m1")
@@ -238,13 +251,7 @@ def test_a_held_activation_counts_in_the_copy_xla_keeps():
     blocks = [a.blocks.blocks[b] for b in range(w.start, w.end)]
     seen = {"forward copy kept": 0, "backward alone": 0}  # the second need not occur
     for v, made, forward, backward in memory_terms(a, w, held=held).held:
-        positions = sorted({made[0]} | {k for k, _ in forward + backward})
-        if len(positions) > 2:
-            continue
-        for picks in itertools.product(*(range(len(blocks[k].strategies)) for k in positions)):
-            combo = [0] * len(blocks)
-            for k, s in zip(positions, picks):
-                combo[k] = s
+        for combo in _combos_over(blocks, {made[0]} | {k for k, _ in forward + backward}):
             axes = [b.strategies[c].axes for b, c in zip(blocks, combo)]
             spec = lambda r: dims.spec_axes(r[1], axes[r[0]], names)  # noqa: E731
             nbytes = lambda s: shard_bytes(g.values[v].shape, 4, s, a.mesh_shape, names)  # noqa: E731
@@ -270,7 +277,6 @@ def test_a_residual_a_backward_reader_gathers_counts_gathered():
     held bytes exceed the rule without such residuals by exactly their gathered bytes. The
     control: where no backward reader wants a larger layout, a residual adds nothing."""
     import dataclasses
-    import itertools
     import types
     from cfp.jax_compat import itemsize
     from cfp.windows import memory_terms, option_memory, shard_bytes
@@ -284,13 +290,7 @@ def test_a_residual_a_backward_reader_gathers_counts_gathered():
     measured = types.SimpleNamespace(temp_bytes=0)
     seen = {"gathered": 0, "recomputed": 0}
     for v, made, backward in terms.gathered:
-        positions = sorted({made[0]} | {k for k, _ in backward})
-        if len(positions) > 2:
-            continue
-        for picks in itertools.product(*(range(len(blocks[k].strategies)) for k in positions)):
-            combo = [0] * len(blocks)
-            for k, s in zip(positions, picks):
-                combo[k] = s
+        for combo in _combos_over(blocks, {made[0]} | {k for k, _ in backward}):
             axes = [b.strategies[c].axes for b, c in zip(blocks, combo)]
 
             def extra(term):  # its bytes where a backward reader wants it larger, else 0

@@ -89,7 +89,7 @@ def main() -> None:
     args = ap.parse_args()
     mesh_shape, label, workdir = plan_setup(args)
     if args.compiled_from and not (workdir / "profile.pkl").exists():
-        raise SystemExit(f"--compiled-from: no profile in {workdir} to compose from")
+        _refuse(f"--compiled-from: no profile in {workdir} to compose from")
     n_dev = math.prod(mesh_shape)
     from cfp.cli import main as cli
     base = ["--model", args.model, "--config", args.config, "--mesh", args.mesh,
@@ -186,14 +186,14 @@ def memory_again(path: Path, label: str, args, problem, profile) -> None:
     rows = pd.read_csv(path)
     rows = rows[(rows.workload == label) & (rows.mesh.astype(str) == args.mesh)].tail(args.plans)
     if list(rows.plan) != list(range(args.plans)):
-        raise SystemExit(f"{path}: no run of {args.plans} plans of {label} on mesh {args.mesh}")
+        _refuse(f"{path}: no run of {args.plans} plans of {label} on mesh {args.mesh}")
     errors = []
     for row, choices in zip(rows.itertuples(), random_plans(problem, args.plans, args.seed)):
         cost, mem, _ = evaluate(problem, choices)
         predicted_s = cost / SCALE + profile.launch_overhead_s
         if not math.isclose(predicted_s, row.predicted_s, rel_tol=1e-5):
-            raise SystemExit(f"plan {row.plan}: composed {predicted_s:.6g} s, {path} has "
-                             f"{row.predicted_s:.6g} s: not the profile its steps came from")
+            _refuse(f"plan {row.plan}: composed {predicted_s:.6g} s, {path} has "
+                    f"{row.predicted_s:.6g} s: not the profile its steps came from")
         errors.append(mem / row.compiled_mem_bytes - 1)
     before = [abs(e) for e in rows.mem_err]
     print(f"{label} mesh {args.mesh}, {len(errors)} plans composed again against the compiled "
@@ -202,6 +202,12 @@ def memory_again(path: Path, label: str, args, problem, profile) -> None:
           f"{100 * max(abs(e) for e in errors):.1f}%, signed median "
           f"{100 * statistics.median(errors):+.1f}%, {sum(e < 0 for e in errors)} under); "
           f"as recorded: {100 * statistics.median(before):.1f}%")
+
+
+def _refuse(line: str) -> None:
+    """Bad input: one line on stderr, exit status 2."""
+    print(line, file=sys.stderr)
+    raise SystemExit(2)
 
 
 def as_timed_s(ps, problem, profile) -> float:
