@@ -15,14 +15,16 @@ an axis no role takes is left replicated. Roles are found in the graph, for any 
   alternation and its head split come out of ``["follow", "weight_out"]``.
 
 A parameter operand is a step input among the parameters, reached through layout operators.
-``storage`` says where parameters and optimizer state live between steps: ``plan``, in the layout
-their first reader's strategy wants (as cfp's own plans keep them), or ``split`` over all mesh
-axes on their first dim that divides (FSDP / ZeRO-3). ``axes: null`` puts
-no constraint inside the step at all; only the batch is split (XLA propagates the rest).
+``storage`` says where parameters and optimizer state live between steps
+(``cfp.execute.Storage``): ``plan``, in the layout their first reader's strategy wants (as
+cfp's own plans keep them); ``zero1``, the optimizer state split further over the mesh axes
+that layout leaves replicated, the update on shards; ``fsdp``, the parameters too. ``axes:
+null`` puts no constraint inside the step at all; only the batch is split (XLA propagates the
+rest).
 
 Example:
     >>> sorted(load_rules())
-    ['batch_only', 'dp', 'dp_tp', 'expert', 'fsdp', 'megatron']
+    ['batch_only', 'dp', 'dp_tp', 'expert', 'fsdp', 'fsdp_tp', 'megatron', 'zero1']
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ class Rule:
     title: str
     about: str
     axes: tuple[tuple[str, ...], ...] | None
-    storage: str  # "plan" | "split"
+    storage: str  # one of cfp.execute.STATE_LAYOUTS
     mesh_dims: int | None = None  # only for meshes of this rank
     needs_role: str | None = None  # only when some contraction has this role
 
@@ -63,8 +65,9 @@ def load_rules(directory: Path = RULES_DIR) -> dict[str, Rule]:
         for role in {r for a in (rule.axes or ()) for r in a} | {rule.needs_role} - {None}:
             if role not in ROLES:
                 raise CfpError(f"{path}: unknown role {role!r} (known: {', '.join(ROLES)})")
-        if rule.storage not in ("plan", "split"):
-            raise CfpError(f"{path}: storage must be 'plan' or 'split'")
+        from cfp.execute import STATE_LAYOUTS
+        if rule.storage not in STATE_LAYOUTS:
+            raise CfpError(f"{path}: storage must be one of {', '.join(STATE_LAYOUTS)}")
         rules[rule.name] = rule
     return rules
 
@@ -72,12 +75,11 @@ def load_rules(directory: Path = RULES_DIR) -> dict[str, Rule]:
 @dataclasses.dataclass(frozen=True)
 class BaselinePlan:
     """A manual plan: per block a ``Strategy`` (``None``: no constraints inside the step) and
-    the layouts of step inputs and outputs it fixes (two dicts, position -> PartitionSpec
-    entries; see ``cfp.execute.plan_specs``)."""
+    where it keeps the state (``cfp.execute.Storage``)."""
 
     name: str
     strategies: tuple[Strategy, ...] | None
-    storage: tuple[dict, dict]
+    storage: "Storage"
 
 
 def input_kinds(analysis) -> list[str]:
@@ -217,16 +219,6 @@ def block_strategy(rule: Rule, block, graph, roles, incoming, mesh_shape) -> Str
     return Strategy(axes, strategy_name(axes, block.loop_dims, nd))
 
 
-def storage_spec(shape, mesh_shape, axis_names) -> tuple:
-    """Split over every mesh axis on the first dim that divides; else replicated."""
-    n = math.prod(mesh_shape)
-    names = tuple(axis_names) if len(axis_names) > 1 else axis_names[0]
-    for d, size in enumerate(shape):
-        if size % n == 0:
-            return tuple(names if i == d else None for i in range(len(shape)))
-    return (None,) * len(shape)
-
-
 def applies(rule: Rule, analysis) -> bool:
     if rule.mesh_dims is not None and sum(s > 1 for s in analysis.mesh_shape) != rule.mesh_dims:
         return False
@@ -240,22 +232,17 @@ def applies(rule: Rule, analysis) -> bool:
 
 
 def baseline_plan(rule: Rule, analysis) -> BaselinePlan:
+    from cfp.execute import Storage
     g, ba, mesh_shape = analysis.graph, analysis.blocks, tuple(analysis.mesh_shape)
     names = ("m0", "m1", "m2")[:len(mesh_shape)]
     kinds = input_kinds(analysis)
-    storage: dict = {}
-    state_out: dict = {}
-    if rule.storage == "split":  # new parameters and state come out as they went in
-        for i, (v, k) in enumerate(zip(g.inputs, kinds)):
-            if k in ("param", "opt"):
-                storage[i] = state_out[i] = storage_spec(g.values[v].shape, mesh_shape, names)
     if rule.axes is None:
         split = names if len(names) > 1 else names[0]
-        for i, (v, k) in enumerate(zip(g.inputs, kinds)):
-            shape = g.values[v].shape
-            if k == "batch" and shape and shape[0] % math.prod(mesh_shape) == 0:
-                storage[i] = (split,) + (None,) * (len(shape) - 1)
-        return BaselinePlan(rule.name, None, (storage, state_out))
+        batch = tuple((i, (split,) + (None,) * (len(g.values[v].shape) - 1))
+                      for i, (v, k) in enumerate(zip(g.inputs, kinds))
+                      if k == "batch" and g.values[v].shape
+                      and g.values[v].shape[0] % math.prod(mesh_shape) == 0)
+        return BaselinePlan(rule.name, None, Storage(rule.storage, batch))
     params, data = _params(g, kinds), _data_labels(g, kinds)
     chosen: dict[int, Strategy] = {}
     for b in ba.blocks:
@@ -263,7 +250,7 @@ def baseline_plan(rule: Rule, analysis) -> BaselinePlan:
         chosen[b.index] = block_strategy(rule, b, g, roles, _incoming(b, g, ba, chosen, params),
                                          mesh_shape)
     return BaselinePlan(rule.name, tuple(chosen[b.index] for b in ba.blocks),
-                        (storage, state_out))
+                        Storage(rule.storage))
 
 
 def baseline_strategy_indices(analysis) -> dict[str, tuple[int | None, ...]]:

@@ -7,6 +7,8 @@ the first block that reads each wants), the new state as output shardings, and
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Sequence
 
 import numpy as np
@@ -21,15 +23,59 @@ def _strategy(block, s):
     return s if isinstance(s, Strategy) else block.strategies[s]
 
 
+STATE_LAYOUTS = ("plan", "zero1", "fsdp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Storage:
+    """Where a plan keeps the training state between steps, and the step-input layouts it
+    fixes itself.
+
+    ``state``: ``plan`` keeps each state leaf in the layout its first reader computes with;
+    ``zero1`` splits the optimizer state further, over the mesh axes that layout leaves
+    replicated (``split_rest``): gradients are reduced into that layout, the update runs on
+    shards and the parameters are gathered after it; ``fsdp`` splits the parameters so too,
+    gathered before use. Either way the new state leaves the step in the layout it came in.
+    ``inputs``: (step-input position, PartitionSpec entries) pairs that override the
+    plan's (a baseline that splits only the batch)."""
+
+    state: str = "plan"
+    inputs: tuple = ()
+
+    def __post_init__(self):
+        if self.state not in STATE_LAYOUTS:
+            raise ValueError(f"state layout {self.state!r} is not one of {STATE_LAYOUTS}")
+
+
+def split_rest(spec, shape, mesh_shape, axis_names) -> tuple:
+    """``spec`` split further over the mesh axes it leaves replicated: each such axis (of
+    size > 1), in mesh order, on the first dim it leaves whole that the axis divides, else on
+    the first split dim it divides further; an axis that divides no dim leaves it whole."""
+    entries = [() if e is None else e if isinstance(e, tuple) else (e,) for e in spec]
+    size = dict(zip(axis_names, mesh_shape))
+    used = {a for e in entries for a in e}
+    for a in axis_names:
+        if size[a] == 1 or a in used:
+            continue
+        fits = [d for d in range(len(shape))
+                if (shape[d] // math.prod(size[b] for b in entries[d])) % size[a] == 0]
+        for d in sorted(fits, key=lambda d: bool(entries[d]))[:1]:
+            entries[d] = entries[d] + (a,)
+    return tuple(None if not e else e[0] if len(e) == 1 else e for e in entries)
+
+
 def plan_specs(analysis, strategies: Sequence[int | Strategy] | None, axis_names,
-               storage: tuple[dict, dict] | None = None) -> tuple[dict, dict, dict]:
+               storage: Storage | None = None) -> tuple[dict, dict, dict]:
     """(in specs per step-input value, out specs per step-output value, constraints per op).
 
     ``strategies`` holds per block a strategy index or a ``Strategy`` (a manual plan may use
-    one that enumeration pruned); ``None`` puts no constraint anywhere. ``storage`` is a pair
-    of dicts, position -> PartitionSpec entries, that override the layouts of step inputs and
-    of step outputs (a manual plan's parameter storage)."""
+    one that enumeration pruned); ``None`` puts no constraint anywhere. A step input enters
+    in the layout its first reader wants (or ``storage``'s); the new state leaves in the
+    layout its input came in, so that a loop can feed it back (the plan is a fixed point),
+    and the other outputs as their producer makes them."""
+    from cfp.sharding import state_updates
     g, ba = analysis.graph, analysis.blocks
+    storage = storage or Storage()
     member = {m.op: (b, m) for b in ba.blocks for m in b.members}
     want: dict[int, tuple] = {}
     made: dict[int, tuple] = {}
@@ -44,33 +90,57 @@ def plan_specs(analysis, strategies: Sequence[int | Strategy] | None, axis_names
         for v, lab in zip(op.outputs, m.outs):
             made[v] = dimrules.spec_axes(lab, strat.axes, axis_names)
     none = lambda v: (None,) * len(g.values[v].shape)  # noqa: E731
-    in_store, out_store = storage or ({}, {})
-    for i, spec in in_store.items():
+    for i, spec in storage.inputs:
         want[g.inputs[i]] = tuple(spec)
-    for i, spec in out_store.items():
-        made[g.outputs[i]] = tuple(spec)
     ins = {v: want.get(v, none(v)) for v in g.inputs}
-    outs = {v: made.get(v, ins.get(v, none(v))) for v in g.outputs}
     constraints = {}
     for b in ba.blocks if strategies is not None else ():
         constraints.update(block_constraints(b, _strategy(b, strategies[b.index]), axis_names))
+    pairs = g.state_pairs()
+    if storage.state != "plan":
+        from cfp.baselines import input_kinds
+        kinds = input_kinds(analysis)
+        split = [split_rest(ins[v], g.values[v].shape, analysis.mesh_shape, axis_names)
+                 for v, _ in pairs]
+        for k, (v, _) in enumerate(pairs):
+            if storage.state == "fsdp" or kinds[k] == "opt":
+                ins[v] = split[k]
+        for v, k in state_updates(g).items():  # the update on shards
+            op = g.ops[g.values[v].producer]
+            operands, results = constraints.get(op.index, ([None] * len(op.inputs),
+                                                           [None] * len(op.outputs)))
+            results = list(results)
+            results[op.outputs.index(v)] = split[k]
+            constraints[op.index] = (list(operands), results)
+    outs = {v: made.get(v, none(v)) for v in g.outputs}
+    for v, new in pairs:
+        outs[new] = ins[v]
     return ins, outs, constraints
 
 
 class PlannedStep:
-    """The whole step under ``strategies``; ``compile()`` once, then ``run`` or ``time``."""
+    """The whole step under ``strategies``; ``compile()`` once, then ``loop`` to run it.
 
-    def __init__(self, program, analysis, strategies, mesh, storage: tuple[dict, dict] | None = None):
+    The state inputs are donated, as a training loop donates them: each step's new state
+    takes its inputs' place (``donate=False`` keeps them, for a program run on the same
+    inputs again)."""
+
+    def __init__(self, program, analysis, strategies, mesh, storage: Storage | None = None,
+                 *, donate: bool = True):
         from jax.sharding import NamedSharding, PartitionSpec
         self.program, self.analysis, self.mesh = program, analysis, mesh
         self.strategies = None if strategies is None else tuple(strategies)
-        ins, outs, self.constraints = plan_specs(analysis, strategies, mesh.axis_names, storage)
+        self.storage = storage or Storage()
+        ins, outs, self.constraints = plan_specs(analysis, strategies, mesh.axis_names,
+                                                 self.storage)
         g = analysis.graph
         shard = lambda s: NamedSharding(mesh, PartitionSpec(*s))  # noqa: E731
         self.in_shardings = [shard(ins[v]) for v in g.inputs]
         self.out_shardings = [shard(outs[v]) for v in g.outputs]
         self.in_specs = [ins[v] for v in g.inputs]
         self.out_specs = [outs[v] for v in g.outputs]
+        self.state_count = len(g.state_pairs())
+        self.donate = donate
         self.fn, self.rolled = step_function(program, constraints=self.constraints, mesh=mesh)
         self.compiled = None
 
@@ -80,7 +150,8 @@ class PlannedStep:
         args = [jax.ShapeDtypeStruct(g.values[v].shape, to_dtype(g.values[v].dtype), sharding=s)
                 for v, s in zip(g.inputs, self.in_shardings)]
         jitted = jax.jit(self.fn, in_shardings=self.in_shardings,
-                         out_shardings=self.out_shardings)
+                         out_shardings=self.out_shardings,
+                         donate_argnums=tuple(range(self.state_count)) if self.donate else ())
         self.compiled = jitted.lower(*args).compile(compiler_options)
         return self.compiled
 
@@ -88,19 +159,36 @@ class PlannedStep:
         from cfp.multihost import put
         return [put(x, s) for x, s in zip(flat_inputs, self.in_shardings)]
 
+    def loop(self, flat_inputs) -> "StepLoop":
+        """The compiled step as a training loop from ``flat_inputs`` (host arrays)."""
+        return StepLoop(self.compiled, self.place(flat_inputs), self.state_count)
 
 
-def time_steps(compiled, args, *, iters: int | None = None, min_steps: int = 5,
+class StepLoop:
+    """A compiled step run as a training loop: each call runs one step and feeds its new
+    state (the first ``state_count`` outputs) back as the next step's state."""
+
+    def __init__(self, compiled, args, state_count: int):
+        self.compiled, self.args, self.state_count = compiled, list(args), state_count
+
+    def __call__(self):
+        outs = self.compiled(*self.args)
+        self.args[:self.state_count] = outs[:self.state_count]
+        return outs
+
+
+def time_steps(run, *, iters: int | None = None, min_steps: int = 5,
                min_seconds: float = 0.3) -> float:
-    """Mean seconds per step over one measurement: ``iters`` steps, or (default) at least
-    ``min_steps`` steps and ``min_seconds``. Each step is waited for before the next starts:
-    the profile pass times windows the same way, and queueing steps instead measures another
-    thing (dispatch overlapped with the previous step, which ranked mlp plans differently here)
-    and, hundreds deep, starves XLA CPU's collective rendezvous."""
+    """Mean seconds per step of ``run()`` (a ``StepLoop``) over one measurement: ``iters``
+    steps, or (default) at least ``min_steps`` steps and ``min_seconds``. Each step is waited
+    for before the next starts: the profile pass times windows the same way, and queueing
+    steps instead measures another thing (dispatch overlapped with the previous step, which
+    ranked mlp plans differently here) and, hundreds deep, starves XLA CPU's collective
+    rendezvous."""
     from cfp.measure import run_once_s
     n, total_s = 0, 0.0
     while True:
-        total_s += run_once_s(compiled, args)
+        total_s += run_once_s(run, ())
         n += 1
         if iters is not None and n >= iters:
             break
@@ -111,8 +199,8 @@ def time_steps(compiled, args, *, iters: int | None = None, min_steps: int = 5,
 
 def time_interleaved(runs, *, rounds: int, min_steps: int = 5,
                      min_seconds: float = 0.3) -> list[list[float]]:
-    """Seconds per step of each of ``runs`` (pairs of a compiled step and its arguments), one
-    figure per round: the median of that run's steps in the round.
+    """Seconds per step of each of ``runs`` (``StepLoop``s), one figure per round: the median
+    of that run's steps in the round.
 
     Within a round the runs take turns one step at a time, and every run takes as many steps
     as the others, until each has run ``min_steps`` steps and ``min_seconds``. Steps taken in
@@ -136,7 +224,7 @@ def time_interleaved(runs, *, rounds: int, min_steps: int = 5,
             if len(order) > 1 and order[0] == last:
                 order[0], order[1] = order[1], order[0]
             for i in order:
-                steps_s[i].append(run_once_s(*runs[i]))
+                steps_s[i].append(run_once_s(runs[i], ()))
             last = order[-1]
         for i, s in enumerate(steps_s):
             times[i].append(statistics.median(s))

@@ -124,6 +124,21 @@ class Graph:
         p = self.values[value_id].producer
         return None if p is None else self.ops[p]
 
+    def state_pairs(self) -> tuple[tuple[int, int], ...]:
+        """(input, output) value pairs of the training state: a step ``(params, opt_state,
+        batch) -> (params, opt_state, loss)`` returns its new state first, leaf for leaf in
+        its inputs' order, and the loss last. The state is what lives between steps: a plan
+        returns it in the layout it came in, and a loop donates it."""
+        from cfp.errors import CfpError
+        pairs = tuple(zip(self.inputs, self.outputs[:-1]))
+        for a, b in pairs:
+            va, vb = self.values[a], self.values[b]
+            if (va.shape, va.dtype) != (vb.shape, vb.dtype):
+                raise CfpError(f"the step returns {vb.type_str} where its state input is "
+                               f"{va.type_str}: a step returns (params, opt_state, loss), its "
+                               f"new state in the order and types its inputs came in")
+        return pairs
+
     def fingerprint(self) -> str:
         """A hash of the graph's structure: it changes when the traced step changes."""
         h = hashlib.sha256()

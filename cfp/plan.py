@@ -6,7 +6,8 @@ analysed (for a loss that takes a key, the batch is ``(batch, key)``). The file 
 
 - ``params``, ``opt_state``, ``batch``: the layout of every leaf the step reads (each entry a
   list with, per dim, ``null`` (replicated), an axis name, or a list of axis names);
-- ``outputs``: the layouts of the new ``params`` and ``opt_state`` (the loss is replicated);
+- ``outputs``: the layouts of the new ``params`` and ``opt_state``, the same as they came in
+  (a plan is a fixed point, so a loop feeds them back; the loss is replicated);
 - ``blocks`` and ``constraints``: each block's strategy, and the sharding constraints it puts
   on its members (every contraction's operands and result, every other member's labelled
   results; operator index -> operand and result specs);
@@ -14,12 +15,14 @@ analysed (for a loss that takes a key, the batch is ``(batch, key)``). The file 
 - ``mesh`` (shape and axis names) and the format and its version.
 
 Two ways to use it: ``step_shardings`` gives ``in_shardings``/``out_shardings`` for
-``jax.jit(train_step)`` (the interior left to XLA's sharding propagation); ``jit`` also puts
-the block constraints inside, so the program is the plan cfp measured.
+``jax.jit(train_step, ..., donate_argnums=DONATE_ARGNUMS)`` (the interior left to XLA's
+sharding propagation); ``jit`` also puts the block constraints inside, so the program is the
+plan cfp measured. Both donate ``params`` and ``opt_state``, as cfp measured them: the new
+state takes their place, so pass each step the state the last one returned.
 
 Example:
     >>> import jax, jax.numpy as jnp
-    >>> plan = {"format": "cfp-plan", "version": 2, "mesh": {"shape": [1], "axes": ["m0"]},
+    >>> plan = {"format": "cfp-plan", "version": 3, "mesh": {"shape": [1], "axes": ["m0"]},
     ...         "params": {"['w']": ["m0", None]}}
     >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("m0",))
     >>> shardings({"w": jnp.ones((2, 2))}, plan, mesh)["w"].spec
@@ -33,8 +36,9 @@ from typing import Any, Callable
 
 from cfp.errors import CfpError
 
-PLAN_FORMAT, PLAN_VERSION = "cfp-plan", 2
+PLAN_FORMAT, PLAN_VERSION = "cfp-plan", 3
 PARTS = ("params", "opt_state", "batch")
+DONATE_ARGNUMS = (0, 1)  # train_step(params, opt_state, batch): the state a loop feeds back
 
 
 def _to_json(spec) -> list:
@@ -143,8 +147,10 @@ def shardings(tree, plan: dict, mesh, part: str = "params", *, specs: dict | Non
 
 
 def step_shardings(plan: dict, mesh, params, opt_state, batch) -> tuple[tuple, tuple]:
-    """``(in_shardings, out_shardings)`` for ``jax.jit(train_step)`` with
-    ``train_step(params, opt_state, batch) -> (params, opt_state, loss)``."""
+    """``(in_shardings, out_shardings)`` for ``jax.jit(train_step, in_shardings,
+    out_shardings, donate_argnums=DONATE_ARGNUMS)`` with ``train_step(params, opt_state,
+    batch) -> (params, opt_state, loss)``. The new state comes out as it went in, so a loop
+    passes each step's ``(params, opt_state)`` to the next."""
     from jax.sharding import NamedSharding, PartitionSpec
     ins = (shardings(params, plan, mesh, "params"), shardings(opt_state, plan, mesh, "opt_state"),
            shardings(batch, plan, mesh, "batch"))
@@ -156,7 +162,8 @@ def step_shardings(plan: dict, mesh, params, opt_state, batch) -> tuple[tuple, t
 
 def jit(train_step: Callable, plan: dict, mesh, params, opt_state, batch) -> Callable:
     """``train_step`` jitted with the plan: its layouts at the edges and each block's
-    constraints inside, so it compiles to the program cfp measured. ``params``,
+    constraints inside, so it compiles to the program cfp measured; ``params`` and
+    ``opt_state`` are donated (``DONATE_ARGNUMS``). ``params``,
     ``opt_state`` and ``batch`` (arrays or ``jax.ShapeDtypeStruct``s) fix the shapes; the step
     traced with them must be the analysed one (same fingerprint)."""
     import jax
@@ -177,4 +184,5 @@ def jit(train_step: Callable, plan: dict, mesh, params, opt_state, batch) -> Cal
         return jax.tree_util.tree_unflatten(program.out_tree, outs)
 
     in_shardings, out_shardings = step_shardings(plan, mesh, params, opt_state, batch)
-    return jax.jit(step, in_shardings=in_shardings, out_shardings=out_shardings)
+    return jax.jit(step, in_shardings=in_shardings, out_shardings=out_shardings,
+                   donate_argnums=DONATE_ARGNUMS)

@@ -132,6 +132,29 @@ def block_constraints(block: Block, strategy, axis_names) -> dict[int, tuple[lis
     return out
 
 
+def state_updates(graph: Graph) -> dict[int, int]:
+    """The values of the optimizer update, each with the index of the state pair
+    (``Graph.state_pairs``) whose new value it computes: walking back from each new state
+    leaf through the elementwise operators of its shape, down to and including the values
+    they start from (a gradient: a contraction's, a reduction's or a scatter's result).
+    Under a plan that splits the state, these are computed in the state's split layout:
+    the gradient reduced into it, the update on shards. No model is named: the walk stops
+    at the first operator that is not elementwise, so the backward pass stays the block's."""
+    out: dict[int, int] = {}
+    for k, (_, new) in enumerate(graph.state_pairs()):
+        shape = graph.values[new].shape
+        stack = [new] if shape else []
+        while stack:
+            v = stack.pop()
+            op = graph.producer_op(v)
+            if v in out or op is None:
+                continue
+            out[v] = k
+            if op.primitive in dimrules.ELEMENTWISE:
+                stack += [u for u in op.inputs if graph.values[u].shape == shape]
+    return out
+
+
 def member_layouts(members, graph: Graph, sub: SubProgram, strategy, axis_names
                    ) -> tuple[list, list]:
     """PartitionSpec entries for a sub-program's live-ins (as their readers want them; a dim

@@ -16,7 +16,9 @@ tensor that a block of one window produces (or the step feeds) and a block of an
 reads, the layout it leaves in under the producer's strategy and the layout the reader wants
 under its strategy; search adds the measured resharding time of every such pair
 (``Boundary``). Step inputs read by several blocks (tied weights) enter in the layout their first
-reader wants; other readers pay a resharding from it.
+reader wants; other readers pay a resharding from it. The new training state leaves the step
+in the layout its input came in (the plan is a fixed point, so a loop can feed it back): the
+resharding from the layout its producer makes to that one is a boundary too.
 """
 from __future__ import annotations
 
@@ -139,6 +141,14 @@ def boundaries(analysis, windows: list[Window]) -> list[Boundary]:
                 continue  # produced by an unclaimed operator: XLA decides
             if window_of[i] != window_of[j] or (val.producer is None and i != j):
                 out.append(Boundary(v, val.shape, val.dtype, i, made, j, want))
+    for v, new in g.state_pairs():  # the new state goes back to the layout it came in
+        val, producer = g.values[new], g.values[new].producer
+        if not val.shape or producer not in member:
+            continue  # scalars have no layout; an unclaimed producer's layout is XLA's
+        i = ba.owner[producer]
+        made = member[producer].outs[g.ops[producer].outputs.index(new)]
+        j, want = first_reader.get(v, (i, (None,) * len(val.shape)))  # unread: replicated
+        out.append(Boundary(new, val.shape, val.dtype, i, made, j, want))
     return _dedupe(out)
 
 
@@ -210,7 +220,8 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
     ``combo``, per device.
 
     Adding up: the window's parameters, optimizer state and batch coming in (those not in
-    ``read_earlier``, held for an earlier window already) and their updates going out, plus the
+    ``read_earlier``, held for an earlier window already; their updates take their place,
+    donated), the step outputs it makes that are not state, plus the
     activations it produces in the forward pass and holds for the backward pass
     (``held_for_backward``, each in the layout ``MemoryTerms`` says XLA keeps) or holds
     gathered (``MemoryTerms.gathered``). Transient: the compiled temporaries less the held
@@ -308,7 +319,9 @@ def memory_terms(analysis, window: Window, read_earlier: frozenset[int] = frozen
                 made[v] = (k, lab)
     adding = [(v,) + (want[v][1:] if v in want else (None, None)) for v in sub.live_ins
               if g.values[v].input_index is not None and v not in read_earlier]
-    outputs, leaving = set(g.outputs), set(sub.live_outs)
+    # The new state is donated: it takes its input's place, counted with the input.
+    outputs = set(g.outputs) - {new for _, new in g.state_pairs()}
+    leaving = set(sub.live_outs)
     adding += [(v,) + made.get(v, (None, None)) for v in sub.live_outs if v in outputs]
     held_terms, gathered, internal = [], [], set()
     for i in sub.ops:

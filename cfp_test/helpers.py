@@ -18,3 +18,48 @@ def traced(model: str, num_layers: int | None = None, **kw):
 def blocks_of(model: str, mesh_shape: tuple, num_layers: int | None = None):
     program, graph = traced(model, num_layers)
     return program, graph, build_blocks(graph, mesh_shape)
+
+
+def run_loop(step, params, opt_state, batch, steps: int = 3):
+    """(losses, params, opt_state) after ``steps`` steps of ``step``, each fed the state the
+    last one returned, as a training loop does (the state may be donated)."""
+    losses = []
+    for _ in range(steps):
+        params, opt_state, loss = step(params, opt_state, batch)
+        losses.append(float(loss))
+    return losses, params, opt_state
+
+
+def assert_loop_matches(got, want, *, rtol=1e-4, atol=1e-4):
+    """Two ``run_loop`` results agree: every step's loss and the final state. Adam's update,
+    near the sign of the gradient, lifts reduction-order noise to a share of the learning
+    rate (1e-3 here) where a gradient is near 0: hence ``atol``, a tenth of one update."""
+    import jax
+    import numpy as np
+    np.testing.assert_allclose(got[0], want[0], rtol=rtol)
+    for x, y in zip(jax.tree_util.tree_leaves(got[1:]), jax.tree_util.tree_leaves(want[1:])):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def planned_loop(planned_step, workload, steps: int = 3):
+    """``run_loop`` of a compiled ``cfp.execute.PlannedStep`` from the workload's real inputs,
+    as trees, and the single-device loop's from the same inputs; the planned step's new state
+    is checked to come out in the layout it went in (else the next step could not take it)."""
+    import jax
+    from cfp.execute import real_inputs
+    host = real_inputs(workload)
+    tree = jax.tree_util.tree_structure(
+        (workload.abstract_params(), workload.abstract_opt_state(), workload.abstract_batch()))
+    loop = planned_step.loop(host)
+
+    def step(params, opt_state, batch):
+        outs = loop()
+        n = planned_step.state_count
+        assert all(x.sharding.is_equivalent_to(s, x.ndim)
+                   for x, s in zip(outs[:n], planned_step.in_shardings[:n]))
+        new = jax.tree_util.tree_unflatten(tree, list(outs[:n]) + list(loop.args[n:]))
+        return new[0], new[1], outs[n]
+
+    params, opt_state, batch = jax.tree_util.tree_unflatten(tree, host)
+    want = run_loop(jax.jit(workload.train_step()), params, opt_state, batch, steps)
+    return run_loop(step, None, None, None, steps), want

@@ -193,7 +193,7 @@ def test_benchmark_plans_take_turns_one_step_at_a_time():
             log.append(name)
             time.sleep(0.050 if log.count(name) == slow_step else 0.002)
             return 0
-        return step, ()
+        return step
 
     def take_turns(names):
         return all(names[i] != names[i + 1] for i in range(len(names) - 1))
@@ -216,7 +216,7 @@ def test_benchmark_plans_take_turns_one_step_at_a_time():
     assert min(same_predecessor(rotated)) > 0.9  # control
     log.clear()
     for r in (a, b):
-        time_steps(*r, min_steps=5, min_seconds=0.0)
+        time_steps(r, min_steps=5, min_seconds=0.0)
     assert not take_turns(log)
 
 

@@ -377,16 +377,16 @@ def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOpti
             t0 = time.perf_counter()
             ps.compile()
             ps.compile_s = time.perf_counter() - t0
-            ps.args = ps.place(args_host)
+            ps.run = ps.loop(args_host)
             steps.append(ps)
     times = [[] for _ in steps]
     with phases("running"):
         for ps in steps:
-            time_steps(ps.compiled, ps.args, iters=1)  # warm-up
+            time_steps(ps.run, iters=1)  # warm-up
         for r in range(options.rounds):  # the order rotates, so drift hits every plan alike
             for i in [(r + k) % len(steps) for k in range(len(steps))]:
                 ps = steps[i]
-                times[i].append(time_steps(ps.compiled, ps.args, iters=options.iters))
+                times[i].append(time_steps(ps.run, iters=options.iters))
             if r + 1 >= options.min_rounds and _separated(times):
                 break
     return steps, times

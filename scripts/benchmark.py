@@ -44,7 +44,7 @@ OVERHEAD_FIELDS = ["workload", "mesh", "analysis_s", "profile_s", "search_s", "c
 # Plans that are not a rule users write: what the manual baselines are compared against.
 NOT_MANUAL = ("cfp", "cfp_own", "analytic", "analytic_top1", "single_device")
 PLAN_FIELDS = ["workload", "mesh", "plan", "source", "collectives", "comm_bytes", "compile_s",
-               "same_program_as_cfp", "same_program_as_cfp_own", "backend", "devices"]
+               "peak_bytes", "same_program_as_cfp", "same_program_as_cfp_own", "backend", "devices"]
 
 
 def workload_parser(doc: str, *, model: str, rounds: int, min_seconds: float,
@@ -250,7 +250,7 @@ def fastest_measured(plans: list, program, analysis, mesh, host, budget) -> list
 
 
 class SingleDevice:
-    """The unsharded step, jitted on one device."""
+    """The unsharded step, jitted on one device, its state donated."""
 
     def __init__(self, workload):
         import jax
@@ -258,8 +258,11 @@ class SingleDevice:
         self.abstract = jax.tree_util.tree_flatten(
             (w.abstract_params(), w.abstract_opt_state(), w.abstract_batch()))
         step, tree = w.train_step(), self.abstract[1]
+        self.state_count = len(jax.tree_util.tree_leaves(
+            (w.abstract_params(), w.abstract_opt_state())))
         self.step = jax.jit(lambda *leaves: jax.tree_util.tree_leaves(
-            step(*jax.tree_util.tree_unflatten(tree, leaves))))
+            step(*jax.tree_util.tree_unflatten(tree, leaves))),
+            donate_argnums=tuple(range(self.state_count)))
 
     def compile(self):
         self.compiled = self.step.lower(*self.abstract[0]).compile()
@@ -270,13 +273,17 @@ class SingleDevice:
         dev = jax.devices()[0]
         return [jax.device_put(x, dev) for x in flat]
 
+    def loop(self, flat):
+        from cfp.execute import StepLoop
+        return StepLoop(self.compiled, self.place(flat), self.state_count)
+
 
 def benchmark(a) -> None:
     mesh_shape, backend, label, workdir, spec, run_fp, analysis, sec = start(a)
     import jax
     import numpy as np
     from cfp.execute import real_inputs, time_interleaved
-    from cfp.measure import CpuShare
+    from cfp.measure import CpuShare, memory_of
     from cfp.sharding import collectives
     from cfp.workloads import make_mesh, trace_step
     n_dev = math.prod(mesh_shape)
@@ -310,12 +317,12 @@ def benchmark(a) -> None:
         t0 = time.perf_counter()
         ps.compile()
         ps.compile_s = time.perf_counter() - t0
-        ps.args = ps.place(host)
-        jax.block_until_ready(ps.compiled(*ps.args))
+        ps.run = ps.loop(host)
+        jax.block_until_ready(ps.run())
     hlo = {name: normalized_hlo(ps.compiled) for name, ps in plans.items()}
     names = list(plans)
     cpu = CpuShare().start()
-    per_round = time_interleaved([(plans[n].compiled, plans[n].args) for n in names],
+    per_round = time_interleaved([plans[n].run for n in names],
                                  rounds=a.rounds, min_seconds=a.min_seconds)
     times = dict(zip(names, per_round))
     others, stolen = cpu.share()
@@ -335,13 +342,14 @@ def benchmark(a) -> None:
                               collectives=" ".join(f"{k}:{v}" for k, v in sorted(kinds.items())),
                               comm_bytes=sum(c.bytes for c in cs),
                               compile_s=f"{plans[n].compile_s:.2f}",
+                              peak_bytes=memory_of(plans[n].compiled)["peak_bytes"],
                               same_program_as_cfp=hlo[n] == hlo["cfp"],
                               same_program_as_cfp_own=hlo[n] == hlo["cfp_own"], backend=backend,
                               devices=n_dev))
     append_rows(out / f"{stem}-plans.csv", PLAN_FIELDS, plan_rows)
 
     print(f"\n{label} mesh {a.mesh}, {backend} x{n_dev}, {a.rounds} interleaved rounds")
-    print(f"{'plan':<14}{'median s':>12}  {'cfp / plan (95% CI)':<26} collectives")
+    print(f"{'plan':<14}{'median s':>12}{'peak MiB':>10}  {'cfp / plan (95% CI)':<26} collectives")
     for row, n in zip(plan_rows, names):
         med = float(np.median(times[n]))
         if n == "cfp":
@@ -351,7 +359,8 @@ def benchmark(a) -> None:
         else:
             m, lo, hi = bootstrap_ratio(times["cfp"], times[n])
             rel = f"{m:.3f} [{lo:.3f}, {hi:.3f}]"
-        print(f"{n:<14}{med:>12.6f}  {rel:<26} {row['collectives']}")
+        print(f"{n:<14}{med:>12.6f}{row['peak_bytes'] / 2**20:>10.1f}  {rel:<26} "
+              f"{row['collectives']}")
     manual = min((n for n in names if n not in NOT_MANUAL),
                  key=lambda n: float(np.median(times[n])))
     for question, other in (("profiling against the cost model", "analytic"),

@@ -365,8 +365,8 @@ def random_plan_steps(analysis, problem, mesh, args):
         cost, mem, strategies = evaluate(problem, choices)
         ps = PlannedStep(program, analysis, strategies, mesh)
         ps.compile()
-        ps.args = ps.place(host)
-        time_steps(ps.compiled, ps.args, iters=2)
+        ps.run = ps.loop(host)
+        time_steps(ps.run, iters=2)
         ps.cost, ps.mem, ps.choices = cost, mem, choices
         steps.append(ps)
     anchor = speed_anchor(mesh)
@@ -374,7 +374,7 @@ def random_plan_steps(analysis, problem, mesh, args):
     for _ in range(args.rounds):
         anchor_s += [run_once_s(*anchor) for _ in range(ANCHOR_RUNS)]
         for i, ps in enumerate(steps):
-            times[i].append(time_steps(ps.compiled, ps.args, iters=args.iters))
+            times[i].append(time_steps(ps.run, iters=args.iters))
     return steps, times, anchor_s
 
 

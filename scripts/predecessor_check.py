@@ -38,7 +38,7 @@ def rotating(runs, rounds: int, passes: int = 5) -> list[list[float]]:
         steps = [[] for _ in runs]
         for _ in range(passes):
             for i in [(r + k) % len(runs) for k in range(len(runs))]:
-                steps[i].append(run_once_s(*runs[i]))
+                steps[i].append(run_once_s(runs[i], ()))
         for i, s in enumerate(steps):
             times[i].append(statistics.median(s))
     return times
@@ -72,9 +72,9 @@ def main() -> None:
     runs = []
     for ps in steps:
         ps.compile()
-        args = ps.place(host)
-        jax.block_until_ready(ps.compiled(*args))
-        runs.append((ps.compiled, args))
+        run = ps.loop(host)
+        jax.block_until_ready(run())
+        runs.append(run)
     print(f"{label} mesh {a.mesh}, {backend}: {COPIES} copies of cfp's plan and {own.other}, "
           f"{own.rounds} rounds each way")
     for order, times in (("rotating", rotating(runs, own.rounds)),

@@ -78,7 +78,7 @@ def main() -> None:
     for choices in random_plans(problem, args.plans, args.seed):
         cost, _, strategies = evaluate(problem, choices)
         profiled_s = sum(g.options[c].cost for g, c in zip(problem.groups, choices)) / SCALE
-        step = PlannedStep(program, analysis, strategies, mesh)
+        step = PlannedStep(program, analysis, strategies, mesh, donate=False)
         step.compile()
         step_args = step.place(host)
         row = dict(composed_s=cost / SCALE + profile.launch_overhead_s,

@@ -46,7 +46,7 @@ def main() -> None:
     from cfp.execute import PlannedStep, example_inputs, time_interleaved, time_steps
     from cfp.models import adam_init
     from cfp.plan import jit as plan_jit
-    from cfp.plan import load_plan, step_shardings
+    from cfp.plan import DONATE_ARGNUMS, load_plan, step_shardings
     from cfp.records import read_record
     from cfp.sharding import collectives
     from cfp.workdir import ANALYSIS_FORMAT
@@ -63,20 +63,32 @@ def main() -> None:
     ours = PlannedStep(trace_step(w), analysis, [b["strategy_index"] for b in plan["blocks"]],
                        mesh)
     ours.compile()
-    ours_args = ours.place(jax.tree_util.tree_leaves((params, opt_state, batch)))
     in_sh, out_sh = step_shardings(plan, mesh, params, opt_state, batch)
-    placed = jax.device_put((params, opt_state, batch), in_sh)
-    programs = {
-        "cfp": (ours.compiled, ours_args),
-        "plan.jit": (plan_jit(train_step, plan, mesh, params, opt_state, batch)
-                     .lower(*placed).compile(), placed),
-        "edges only": (jax.jit(train_step, in_shardings=in_sh, out_shardings=out_sh)
-                       .lower(*placed).compile(), placed),
+    compiled = {
+        "cfp": ours.compiled,
+        "plan.jit": plan_jit(train_step, plan, mesh, params, opt_state, batch)
+        .lower(params, opt_state, batch).compile(),
+        "edges only": jax.jit(train_step, in_shardings=in_sh, out_shardings=out_sh,
+                              donate_argnums=DONATE_ARGNUMS)
+        .lower(params, opt_state, batch).compile(),
     }
+
+    def user_loop(c):  # the user's loop: the new (params, opt_state) fed back, donated
+        args = list(jax.device_put((params, opt_state, batch), in_sh))
+
+        def run():
+            out = c(*args)
+            args[:2] = out[:2]
+            return out
+        return run
+
+    programs = {"cfp": ours.loop(jax.tree_util.tree_leaves((params, opt_state, batch))),
+                "plan.jit": user_loop(compiled["plan.jit"]),
+                "edges only": user_loop(compiled["edges only"])}
     mesh_shape = tuple(plan["mesh"]["shape"])
-    colls = {name: len(collectives(c.as_text(), mesh_shape)) for name, (c, _) in programs.items()}
-    for c, a in programs.values():  # warm up
-        time_steps(c, a, iters=2)
+    colls = {name: len(collectives(c.as_text(), mesh_shape)) for name, c in compiled.items()}
+    for run in programs.values():  # warm up
+        time_steps(run, iters=2)
     backend = jax.devices()[0].platform
     names = list(programs)
     per_round = time_interleaved([programs[n] for n in names], rounds=args.rounds)

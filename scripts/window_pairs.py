@@ -96,7 +96,7 @@ def steps_against_windows(analysis, profile, mesh_shape, plans: dict) -> None:
             for b, (x, y) in enumerate(zip(strategies, first)) if x != y))
     print("whole steps against their windows, each timed back to back, ms; collectives by kind")
     for name, strategies in plans.items():
-        step = PlannedStep(program, analysis, list(strategies), mesh)
+        step = PlannedStep(program, analysis, list(strategies), mesh, donate=False)
         step.compile()
         step_s, step_cpu_s, _ = _run(step.compiled, step.place(host), 10)
         step_flops, step_bytes = _costs(step.compiled)
