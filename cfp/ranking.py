@@ -65,6 +65,9 @@ def window_prices(analysis, window: Window, cost, axis_names) -> tuple[list, dic
         i, j = sorted((bd.src - window.start, bd.dst - window.start))
         table = small[np.ix_(src_of, dst_of)]
         table = table if bd.src - window.start == i else table.T
+        if i == j:  # a block's new state back to its own input's layout: on the diagonal
+            prices[i] = [p + table[s, s] for s, p in enumerate(prices[i])]
+            continue
         edges[(i, j)] = edges.get((i, j), 0) + table
     return prices, edges
 

@@ -63,3 +63,29 @@ def planned_loop(planned_step, workload, steps: int = 3):
     params, opt_state, batch = jax.tree_util.tree_unflatten(tree, host)
     want = run_loop(jax.jit(workload.train_step()), params, opt_state, batch, steps)
     return run_loop(step, None, None, None, steps), want
+
+
+def assert_users_loop(train_step, plan, mesh, params, opt_state, batch):
+    """Three steps of the user's loop, each fed the state the last returned and donating it,
+    under ``plan.jit`` and under ``jax.jit`` with ``step_shardings``, match three on one
+    device; the new state comes out in the layout it went in. Returns the last params."""
+    import jax
+    import numpy as np
+    from cfp.plan import DONATE_ARGNUMS, step_shardings
+    from cfp.plan import jit as plan_jit
+    ref = run_loop(jax.jit(train_step), params, opt_state, batch)  # one device
+    in_sh, out_sh = step_shardings(plan, mesh, params, opt_state, batch)
+    steps = (plan_jit(train_step, plan, mesh, params, opt_state, batch),
+             jax.jit(train_step, in_shardings=in_sh, out_shardings=out_sh,
+                     donate_argnums=DONATE_ARGNUMS))
+    for step in steps:
+        placed = jax.device_put(jax.tree_util.tree_map(np.asarray, (params, opt_state, batch)),
+                                in_sh)
+        got = run_loop(step, *placed)
+        assert_loop_matches(got, ref)
+        assert all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(
+            jax.tree_util.tree_leaves(got[1:]), jax.tree_util.tree_leaves(in_sh[:2])))
+        # donated: every parameter (an optimizer-state leaf the step passes through as it
+        # is, such as Adafactor's placeholder for an unfactored moment, needs no buffer)
+        assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(placed[0]))
+    return got[1]

@@ -7,7 +7,7 @@ from cfp.api import autoshard
 from cfp.cli import main
 from cfp.execute import check_numerics
 from cfp.passes.analysis import run_analysis
-from cfp.plan import step_shardings
+from helpers import assert_users_loop
 from cfp.workloads import WorkloadSpec, make_mesh
 
 
@@ -20,15 +20,11 @@ def test_users_own_step_and_optimizer_through_three_passes(tmp_path, capsys):
     w = zoo_extra.einsum_net_momentum()
     params = w.init_params(jax.random.key(0))
     velocity, batch = w.opt_init(params), w.make_batch(jax.random.key(1))
-    in_sh, out_sh = step_shardings(plan, make_mesh((4,)), params, velocity, batch)
 
     def train_step(p, v, b):
         loss, grads = jax.value_and_grad(w.loss_fn)(p, b)
         return (*w.opt_update(grads, v, p), loss)
-    new_params, _, loss = jax.jit(train_step, in_shardings=in_sh, out_shardings=out_sh)(
-        params, velocity, batch)
-    assert np.isfinite(float(loss))
-    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(new_params))
+    assert_users_loop(train_step, plan, make_mesh((4,)), params, velocity, batch)
 
 
 @pytest.mark.slow  # the Equinox model is analysed in the suite by test_users_models

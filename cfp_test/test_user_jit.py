@@ -11,10 +11,10 @@ from cfp.errors import CfpError
 from cfp.execute import PlannedStep, example_inputs
 from cfp.passes.analysis import run_analysis
 from cfp.plan import jit as plan_jit
-from cfp.plan import DONATE_ARGNUMS, make_plan, shardings, step_shardings
+from cfp.plan import make_plan, shardings
 from cfp import dims as dimrules
 from cfp.models import adam_init
-from helpers import assert_loop_matches, run_loop
+from helpers import assert_users_loop
 from cfp.sharding import collectives
 from cfp.workloads import WorkloadSpec, make_mesh, trace_step
 
@@ -65,28 +65,6 @@ def test_the_plan_in_the_users_own_jit(model, optimizer, mesh_shape, monkeypatch
     ours.compile()
     count = lambda text: sorted((c.kind, c.bytes) for c in collectives(text, mesh_shape))  # noqa
     assert count(theirs) == count(ours.compiled.as_text())
-
-
-def assert_users_loop(train_step, plan, mesh, params, opt_state, batch):
-    """Three steps of the user's loop, each fed the state the last returned and donating it,
-    under ``plan.jit`` and under ``jax.jit`` with ``step_shardings``, match three on one
-    device; the new state comes out in the layout it went in. Returns the last params."""
-    ref = run_loop(jax.jit(train_step), params, opt_state, batch)  # one device
-    in_sh, out_sh = step_shardings(plan, mesh, params, opt_state, batch)
-    steps = (plan_jit(train_step, plan, mesh, params, opt_state, batch),
-             jax.jit(train_step, in_shardings=in_sh, out_shardings=out_sh,
-                     donate_argnums=DONATE_ARGNUMS))
-    for step in steps:
-        placed = jax.device_put(jax.tree_util.tree_map(np.asarray, (params, opt_state, batch)),
-                                in_sh)
-        got = run_loop(step, *placed)
-        assert_loop_matches(got, ref)
-        assert all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(
-            jax.tree_util.tree_leaves(got[1:]), jax.tree_util.tree_leaves(in_sh[:2])))
-        # donated: every parameter (an optimizer-state leaf the step passes through as it
-        # is, such as Adafactor's placeholder for an unfactored moment, needs no buffer)
-        assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(placed[0]))
-    return got[1]
 
 
 def test_a_plan_is_a_fixed_point_where_a_block_splits_what_enters_replicated():

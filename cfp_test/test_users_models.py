@@ -5,10 +5,14 @@ import collections
 import jax
 import pytest
 
+import zoo_extra
 from cfp.cli import main
 from cfp.execute import check_numerics, example_inputs
+from cfp.models import adam_init
 from cfp.passes.analysis import run_analysis
-from cfp.workloads import WorkloadSpec, make_mesh
+from cfp.plan import load_plan
+from cfp.workloads import WorkloadSpec, make_mesh, parse_mesh
+from helpers import assert_users_loop
 
 RESHAPED = ["users_models:equinox_attention", "zoo_extra:reshape_attention",
             "users_models:flax_dropout"]
@@ -82,6 +86,11 @@ def test_reshaped_heads_through_three_passes(tmp_path, capsys, mesh):
     assert "gradients match" in out
     csv = (next(tmp_path.rglob("profile.csv"))).read_text()
     assert "compile_error" not in csv and "mismatch" not in csv
+    w = zoo_extra.reshape_attention()
+    params, batch = example_inputs(w)
+    assert_users_loop(w.train_step(), load_plan(tmp_path / "plan.json"),
+                      make_mesh(parse_mesh(mesh)), params, jax.jit(w.opt_init or adam_init)(params),
+                      batch)
 
 
 @pytest.mark.parametrize("model", ["zoo_extra:reshape_attention",

@@ -50,6 +50,30 @@ def main(path: str) -> None:
         print(f"| {plan} | {f} | {t} | {sl} |")
     if "cfp_own" in set(df.plan):
         questions(path, df)
+    time_and_memory(path, df)
+
+
+def time_and_memory(path: str, df) -> None:
+    """Per row, each plan's median step (ms) beside its compiled peak per device (MiB, the
+    state donated), from the ``-plans.csv`` beside the CSV."""
+    import pandas as pd
+    plans_csv = Path(path).with_name(Path(path).stem + "-plans.csv")
+    if not plans_csv.exists():
+        return
+    p = pd.read_csv(plans_csv, dtype={"mesh": str})
+    if "peak_bytes" not in p:
+        return
+    peak = {(r.workload, r.mesh, r.plan): r.peak_bytes for r in p.itertuples()}
+    cols = list(dict.fromkeys(df.plan))
+    print("\nmedian step ms / compiled peak MiB per device\n")
+    print("| workload | mesh | " + " | ".join(cols) + " |\n|---|---|" + "---|" * len(cols))
+    for (w, m), sub in df.groupby(["workload", "mesh"], sort=False):
+        cells = []
+        for plan in cols:
+            t = sub[sub.plan == plan].step_s
+            cells.append("n/a" if t.empty else f"{1e3 * t.median():.1f} / "
+                         f"{peak.get((w, m, plan), float('nan')) / 2**20:.1f}")
+        print(f"| {w} | {m} | " + " | ".join(cells) + " |")
 
 
 def questions(path: str, df) -> None:
