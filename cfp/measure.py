@@ -151,6 +151,16 @@ class WindowProgram:
         return window_layouts(self.graph, self.blocks, self.strategies(combo), self.sub,
                               self.names)
 
+    def donated(self, combo) -> tuple[int, ...]:
+        """Positions of the live-ins the window donates, as the step does: training state
+        whose new value the window computes, in the layout it came in (so XLA can update it
+        in place, and holds the gradient elsewhere)."""
+        ins, outs, _ = self.layouts(combo)
+        new_of = dict(self.graph.state_pairs())
+        out_spec = dict(zip(self.sub.live_outs, outs))
+        return tuple(k for k, (v, s) in enumerate(zip(self.sub.live_ins, ins))
+                     if out_spec.get(new_of.get(v)) == s)
+
     def compile(self, combo):
         import jax
         from jax.sharding import NamedSharding, PartitionSpec
@@ -161,7 +171,8 @@ class WindowProgram:
         args = [jax.ShapeDtypeStruct(self.graph.values[v].shape, to_dtype(self.graph.values[v].dtype),
                                      sharding=shard(s)) for v, s in zip(self.sub.live_ins, ins)]
         jitted = jax.jit(fn, in_shardings=[shard(s) for s in ins],
-                         out_shardings=[shard(s) for s in outs])
+                         out_shardings=[shard(s) for s in outs],
+                         donate_argnums=self.donated(combo))
         return jitted.lower(*args).compile(), [shard(s) for s in ins]
 
     def expected_contractions(self, combo) -> list[tuple[int, tuple[int, ...]]]:
@@ -354,11 +365,30 @@ def _index_bound(graph, v: int, depth: int = 0) -> int | None:
     return bound
 
 
+class Fresh:
+    """Inputs for a program that donates some (``donated`` positions): each call gives
+    ``args`` with fresh copies there, since a run deletes what it donates."""
+
+    def __init__(self, args, donated: Sequence[int]):
+        self.args, self.donated = list(args), set(donated)
+
+    def __call__(self) -> list:
+        return [x.copy() if k in self.donated else x for k, x in enumerate(self.args)]
+
+
+def inputs(args) -> list:
+    """``args``, or what a ``Fresh`` gives, made and waited for before any clock starts."""
+    import jax
+    return jax.block_until_ready(args()) if callable(args) else args
+
+
 def run_once_s(fn, args) -> float:
     """Seconds of one run of ``fn(*args)``, waited for; on several hosts the slowest
-    process's, so that every process takes the same decisions from it."""
+    process's, so that every process takes the same decisions from it. ``args`` may be a
+    ``Fresh``: its copies are made before the clock starts."""
     import jax
     from cfp.multihost import slowest
+    args = inputs(args)
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
     return slowest(time.perf_counter() - t0)
@@ -375,7 +405,7 @@ def time_runs(fn, args, *, best_s: float | None, warmup: int = 1, min_runs: int 
     program needs ``min_runs``; a noisy one gets more."""
     import jax
     for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
+        jax.block_until_ready(fn(*inputs(args)))
     times: list[float] = []
     while len(times) < max_runs:
         times.append(run_once_s(fn, args))
@@ -406,7 +436,7 @@ def time_rounds(programs: Sequence[tuple], *, best_s: float | None, warmup: int 
     import jax
     for fn, args in list(programs) + ([anchor] if anchor else []):
         for _ in range(warmup):
-            jax.block_until_ready(fn(*args))
+            jax.block_until_ready(fn(*inputs(args)))
     times: list[list[float]] = [[] for _ in programs]
     anchor_times: list[float] = []
     early = [False] * len(programs)

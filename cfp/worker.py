@@ -368,7 +368,8 @@ def _compile_one(wp, combo):
     except JAX_ERRORS as e:  # a strategy XLA cannot compile; anything else is cfp's bug
         return Measurement("compile_error", note=f"{type(e).__name__}: {str(e)[:300]}")
     colls = tuple((c.kind, c.axes, c.bytes) for c in collectives(exe.as_text(), wp.mesh_shape))
-    program = (normalized_hlo(exe), repr(shardings), repr(exe.output_shardings))
+    program = (normalized_hlo(exe), repr(shardings), repr(exe.output_shardings),
+               wp.donated(combo))
     mem = dict(memory_of(exe), unnamed_collectives=tuple(wp.unnamed_collectives(exe, combo)),
                program_sha1=hashlib.sha1(program[0].encode()).hexdigest())
     return (exe, shardings, _time.perf_counter() - t0, mem, colls,
@@ -450,13 +451,14 @@ def _run(state, runnable, host_inputs, best_s) -> list[Measurement]:
     ``run_error`` or ``oom``), then the rest timed in interleaved rounds against the speed
     anchor (``measure.time_rounds``), the launch overhead subtracted."""
     import jax
-    from cfp.measure import CpuShare, time_rounds
+    from cfp.measure import CpuShare, Fresh, time_rounds
     out, programs = {}, []
     for k, (combo, got) in enumerate(runnable):
         exe, shardings, compile_s, mem, colls, _, _ = got
-        args = [multihost.put(x, s) for x, s in zip(host_inputs, shardings)]
+        args = Fresh([multihost.put(x, s) for x, s in zip(host_inputs, shardings)],
+                     got[-1][-1])
         try:
-            jax.block_until_ready(exe(*args))  # the warm-up run
+            jax.block_until_ready(exe(*args()))  # the warm-up run
         except JAX_ERRORS as e:  # XLA failed running it (out of device memory, say)
             if multihost.processes() > 1:  # the others wait on this run: all workers end
                 log.error("combination %s failed running: %s", list(combo), e)

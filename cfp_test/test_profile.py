@@ -78,6 +78,42 @@ def test_combinations_compile_to_their_strategy():
     assert kinds == {"all-reduce"}  # data parallel: gradient all-reduces only
 
 
+def test_a_window_that_updates_the_state_donates_it():
+    """A window whose blocks compute new parameters and optimizer state donates them, as the
+    step does: XLA updates them in place (aliased), and its temporaries hold the gradients
+    the outputs held before. Controls: the batch it reads is not donated, and the same
+    window compiled donating nothing aliases nothing."""
+    from cfp.measure import Fresh, run_once_s, valid_inputs
+    a, wp, dp = _mlp_window(["SR = SR x RR"] * 3)
+    donated = wp.donated(dp)
+    new_of = dict(a.graph.state_pairs())
+    assert donated and all(wp.sub.live_ins[k] in new_of for k in donated)
+    exe, shardings = wp.compile(dp)
+    values = [a.graph.values[wp.sub.live_ins[k]] for k in donated]
+    per_device = sum(math.prod(shardings[k].shard_shape(v.shape)) * v.nbytes // math.prod(v.shape)
+                     for k, v in zip(donated, values))
+    assert exe.memory_analysis().alias_size_in_bytes == per_device
+    batch = [k for k, v in enumerate(wp.sub.live_ins) if v not in new_of]
+    assert batch and not set(batch) & set(donated)  # the batch is the next step's too
+    kept, _ = _undonated(wp).compile(dp)
+    assert kept.memory_analysis().alias_size_in_bytes == 0  # control
+    # a donating program runs again and again on fresh copies of what it donates
+    args = Fresh([jax.device_put(x, s) for x, s in
+                  zip(valid_inputs(a.graph, wp.sub), shardings)], donated)
+    for _ in range(3):
+        run_once_s(exe, args)
+    assert not any(x.is_deleted() for x in args.args)
+
+
+def _undonated(wp):
+    class Undonated(WindowProgram):
+        def donated(self, combo):
+            return ()
+    out = Undonated.__new__(Undonated)
+    out.__dict__.update(wp.__dict__)
+    return out
+
+
 def test_model_backend_prices_dp_and_megatron_as_worked_out_by_hand():
     """mlp tiny (hidden 64, batch 8, float32), layers 1-3, mesh 4, alpha 10 us, beta 1 ns/B;
     compute priced at ~0 (huge device figures) so the price is the communication alone."""
