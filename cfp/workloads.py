@@ -139,9 +139,13 @@ def trace_step(workload):
     return trace_program(workload.train_step(), *args)
 
 
+def spec_fingerprint(spec: WorkloadSpec) -> tuple:
+    """The workload's part of a run's fingerprint: every field of its spec."""
+    return (("model", spec.model), ("config", spec.config), ("batch", spec.batch_size),
+            ("dtype", spec.dtype), ("overrides", spec.overrides))
+
+
 def run_fingerprint(spec: WorkloadSpec, mesh_shape: tuple[int, ...]) -> tuple:
     """What identifies a run's files: workload, mesh and the JAX version."""
     import jax
-    return (("model", spec.model), ("config", spec.config), ("batch", spec.batch_size),
-            ("dtype", spec.dtype), ("overrides", spec.overrides),
-            ("mesh", mesh_text(mesh_shape)), ("jax", jax.__version__))
+    return spec_fingerprint(spec) + (("mesh", mesh_text(mesh_shape)), ("jax", jax.__version__))
