@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from cfp.errors import CfpError
+from cfp.workloads import MAX_ARRAY_ELEMENTS
 
 MODES = ("analysis", "profile", "search")
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cfp" / "jax"
@@ -137,7 +138,52 @@ def build_parser() -> argparse.ArgumentParser:
     st = p.add_argument_group("stages")
     st.add_argument("--micro-batches", type=int, default=8,
                     help="micro-batches per step; must divide the batch size")
+    for action in p._actions:
+        if action.dest in _BOUNDS:
+            action.help += f" [{_bounds_text(action.dest)}]"
     return p
+
+
+# The most each numeric flag may be, checked (positive and finite, too) before any work and
+# stated in --help; --alpha and --beta may be zero.
+MAX_LAYERS, MAX_VIRTUAL_DEVICES = 1024, 512
+_BOUNDS = {
+    "num_layers": MAX_LAYERS, "batch_size": MAX_ARRAY_ELEMENTS,
+    **dict.fromkeys(("seq_len", "hidden_size", "num_heads", "vocab_size", "num_experts"),
+                    MAX_ARRAY_ELEMENTS),
+    "num_devices": MAX_VIRTUAL_DEVICES, "max_combinations": 2**16, "profile_budget": 1e7,
+    "memory_budget": 2**20, "alpha": 1, "beta": 1, "device_flops": 1e18,
+    "device_bandwidth": 1e16, "time_limit": 86400, "validate_top": 64, "iters": 10**4,
+    "num_processes": 4096, "join_timeout": 86400, "micro_batches": 4096,
+}
+_ZERO_ALLOWED = ("alpha", "beta")
+
+
+def _bounds_text(dest: str) -> str:
+    high = _BOUNDS[dest]
+    return (f"{'zero or more' if dest in _ZERO_ALLOWED else 'positive'}, at most "
+            f"{high if isinstance(high, int) else f'{high:g}'}")
+
+
+def check_number(dest: str, value: float) -> None:
+    """``value`` of the flag ``dest`` is finite and within ``_BOUNDS``; a ``CfpError`` if not."""
+    low_ok = value >= 0 if dest in _ZERO_ALLOWED else value > 0
+    if not (math.isfinite(value) and low_ok and value <= _BOUNDS[dest]):
+        raise CfpError(f"--{dest.replace('_', '-')} must be {_bounds_text(dest)}, got {value}")
+
+
+def _per_axis(flag: str, text: str, num_axes: int) -> tuple[float, ...]:
+    """``--alpha``/``--beta``: one number per mesh axis, each checked."""
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise CfpError(f"--{flag} {text!r} is not a list of numbers: give one per mesh axis, "
+                       f"e.g. 5e-6,3e-6") from None
+    if len(values) != num_axes:
+        raise CfpError(f"--{flag}: give one value per mesh axis ({num_axes}), got {text!r}")
+    for v in values:
+        check_number(flag, v)
+    return values
 
 
 def _env_int(*names: str) -> int | None:
@@ -169,14 +215,9 @@ def _options(args) -> RunOptions:
     overrides = tuple((k, getattr(args, k)) for k in (
         "num_layers", "seq_len", "hidden_size", "num_heads", "vocab_size", "num_experts")
         if getattr(args, k) is not None)
-    positive = overrides + tuple((k, getattr(args, k)) for k in (
-        "batch_size", "num_devices", "max_combinations", "validate_top", "iters",
-        "memory_budget", "profile_budget", "time_limit", "device_flops", "device_bandwidth",
-        "micro_batches")
-        if getattr(args, k) is not None)
-    for k, v in positive:
-        if v <= 0:
-            raise CfpError(f"--{k.replace('_', '-')} must be positive, got {v}")
+    for k in _BOUNDS:
+        if k not in ("alpha", "beta") and getattr(args, k) is not None:
+            check_number(k, getattr(args, k))
     spec = WorkloadSpec(args.model, args.config, args.batch_size, args.dtype, overrides)
     workdir = Path(args.workdir) if args.workdir else None
     modes = (args.mode,) if args.mode else MODES
@@ -193,6 +234,7 @@ def _options(args) -> RunOptions:
             raise CfpError(f"mesh {args.mesh} has {math.prod(mesh_shape)} devices; cluster "
                            f"{cluster.name} has {cluster.num_devices}")
         check_mesh(mesh_shape, cluster.num_devices)
+        _check_per_axis(args, mesh_shape)
         return RunOptions(spec, mesh_shape, cluster.num_devices, workdir, modes, cluster)
     if args.mesh == "auto":
         raise CfpError("--mesh auto compares the logical meshes of a described cluster: give "
@@ -203,8 +245,18 @@ def _options(args) -> RunOptions:
     else:
         mesh_shape = parse_mesh(args.mesh)
         num = math.prod(mesh_shape) if args.num_devices is None else args.num_devices
+    if num > MAX_VIRTUAL_DEVICES:
+        raise CfpError(f"mesh {args.mesh} has {num} devices, over the {MAX_VIRTUAL_DEVICES} a "
+                       f"run here may use: plan for more with --cluster")
     check_mesh(mesh_shape, num)
+    _check_per_axis(args, mesh_shape)
     return RunOptions(spec, mesh_shape, num, workdir, modes, runtime=_runtime(args, num))
+
+
+def _check_per_axis(args, mesh_shape: tuple[int, ...]) -> None:
+    for flag in ("alpha", "beta"):
+        if getattr(args, flag) is not None:
+            _per_axis(flag, getattr(args, flag), len(mesh_shape))
 
 
 def _runtime(args, num_devices: int):
@@ -350,6 +402,7 @@ def _run_analysis(opts: RunOptions, args) -> None:
 
     report.say("***********Analysis Pass****************")
     rec = run_analysis(opts.spec, opts.mesh_shape)
+    _check_fits_host(opts, args, rec)
     report.analysis_console(rec)
     if not opts.reports:  # each process analyses for itself; process 0 keeps the record
         return
@@ -391,16 +444,13 @@ def _cost_model(args, mesh_shape):
         preset = dict(DEVICE_PRESETS[args.device_preset or "a100"])
     n = len(mesh_shape)
 
-    def per_axis(text, default):
-        if text is None:
+    def per_axis(flag, default):
+        if getattr(args, flag) is None:
             vals = list(default)[-n:] if len(default) >= n else [default[-1]] * n
             return tuple(float(v) for v in vals)
-        vals = [float(x) for x in text.split(",")]
-        if len(vals) != n:
-            raise CfpError(f"give one value per mesh axis ({n}), got {text!r}")
-        return tuple(vals)
+        return _per_axis(flag, getattr(args, flag), n)
 
-    return CostModel(per_axis(args.alpha, preset["alpha"]), per_axis(args.beta, preset["beta"]),
+    return CostModel(per_axis("alpha", preset["alpha"]), per_axis("beta", preset["beta"]),
                      args.device_flops or preset["device_flops"],
                      args.device_bandwidth or preset["device_bandwidth"])
 
@@ -415,20 +465,31 @@ def _profile_options(opts: RunOptions, args):
         compilation_cache=_cache_dir(args))
 
 
-def _analysis(opts: RunOptions, wd):
+def _analysis(opts: RunOptions, args, wd):
     """The analysis record: process 0's from the work dir; any other process analyses again,
     so that no shared file system is needed (its workers check it traced process 0's step)."""
     if opts.reports:
-        return wd.read_analysis()
-    from cfp.passes.analysis import run_analysis
-    return run_analysis(opts.spec, opts.mesh_shape)
+        rec = wd.read_analysis()
+    else:
+        from cfp.passes.analysis import run_analysis
+        rec = run_analysis(opts.spec, opts.mesh_shape)
+    _check_fits_host(opts, args, rec)
+    return rec
+
+
+def _check_fits_host(opts: RunOptions, args, analysis) -> None:
+    """A step that will run here has arrays this host can hold (a run planned for a cluster,
+    or priced by the cost model, uses abstract shapes only)."""
+    if opts.cluster is None and args.cost == "measure":
+        from cfp.workloads import check_fits_host, host_memory_bytes
+        check_fits_host(analysis.graph, host_memory_bytes())
 
 
 def _run_profile(opts: RunOptions, args) -> None:
     from cfp import report
     from cfp.passes.profile import MemoryCheckpoint, run_profile
     wd = _workdir(opts)
-    analysis = _analysis(opts, wd)
+    analysis = _analysis(opts, args, wd)
     options = dataclasses.replace(_profile_options(opts, args), runtime=opts.runtime)
     report.say("***********Profiling Pass****************")
     if opts.cluster is not None:
@@ -456,7 +517,7 @@ def _run_search(opts: RunOptions, args) -> None:
     from cfp import report
     from cfp.passes.search import SearchOptions, run_search
     wd = _workdir(opts)
-    analysis = _analysis(opts, wd)
+    analysis = _analysis(opts, args, wd)
     if opts.cluster is not None:
         return _predict(opts, args, wd, analysis)
     # Across processes the search runs on process 0's profile.

@@ -18,6 +18,7 @@ import math
 from cfp.errors import CfpError
 
 AXIS_NAMES = ("m0", "m1", "m2")
+MAX_ARRAY_ELEMENTS = 2**31  # the most elements of one array of a step measured here
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,12 +93,13 @@ def _declared_keywords(factory) -> set[str] | None:
 
 def parse_mesh(text: str) -> tuple[int, ...]:
     """``"8"`` -> ``(8,)``, ``"2x4"`` -> ``(2, 4)``; axes are named m0, m1, ..."""
-    try:
-        shape = tuple(int(p) for p in text.lower().split("x"))
-    except ValueError:
-        shape = ()
-    if not shape or len(shape) > len(AXIS_NAMES) or any(n < 1 for n in shape):
+    parts = text.split("x")
+    shape = tuple(int(p) for p in parts if p.isdigit())  # digits only: no signs, spaces, 'X'
+    if len(shape) != len(parts) or len(shape) > len(AXIS_NAMES) or any(n < 1 for n in shape):
         raise CfpError(f"--mesh {text!r} is not a mesh shape: write N or NxM (e.g. 8 or 2x4)")
+    if len(shape) > 1 and 1 in shape:
+        raise CfpError(f"--mesh {text!r} has an axis of one device, which splits nothing: "
+                       f"write {mesh_text(tuple(n for n in shape if n > 1) or (1,))}")
     return shape
 
 
@@ -124,6 +126,29 @@ def make_mesh(shape: tuple[int, ...]):
         raise CfpError(f"mesh {mesh_text(shape)} needs {n} devices but JAX sees {len(devices)} "
                        f"({devices[0].platform}): {how}")
     return jax.sharding.Mesh(np.array(devices[:n]).reshape(shape), AXIS_NAMES[:len(shape)])
+
+
+def check_fits_host(graph, host_bytes: int) -> None:
+    """Refuse a step to be run here whose largest array has more than
+    ``MAX_ARRAY_ELEMENTS`` elements or more bytes than the host's memory, before any worker
+    starts (one would die allocating it)."""
+    largest = max(graph.values.values(), key=lambda v: (v.nbytes, math.prod(v.shape)))
+    elements = max(math.prod(v.shape) for v in graph.values.values())
+    if elements > MAX_ARRAY_ELEMENTS:
+        raise CfpError(f"the step has an array of {elements} elements, over the "
+                       f"{MAX_ARRAY_ELEMENTS} a step run here may have: choose smaller sizes, "
+                       f"or plan without running it (--cost model or --cluster)")
+    if largest.nbytes > host_bytes:
+        raise CfpError(f"the step's largest array ({largest.type_str}, "
+                       f"{largest.nbytes / 2**30:.3g} GB) does not fit this host's "
+                       f"{host_bytes / 2**30:.3g} GB of memory: choose smaller sizes, or plan "
+                       f"without running it (--cost model or --cluster)")
+
+
+def host_memory_bytes() -> int:
+    """This host's physical memory."""
+    import os
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def trace_step(workload):

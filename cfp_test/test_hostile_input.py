@@ -2,6 +2,7 @@
 every refusal is one line with status 2 before any work."""
 import dataclasses
 
+import jax  # noqa: F401  (started here, on the 8 devices conftest asks for)
 import pytest
 
 from cfp.cli import main
@@ -85,3 +86,152 @@ def test_a_record_that_is_no_regular_file_is_refused(tmp_path, make):
         path.symlink_to("/dev/zero")
     with pytest.raises(CfpError, match="is not a regular file: h$"):
         read_record(path, ANALYSIS_FORMAT, None, hint="h")
+
+
+NAN_INF = [(flag, value) for flag in ("--memory-budget", "--profile-budget", "--time-limit",
+                                      "--device-flops", "--device-bandwidth")
+           for value in ("nan", "inf", "-inf")]
+NUMBERS = [([f"{flag}={value}"], f"{flag} must be positive") for flag, value in NAN_INF] + [
+    (["--alpha", "-1", "--beta", "1e-9"], "--alpha must be zero or more"),
+    (["--alpha", "1e-6", "--beta", "-1"], "--beta must be zero or more"),
+    (["--alpha", "nan"], "--alpha must be zero or more"),
+    (["--alpha", "fast"], "is not a list of numbers"),
+    (["--alpha", "1e-6,1e-6"], "one value per mesh axis (1)"),
+    (["--batch-size", str(10**23)], "--batch-size must be positive, at most 2147483648"),
+    (["--num-layers", str(10**6)], "--num-layers must be positive, at most 1024"),
+    (["--num-devices", "100000"], "--num-devices must be positive, at most 512"),
+    (["--mesh", "1000x1000"], "over the 512 a run here may use"),
+    (["--iters", str(10**20)], "--iters must be positive, at most 10000"),
+    (["--validate-top", str(10**6)], "--validate-top must be positive, at most 64"),
+    (["--max-combinations", str(10**9)], "--max-combinations must be positive"),
+    (["--micro-batches", "0"], "--micro-batches must be positive"),
+    (["--join-timeout", "0"], "--join-timeout must be positive"),
+    (["--mesh", "1x8"], "has an axis of one device, which splits nothing: write 8"),
+    (["--mesh", "2X4"], "is not a mesh shape"),
+    (["--mesh", "2x-4"], "is not a mesh shape"),
+    (["--mesh", " 8"], "is not a mesh shape"),
+]
+
+
+@pytest.fixture
+def compiles():
+    """Names of the XLA compile events JAX reports while the test runs."""
+    import jax
+    seen = []
+
+    def listener(name, *args, **kwargs):
+        if "backend_compile" in name:
+            seen.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    yield seen
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.mark.parametrize("argv,expected", NUMBERS, ids=[" ".join(a) for a, _ in NUMBERS])
+def test_numbers_are_checked_as_numbers_before_any_work(tmp_path, capsys, compiles, argv,
+                                                        expected):
+    """Each value out of its stated bounds, NaN and infinities included, is one line and
+    status 2 before anything is analysed or compiled."""
+    budget = [] if argv[0].startswith("--memory-budget") else ["--memory-budget", "1"]
+    assert main(argv + budget + ["--workdir", str(tmp_path)]) == 2
+    assert expected in _one_line(capsys)
+    assert compiles == [] and not (tmp_path / "analysis.pkl").exists()
+
+
+def test_numbers_at_their_bounds_are_taken(capsys):
+    """The control: the bounds themselves, and zero alpha and beta, pass the checks."""
+    from cfp.cli import _options, build_parser
+    argv = ["--num-layers", "1024", "--batch-size", str(2**31), "--iters", "10000",
+            "--validate-top", "64", "--alpha", "0,0", "--beta", "0,1e-9", "--time-limit", "86400",
+            "--memory-budget", "0.5", "--num-devices", "512", "--mesh", "2x256"]
+    opts = _options(build_parser().parse_args(argv))
+    assert opts.mesh_shape == (2, 256) and opts.num_devices == 512
+    help_text = " ".join(build_parser().format_help().split())  # the bounds are in --help
+    assert "layers, overriding the preset's [positive, at most 1024]" in help_text
+    assert "[positive, at most 512]" in help_text
+
+
+GOOD_CLUSTER = {"name": "c", "memory_per_device_GB": 80, "peak_TFLOPs": 312,
+                "memory_bandwidth_GBps": 2039,
+                "levels": [{"name": "node", "size": 2, "alpha_s": 1e-5, "bandwidth_GBps": 25},
+                           {"name": "gpu", "size": 4, "alpha_s": 5e-6, "bandwidth_GBps": 150}]}
+BAD_CLUSTERS = [
+    ({"memory_per_device_GB": -80}, "memory_per_device_GB must be a finite number over zero"),
+    ({"memory_per_device_GB": 0}, "memory_per_device_GB must be a finite number over zero"),
+    ({"peak_TFLOPs": 0}, "peak_TFLOPs must be a finite number over zero"),
+    ({"peak_TFLOPs": float("nan")}, "peak_TFLOPs must be a finite number over zero, got nan"),
+    ({"memory_bandwidth_GBps": float("inf")}, "memory_bandwidth_GBps must be a finite"),
+    ({"levels": [{"name": "gpu", "size": 8, "alpha_s": -1, "bandwidth_GBps": 150}]},
+     "gpu alpha_s must be a finite number of zero or more"),
+    ({"levels": [{"name": "gpu", "size": 8, "alpha_s": 0, "bandwidth_GBps": float("nan")}]},
+     "gpu bandwidth_GBps must be a finite number over zero"),
+    ({"levels": [{"name": "gpu", "size": 2.5, "alpha_s": 0, "bandwidth_GBps": 1}]},
+     "every level needs a whole size >= 1"),
+    ({"levels": [{"name": "gpu", "size": 2**17, "alpha_s": 0, "bandwidth_GBps": 1}]},
+     "131072 devices, over the 65536"),
+    ("directory", "cannot read the cluster file"),
+]
+
+
+@pytest.mark.parametrize("change,expected", BAD_CLUSTERS,
+                         ids=[str(c)[:60] for c, _ in BAD_CLUSTERS])
+def test_a_bad_cluster_file_is_one_line_before_any_work(tmp_path, capsys, compiles, change,
+                                                        expected):
+    import json
+    path = tmp_path / "cluster.json"
+    if change == "directory":
+        path.mkdir()
+    else:
+        path.write_text(json.dumps({**GOOD_CLUSTER, **change}))
+    assert main(["--cluster", str(path), "--workdir", str(tmp_path / "w")]) == 2
+    assert expected in _one_line(capsys)
+    assert compiles == [] and not (tmp_path / "w" / "analysis.pkl").exists()
+
+
+def test_a_good_cluster_file_and_the_readme_cluster_cases_pass_the_checks(tmp_path):
+    """The controls: the README's cluster file loads, and every case of
+    scripts/cluster_cases.sh (the README's) passes every check made before work."""
+    import json
+    import shlex
+    from pathlib import Path
+    from cfp.cli import _options, build_parser
+    from cfp.cluster import load_cluster
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(GOOD_CLUSTER))
+    assert load_cluster(str(path)).num_devices == 8
+    script = (Path(__file__).parents[1] / "scripts" / "cluster_cases.sh").read_text()
+    cases = [shlex.split(line.replace("\\\n", " "))[1:]
+             for line in script.replace("\\\n", " ").splitlines() if line.startswith("run ")]
+    assert len(cases) == 5
+    for argv in cases:
+        opts = _options(build_parser().parse_args(argv))
+        assert opts.cluster is not None and opts.num_devices in (64, 200)
+
+
+def test_a_step_too_large_to_run_here_is_refused_before_any_worker(tmp_path, capsys):
+    """A step whose largest array is over 2^31 elements is refused once analysed, before its
+    record is written or anything measured; priced by the cost model (abstract shapes only),
+    the same step is analysed (the control)."""
+    argv = ["--mode", "analysis", "--model", "gpt", "--hidden-size", "65536", "--num-heads",
+            "1", "--mesh", "4", "--workdir", str(tmp_path)]
+    assert main(argv) == 2
+    assert "elements, over the 2147483648 a step run here may have" in _one_line(capsys)
+    assert not (tmp_path / "analysis.pkl").exists()
+    assert main(argv + ["--cost", "model"]) == 0
+    assert (tmp_path / "analysis.pkl").exists()
+
+
+@pytest.mark.parametrize("extra,refused", [([], True), (["--cost", "model"], False),
+                                           (["--cluster", "a100-8"], False)])
+def test_arrays_must_fit_the_host_only_where_the_step_runs_here(tmp_path, capsys, monkeypatch,
+                                                                extra, refused):
+    """On a host of 1 KB, the tiny GPT's largest array does not fit: refused when it would
+    run here, planned when it is priced (--cost model) or planned for a cluster."""
+    import cfp.workloads
+    monkeypatch.setattr(cfp.workloads, "host_memory_bytes", lambda: 2**10)
+    rc = main(["--mode", "analysis", "--model", "gpt", "--workdir", str(tmp_path)] + extra)
+    if refused:
+        assert rc == 2 and "does not fit this host's 9.54e-07 GB of memory" in _one_line(capsys)
+    else:
+        assert rc == 0, capsys.readouterr().err
