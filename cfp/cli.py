@@ -32,9 +32,8 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, status 2, no usage dump
-        print(f"cfp: error: {message} (see python -m cfp --help)", file=sys.stderr)
-        raise SystemExit(2)
+    def error(self, message):  # one line, status 2, no usage dump (main prints it)
+        raise CfpError(f"{message} (see python -m cfp --help)")
 
     def format_help(self):  # the presets are listed from the zoo, which imports JAX: only here
         self.epilog = f"size presets: {_presets_text()}"
@@ -334,30 +333,12 @@ def _check_workdir(workdir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(name)s: %(message)s")
+    """The command line: runs ``argv``'s passes; a ``CfpError`` is one line and status 2."""
     try:
-        opts = _options(args)
-        # A described cluster is compiled for here only up to 64 devices (cluster_pricing).
-        _setup_devices(opts.num_devices // opts.runtime.num_processes if opts.runtime
-                       else opts.num_devices if opts.cluster is None or opts.num_devices <= 64
-                       else 8)
-        if not opts.reports:
-            from cfp import report
-            report.silence()
-        if opts.mesh_shape is None:
-            opts = dataclasses.replace(opts, mesh_shape=_choose_mesh(opts, args))
-        if not args.workdir:
-            opts = dataclasses.replace(opts, workdir=_default_workdir(opts))
-        opts = dataclasses.replace(opts, spec=opts.spec.resolved())
-        if opts.reports:
-            _check_workdir(opts.workdir)
-        _check_devices(opts, args)
-        from cfp.jax_compat import enable_compilation_cache
-        enable_compilation_cache(_cache_dir(args))  # before anything compiles
-        for mode in opts.modes:
-            _RUNNERS[mode](opts, args)
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                            format="%(name)s: %(message)s")
+        run_args(args)
     except CfpError as e:
         print(f"cfp: error: {e}", file=sys.stderr)
         return 2
@@ -366,6 +347,37 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 130
     return 0
+
+
+def run(argv: list[str]) -> Path:
+    """The passes ``argv`` asks for, as the command line runs them; returns the work dir.
+    Bad input raises ``CfpError`` (argument errors too), Ctrl-C ``KeyboardInterrupt``."""
+    return run_args(build_parser().parse_args(argv))
+
+
+def run_args(args) -> Path:
+    """The passes of parsed ``args``; returns the work dir."""
+    opts = _options(args)
+    # A described cluster is compiled for here only up to 64 devices (cluster_pricing).
+    _setup_devices(opts.num_devices // opts.runtime.num_processes if opts.runtime
+                   else opts.num_devices if opts.cluster is None or opts.num_devices <= 64
+                   else 8)
+    if not opts.reports:
+        from cfp import report
+        report.silence()
+    if opts.mesh_shape is None:
+        opts = dataclasses.replace(opts, mesh_shape=_choose_mesh(opts, args))
+    if not args.workdir:
+        opts = dataclasses.replace(opts, workdir=_default_workdir(opts))
+    opts = dataclasses.replace(opts, spec=opts.spec.resolved())
+    if opts.reports:
+        _check_workdir(opts.workdir)
+    _check_devices(opts, args)
+    from cfp.jax_compat import enable_compilation_cache
+    enable_compilation_cache(_cache_dir(args))  # before anything compiles
+    for mode in opts.modes:
+        _RUNNERS[mode](opts, args)
+    return opts.workdir
 
 
 def _workdir(opts: RunOptions):

@@ -235,3 +235,33 @@ def test_arrays_must_fit_the_host_only_where_the_step_runs_here(tmp_path, capsys
         assert rc == 2 and "does not fit this host's 9.54e-07 GB of memory" in _one_line(capsys)
     else:
         assert rc == 0, capsys.readouterr().err
+
+
+API_REFUSALS = [
+    ({"dtype": "float16"}, "argument --dtype: invalid choice: 'float16'"),
+    ({"extra_args": ["--frobnicate"]}, "unrecognized arguments: --frobnicate"),
+    ({"mesh": "1x4"}, "has an axis of one device"),
+    ({"memory_budget_gb": float("nan")}, "--memory-budget must be positive"),
+]
+
+
+@pytest.mark.parametrize("kwargs,expected", API_REFUSALS, ids=[str(k) for k, _ in API_REFUSALS])
+def test_the_api_raises_cfp_error_with_the_reason(tmp_path, capsys, kwargs, expected):
+    """``autoshard`` raises ``CfpError`` carrying the one-line reason (never SystemExit, which
+    ``except Exception`` does not catch), and prints nothing of its own."""
+    from cfp.api import autoshard
+    with pytest.raises(CfpError) as e:
+        autoshard("zoo_extra:convnet", **{"mesh": "4", "workdir": tmp_path, **kwargs})
+    assert expected in str(e.value) and "\n" not in str(e.value)
+    assert capsys.readouterr().err == ""
+
+
+def test_the_api_without_a_workdir_uses_the_default_one(tmp_path, monkeypatch):
+    """``workdir=None`` is the command line's default work dir, not ``./None``; here the run
+    stops after the analysis, so reading the plan names that dir."""
+    from cfp.api import autoshard
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CfpError, match="cannot read the plan profiles/convnet-4/plan.json"):
+        autoshard("zoo_extra:convnet", mesh="4", extra_args=["--mode", "analysis"])
+    assert (tmp_path / "profiles" / "convnet-4" / "analysis.pkl").exists()
+    assert not (tmp_path / "None").exists()
