@@ -11,11 +11,19 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import importlib
+import logging
 import math
+import os
+import sys
+import traceback
 
 from cfp.errors import CfpError
+
+log = logging.getLogger(__name__)
 
 AXIS_NAMES = ("m0", "m1", "m2")
 MAX_ARRAY_ELEMENTS = 2**31  # the most elements of one array of a step measured here
@@ -56,11 +64,16 @@ class WorkloadSpec:
 
 def _user_workload(spec: WorkloadSpec):
     module_name, _, attr = spec.model.partition(":")
+    if not (module_name and attr):
+        raise CfpError(f"--model {spec.model!r} names no factory: give it as "
+                       f"package.module:factory with the module on PYTHONPATH")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
         raise CfpError(f"cannot load the user step {spec.model!r} ({e}); give it as "
                        f"package.module:factory with the module on PYTHONPATH") from None
+    except (Exception, SystemExit) as e:  # a module that fails to parse, raises, or exits
+        raise _user_error(spec.model, e, f"importing {module_name}") from None
     kwargs = dict(spec.overrides, dtype=spec.dtype)
     if spec.batch_size is not None:
         kwargs["batch_size"] = spec.batch_size
@@ -72,10 +85,13 @@ def _user_workload(spec: WorkloadSpec):
                            f"{', '.join(sorted(declared)) or 'no keywords'})")
         kwargs = {k: v for k, v in kwargs.items() if k in declared}
     from cfp.models import Workload
-    workload = factory(**kwargs)
+    with user_code(spec.model):
+        workload = factory(**kwargs)
     if not isinstance(workload, Workload):
         raise CfpError(f"{spec.model} returned a {type(workload).__name__}, not a "
                        f"cfp.models.Workload (see cfp.models.user_workload)")
+    if workload.model == "user":  # user_workload's name: messages give the factory's
+        workload = dataclasses.replace(workload, model=spec.model)
     if spec.batch_size is not None and workload.batch_size != spec.batch_size:
         raise CfpError(f"{spec.model} takes no batch_size: its batch is "
                        f"{workload.batch_size}")
@@ -154,14 +170,76 @@ def host_memory_bytes() -> int:
 def trace_step(workload):
     """Trace a workload's full training step with abstract inputs (nothing allocated)."""
     import jax
+    import numpy as np
     from cfp.graph import trace_program
-    args = (workload.abstract_params(), workload.abstract_opt_state(),
-            workload.abstract_batch())
-    loss = jax.eval_shape(workload.loss_fn, args[0], args[2])
-    if not isinstance(loss, jax.ShapeDtypeStruct) or loss.shape != ():
-        raise CfpError(f"the loss of {workload.model} returns "
-                       f"{getattr(loss, 'shape', type(loss).__name__)}, not a scalar")
-    return trace_program(workload.train_step(), *args)
+    with user_code(workload.model):
+        args = (workload.abstract_params(), workload.abstract_opt_state(),
+                workload.abstract_batch())
+        not_float = [jax.tree_util.keystr(path) for path, x in
+                     jax.tree_util.tree_flatten_with_path(args[0])[0]
+                     if not np.issubdtype(x.dtype, np.inexact)]
+        if not_float:
+            raise CfpError(f"the parameters of {workload.model} are differentiated, but "
+                           f"{', '.join(not_float[:3])} {'is' if len(not_float) == 1 else 'are'}"
+                           f" not floating point: keep integer arrays out of the params")
+        loss = jax.eval_shape(workload.loss_fn, args[0], args[2])
+        if not isinstance(loss, jax.ShapeDtypeStruct) or loss.shape != ():
+            raise CfpError(f"the loss of {workload.model} returns "
+                           f"{getattr(loss, 'shape', type(loss).__name__)}, not a scalar")
+        return trace_program(workload.train_step(), *args)
+
+
+@contextlib.contextmanager
+def user_code(model: str):
+    """Around code that runs a user's step (``model`` is ``package.module:factory``): an
+    exception raised by the user's code becomes one ``CfpError`` naming the factory, its
+    frames logged (shown under ``-v``). One raised by cfp itself stays a bug, with its
+    traceback. Zoo models are cfp's own code."""
+    try:
+        yield
+    except (CfpError, KeyboardInterrupt):
+        raise
+    except (Exception, SystemExit) as e:  # user code may call sys.exit
+        if ":" not in model or not _raised_outside_cfp(e):
+            raise
+        raise _user_error(model, e) from None
+
+
+def _user_error(model: str, e: BaseException, doing: str = "") -> CfpError:
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not (_is_cfp(f.filename) or f.filename.startswith(_dirs()[1]))]
+    where = (f'  File "{e.filename}", line {e.lineno}\n' if isinstance(e, SyntaxError)
+             else "".join(traceback.format_list(frames)))
+    log.info("%s raised%s, in its own code:\n%s", model, f" {doing}" if doing else "",
+             where.rstrip())
+    what = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return CfpError(f"{model}{': ' + doing if doing else ''} raised {type(e).__name__}"
+                    f"{': ' + what if what else ''}")
+
+
+def _raised_outside_cfp(e: BaseException) -> bool:
+    """Whether the innermost frame of ``e``'s traceback that is not JAX's or Python's own is
+    outside cfp: in the user's code, or a library it called."""
+    not_anyones = _dirs()[1]
+    inner = [f.filename for f in traceback.extract_tb(e.__traceback__)
+             if not f.filename.startswith(not_anyones)]
+    return bool(inner) and not _is_cfp(inner[-1])
+
+
+def _is_cfp(filename: str) -> bool:
+    return filename.startswith(_dirs()[0])
+
+
+@functools.cache
+def _dirs() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(cfp's directories, those of JAX and Python's own library); imported late, so that
+    JAX starts after the command line sets its devices."""
+    import jax
+    import jaxlib
+    import cfp.passes
+    here = lambda m: os.path.dirname(os.path.abspath(m.__file__)) + os.sep  # noqa: E731
+    return ((here(sys.modules["cfp"]), here(cfp.passes)),
+            (here(jax), here(jaxlib), here(contextlib), "<"))  # "<": generated code
 
 
 def spec_fingerprint(spec: WorkloadSpec) -> tuple:

@@ -265,3 +265,65 @@ def test_the_api_without_a_workdir_uses_the_default_one(tmp_path, monkeypatch):
         autoshard("zoo_extra:convnet", mesh="4", extra_args=["--mode", "analysis"])
     assert (tmp_path / "profiles" / "convnet-4" / "analysis.pkl").exists()
     assert not (tmp_path / "None").exists()
+
+
+_USER_HEAD = """
+import jax, jax.numpy as jnp
+from cfp.models import user_workload
+
+def _batch(key):
+    return {"x": jnp.ones((8, 4)), "y": jnp.ones((8, 2))}
+
+def _loss(p, b):
+    return jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+"""
+USER_ERRORS = [
+    ("def make():\n    raise ValueError('5 heads do not divide a hidden size of 64')\n",
+     "{mod}:make raised ValueError: 5 heads do not divide a hidden size of 64"),
+    ("def make():\n    return user_workload(lambda p, b: jnp.mean(b['x'] @ p['w'].T), "
+     "lambda k: {'w': jnp.ones((3, 2))}, _batch)\n",
+     "{mod}:make raised TypeError: dot_general requires contracting dimensions"),
+    ("def make():\n    import optax\n    return user_workload(_loss, "
+     "lambda k: {'w': jnp.ones((4, 2))}, _batch, optimizer=optax.adamw)\n",
+     "optimizer='adamw' is not an Optax GradientTransformation: call it"),
+    ("def make():\n    return user_workload(_loss, lambda k: {'w': jnp.ones((4, 2)), "
+     "'n': jnp.ones((2,), jnp.int32)}, _batch)\n", "['n'] is not floating point"),
+    ("import sys\nsys.exit(3)\n", "{mod}:make: importing {mod} raised SystemExit: 3"),
+    ("def make(:\n", "{mod}:make: importing {mod} raised SyntaxError: "),
+    ("raise RuntimeError('no GPU here')\n",
+     "{mod}:make: importing {mod} raised RuntimeError: no GPU here"),
+]
+
+
+@pytest.mark.parametrize("body,expected", USER_ERRORS, ids=range(len(USER_ERRORS)))
+def test_an_error_in_user_code_is_one_line_naming_the_factory(tmp_path, capsys, monkeypatch,
+                                                               caplog, body, expected):
+    """A user's factory, model or module that raises is one line naming the factory path,
+    status 2, with the user's own frames logged (shown under -v)."""
+    mod = f"usermod_{tmp_path.name}"
+    (tmp_path / f"{mod}.py").write_text(_USER_HEAD + body if "def make()" in body else body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with caplog.at_level("INFO", logger="cfp.workloads"):
+        rc = main(["--mode", "analysis", "--model", f"{mod}:make", "--mesh", "4",
+                   "--workdir", str(tmp_path / "w")])
+    assert rc == 2 and expected.format(mod=mod) in _one_line(capsys)
+    if "raised" in expected:
+        assert f"{mod}.py" in caplog.text  # the user's frame, for -v
+
+
+def test_model_without_a_factory_is_one_line(tmp_path, capsys):
+    assert main(["--mode", "analysis", "--model", ":", "--workdir", str(tmp_path)]) == 2
+    assert "--model ':' names no factory" in _one_line(capsys)
+
+
+def test_a_bug_in_cfp_under_a_user_step_keeps_its_traceback(monkeypatch, tmp_path):
+    """The control: an exception raised in cfp's own code while it traces a user's step is
+    cfp's bug, raised as it is (its traceback printed), not blamed on the user."""
+    import cfp.graph
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in cfp")
+    monkeypatch.setattr(cfp.graph, "trace_program", broken)
+    with pytest.raises(RuntimeError, match="a bug in cfp"):
+        main(["--mode", "analysis", "--model", "zoo_extra:convnet", "--mesh", "4",
+              "--workdir", str(tmp_path)])
