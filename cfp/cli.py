@@ -342,17 +342,36 @@ def main(argv: list[str] | None = None) -> int:
     except CfpError as e:
         print(f"cfp: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Exception) as e:
+        if not _interrupted(e):
+            raise
         print("cfp: interrupted; everything measured so far is kept in the work dir",
               file=sys.stderr)
         return 130
     return 0
 
 
+def _interrupted(e: BaseException | None) -> bool:
+    """Whether ``e`` is a Ctrl-C, or what one became: an extension module interrupted while
+    it was imported raises ``ImportError`` from the ``KeyboardInterrupt``."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def run(argv: list[str]) -> Path:
     """The passes ``argv`` asks for, as the command line runs them; returns the work dir.
     Bad input raises ``CfpError`` (argument errors too), Ctrl-C ``KeyboardInterrupt``."""
-    return run_args(build_parser().parse_args(argv))
+    try:
+        return run_args(build_parser().parse_args(argv))
+    except Exception as e:
+        if _interrupted(e):
+            raise KeyboardInterrupt from e
+        raise
 
 
 def run_args(args) -> Path:

@@ -327,3 +327,77 @@ def test_a_bug_in_cfp_under_a_user_step_keeps_its_traceback(monkeypatch, tmp_pat
     with pytest.raises(RuntimeError, match="a bug in cfp"):
         main(["--mode", "analysis", "--model", "zoo_extra:convnet", "--mesh", "4",
               "--workdir", str(tmp_path)])
+
+
+_SOLVE_AND_INTERRUPT = """
+import os, signal, sys, threading, time
+from ortools.sat.python import cp_model
+from cfp.solver import _solve_interruptibly
+m = cp_model.CpModel()  # a search that runs until its time limit (10 s were not enough)
+xs = [m.NewIntVar(0, 1000, f"x{i}") for i in range(60)]
+for i in range(59):
+    m.Add(xs[i] * 3 + xs[i + 1] * 7 != 500 + i)
+m.AddAllDifferent(xs)
+m.Minimize(sum((i % 7 + 1) * x for i, x in enumerate(xs)))
+solver = cp_model.CpSolver()
+solver.parameters.max_time_in_seconds = 30
+solver.parameters.num_workers = 1
+threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+start = time.perf_counter()
+try:
+    _solve_interruptibly(solver, m) if sys.argv[1] == "cfp" else solver.Solve(m)
+    print("search ended", flush=True)
+except KeyboardInterrupt:
+    print(f"interrupted after {time.perf_counter() - start:.1f} s", flush=True)
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)
+except KeyboardInterrupt:
+    print("interrupted again", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["cfp", "cp-sat alone"])
+def test_ctrl_c_during_the_solver_is_raised_at_once_and_keeps_the_handler(how):
+    """Ctrl-C in CP-SAT's search stops it and is raised at once, and a second Ctrl-C is still
+    a KeyboardInterrupt. Control: CP-SAT left to itself swallows the Ctrl-C (its search just
+    ends) and leaves SIGINT at its default, so the second one kills with no word."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
+    done = subprocess.run([sys.executable, "-c", _SOLVE_AND_INTERRUPT, how], env=env,
+                          capture_output=True, text=True, timeout=60)
+    lines = done.stdout.splitlines()
+    if how == "cfp":
+        assert done.returncode == 0 and lines[1:] == ["interrupted again"], done
+        assert lines[0].startswith("interrupted after 0.") and len(lines) == 2, lines
+    else:
+        assert lines == ["search ended"] and done.returncode == -2, done
+
+
+@pytest.mark.parametrize("cause", [KeyboardInterrupt, None])
+def test_an_interrupted_import_is_an_interrupt(tmp_path, monkeypatch, capsys, cause):
+    """A Ctrl-C while an extension module (OR-Tools') initializes surfaces as ImportError
+    from the KeyboardInterrupt: one line and status 130, and KeyboardInterrupt from the API.
+    Control: an ImportError that no Ctrl-C caused is a bug, raised with its traceback."""
+    import cfp.cli
+    from cfp.api import autoshard
+
+    def interrupted_import(opts, args):
+        try:
+            raise cause() if cause else ImportError("initialization failed")
+        except BaseException as e:
+            raise ImportError("initialization failed") from e
+    monkeypatch.setitem(cfp.cli._RUNNERS, "analysis", interrupted_import)
+    argv = ["--mode", "analysis", "--model", "mlp", "--mesh", "4", "--workdir", str(tmp_path)]
+    if cause:
+        assert main(argv) == 130
+        assert capsys.readouterr().err.strip().splitlines() == [
+            "cfp: interrupted; everything measured so far is kept in the work dir"]
+        with pytest.raises(KeyboardInterrupt):
+            autoshard("mlp", mesh="4", workdir=tmp_path, extra_args=["--mode", "analysis"])
+    else:
+        with pytest.raises(ImportError, match="initialization failed"):
+            main(argv)
