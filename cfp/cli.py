@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import logging
 import math
 import os
@@ -394,9 +395,25 @@ def run_args(args) -> Path:
     _check_devices(opts, args)
     from cfp.jax_compat import enable_compilation_cache
     enable_compilation_cache(_cache_dir(args))  # before anything compiles
-    for mode in opts.modes:
-        _RUNNERS[mode](opts, args)
+    try:
+        for mode in opts.modes:
+            _RUNNERS[mode](opts, args)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise CfpError(f"the disk of the work dir {opts.workdir} is full (writing "
+                       f"{e.filename or 'a file'}); kept there: {_kept(opts.workdir)}: free "
+                       f"some space and run again, which resumes from them") from None
     return opts.workdir
+
+
+def _kept(workdir: Path) -> str:
+    """The records a work dir holds, for the line that says what a failed run kept."""
+    from cfp.workdir import record_files
+    names = [str(p.relative_to(workdir)) for p in record_files(workdir)]
+    windows = [n for n in names if Path(n).name.startswith("window_")]
+    rest = [n for n in names if n not in windows]
+    return ", ".join(rest + ([f"{len(windows)} window files"] if windows else [])) or "nothing"
 
 
 def _workdir(opts: RunOptions):

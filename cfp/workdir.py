@@ -142,6 +142,14 @@ class ProfileCheckpoint:
         write_record(self.chosen_path, CHOSEN_FORMAT, self.chosen_fp, chosen)
 
 
+def record_files(workdir: Path) -> list[Path]:
+    """The records and plan in ``workdir`` and its ``model/`` profile, in order."""
+    workdir = Path(workdir)
+    return sorted(p for d in (workdir, workdir / "model") if d.is_dir()
+                  for p in d.iterdir() if p.is_file() and not p.name.startswith(".")
+                  and (p.suffix == ".pkl" or p.name == "plan.json"))
+
+
 def write_profile_csv(path: Path, rec) -> None:
     """One row per measured combination of every window type; times on the profile's one
     scale (``ProfileRecord.anchor_s``), ``batch_anchor_s`` the anchor's time in its batch."""
@@ -160,8 +168,12 @@ def write_profile_csv(path: Path, rec) -> None:
                          "same_program_as": " ".join(map(str, m.same_program_as or ())),
                          "note": m.note})
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["window_type"])
-        w.writeheader()
-        w.writerows(rows)
-    tmp.replace(path)
+    try:
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["window_type"])
+            w.writeheader()
+            w.writerows(rows)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -401,3 +401,27 @@ def test_an_interrupted_import_is_an_interrupt(tmp_path, monkeypatch, capsys, ca
     else:
         with pytest.raises(ImportError, match="initialization failed"):
             main(argv)
+
+
+@pytest.mark.parametrize("code", ["ENOSPC", "EIO"])
+def test_a_full_disk_is_one_line_naming_what_was_kept(tmp_path, capsys, monkeypatch, code):
+    """The disk filling after the analysis record is written: one line naming the work dir
+    and the record kept, status 2. Control: another failure to write (EIO) is no user's
+    mistake, and is raised with its traceback."""
+    import errno
+    import os
+    import cfp.report
+
+    def full(rec, directory):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)),
+                      str(directory / "segments.txt"))
+    monkeypatch.setattr(cfp.report, "write_analysis_dumps", full)
+    argv = ["--mode", "analysis", "--model", "mlp", "--mesh", "4", "--workdir", str(tmp_path)]
+    if code == "EIO":
+        with pytest.raises(OSError, match="Input/output error"):
+            main(argv)
+        return
+    assert main(argv) == 2
+    line = _one_line(capsys)
+    assert f"the disk of the work dir {tmp_path} is full (writing {tmp_path}/" in line
+    assert "kept there: analysis.pkl: free some space and run again" in line
