@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from cfp.errors import CfpError
 from cfp.records import read_record, write_record
 
 ANALYSIS_FORMAT = "cfp-analysis"
@@ -60,11 +61,15 @@ class WorkDir:
                            whole_segments: bool = False) -> "ProfileCheckpoint":
         """The checkpoint of one profile; its chosen combinations are the work dir's, shared
         by the profiles of every cost, so that ``--cost model`` prices what was measured."""
+        from cfp.windows import split_windows
+        windows, reps = split_windows(analysis, max_combinations, whole_segments)
         return ProfileCheckpoint(
             self.profile_dir(cost),
             self.profile_fingerprint(analysis, cost, max_combinations, whole_segments),
             chosen=(self.profile_dir("measure") / "chosen.pkl", self.profile_fingerprint(
-                analysis, "measure", max_combinations, whole_segments)))
+                analysis, "measure", max_combinations, whole_segments)),
+            window_fps={k: window_fingerprint(analysis, windows[rep])
+                        for k, rep in enumerate(reps)})
 
     def write_profile(self, rec, analysis) -> Path:
         out = self.profile_dir(rec.cost)
@@ -98,31 +103,55 @@ def blocks_fingerprint(analysis) -> str:
                     for b in analysis.blocks.blocks])
 
 
+def window_fingerprint(analysis, window) -> str:
+    """What a window type's measurements are of: each block of its representative instance,
+    with its members, their result shapes and its strategies."""
+    graph = analysis.graph
+    return _digest([(tuple(m.op for m in b.members), tuple(s.axes for s in b.strategies),
+                     tuple(graph.values[v].shape for m in b.members
+                           for v in graph.ops[m.op].outputs))
+                    for b in analysis.blocks.blocks[window.start:window.end]])
+
+
 class ProfileCheckpoint:
     """Per-result saves of the profile pass in ``directory``, and what an earlier,
-    interrupted run of the same profile left there."""
+    interrupted run of the same profile left there. ``window_fps``: per window type its
+    ``window_fingerprint``, which its file's header carries, so that a file renamed or swapped
+    with another type's is refused (None: any window file of the profile is read)."""
 
     def __init__(self, directory: Path, fingerprint: tuple,
-                 chosen: tuple[Path, tuple] | None = None):
-        self.dir, self.fp = Path(directory), fingerprint
+                 chosen: tuple[Path, tuple] | None = None,
+                 window_fps: dict[int, str] | None = None):
+        self.dir, self.fp, self.window_fps = Path(directory), fingerprint, window_fps
         self.dir.mkdir(parents=True, exist_ok=True)
         # (path, fingerprint) of the chosen combinations; by default this profile's own
         self.chosen_path, self.chosen_fp = chosen or (self.dir / "chosen.pkl", fingerprint)
         # A file another run left is refused now, before the pass does any work.
         for path in sorted(self.dir.glob("window_*.pkl")):
-            read_record(path, WINDOW_FORMAT, self.fp, hint=f"delete {path} to profile afresh")
+            k = path.stem.removeprefix("window_")
+            if window_fps is not None and not (k.isdigit() and int(k) in window_fps):
+                raise CfpError(f"{path} is no window type of this profile (it has "
+                               f"{len(window_fps)}): delete it to profile afresh")
+            read_record(path, WINDOW_FORMAT, self._window_fp(int(k) if k.isdigit() else k),
+                        hint=f"delete {path} to profile afresh")
         self.load_reshards()
         self.load_chosen()
+
+    def _window_fp(self, k) -> tuple:
+        if self.window_fps is None:
+            return self.fp
+        return self.fp + (("window", f"type {k}: {self.window_fps[k]}"),)
 
     def load_window(self, k: int) -> dict:
         path = self.dir / f"window_{k}.pkl"
         if not path.exists():
             return {}
-        return read_record(path, WINDOW_FORMAT, self.fp,
+        return read_record(path, WINDOW_FORMAT, self._window_fp(k),
                            hint=f"delete {path} to profile afresh").results
 
     def save_window(self, k: int, window_profile) -> None:
-        write_record(self.dir / f"window_{k}.pkl", WINDOW_FORMAT, self.fp, window_profile)
+        write_record(self.dir / f"window_{k}.pkl", WINDOW_FORMAT, self._window_fp(k),
+                     window_profile)
 
     def load_reshards(self) -> dict:
         path = self.dir / "reshard.pkl"

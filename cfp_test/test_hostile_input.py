@@ -425,3 +425,42 @@ def test_a_full_disk_is_one_line_naming_what_was_kept(tmp_path, capsys, monkeypa
     line = _one_line(capsys)
     assert f"the disk of the work dir {tmp_path} is full (writing {tmp_path}/" in line
     assert "kept there: analysis.pkl: free some space and run again" in line
+
+
+def test_window_files_renamed_or_swapped_are_refused(tmp_path):
+    """Each window file's header carries its window type's fingerprint (members, their
+    shapes, strategies): two files of same-width types swapped, or one renamed to a type
+    the profile does not have, are refused before any work. Control: in place, both are
+    read back."""
+    from cfp.measure import Measurement
+    from cfp.passes.analysis import run_analysis
+    from cfp.passes.profile import WindowProfile
+    from cfp.windows import split_windows
+    spec = WorkloadSpec("gpt", "tiny").resolved()
+    analysis = run_analysis(spec, (4,))
+    windows, reps = split_windows(analysis, 4)
+    space = {k: tuple(len(analysis.blocks.blocks[b].strategies)
+                      for b in range(windows[r].start, windows[r].end))
+             for k, r in enumerate(reps)}
+    a, b = [k for k in space if space[k] == space[0]][:2]  # two types of one width
+    wd = WorkDir(tmp_path, run_fingerprint(spec, (4,)))
+    checkpoint = wd.profile_checkpoint(analysis, "measure", 4)
+    for k, t in ((a, 1.0), (b, 2.0)):
+        blocks = tuple(range(windows[reps[k]].start, windows[reps[k]].end))
+        checkpoint.save_window(k, WindowProfile(k, blocks, space[k],
+                                                {(0,) * len(blocks): Measurement("ok", t)}))
+    again = wd.profile_checkpoint(analysis, "measure", 4)
+    assert [m.time_s for m in again.load_window(a).values()] == [1.0]
+    assert [m.time_s for m in again.load_window(b).values()] == [2.0]
+
+    fa, fb = tmp_path / f"window_{a}.pkl", tmp_path / f"window_{b}.pkl"
+    tmp = tmp_path / "swap"
+    fa.rename(tmp), fb.rename(fa), tmp.rename(fb)
+    with pytest.raises(CfpError, match=f"window_{a}.pkl was made for another run .window "
+                                       f"differ: window=type {b}: "):
+        wd.profile_checkpoint(analysis, "measure", 4)
+    fa.unlink()
+    fb.rename(tmp_path / f"window_{len(reps)}.pkl")
+    with pytest.raises(CfpError, match=f"window_{len(reps)}.pkl is no window type of this "
+                                       f"profile .it has {len(reps)}."):
+        wd.profile_checkpoint(analysis, "measure", 4)
