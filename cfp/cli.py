@@ -8,6 +8,7 @@ record from the work dir (``cfp.workdir``), runs the pass, writes its record and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -395,9 +396,11 @@ def run_args(args) -> Path:
     _check_devices(opts, args)
     from cfp.jax_compat import enable_compilation_cache
     enable_compilation_cache(_cache_dir(args))  # before anything compiles
+    from cfp.workdir import locked
     try:
-        for mode in opts.modes:
-            _RUNNERS[mode](opts, args)
+        with locked(opts.workdir) if opts.reports else contextlib.nullcontext():
+            for mode in opts.modes:
+                _RUNNERS[mode](opts, args)
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise

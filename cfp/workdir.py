@@ -14,7 +14,11 @@ dumps.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
+import os
+import socket
+import time
 from pathlib import Path
 
 from cfp.errors import CfpError
@@ -169,6 +173,71 @@ class ProfileCheckpoint:
 
     def save_chosen(self, chosen: dict) -> None:
         write_record(self.chosen_path, CHOSEN_FORMAT, self.chosen_fp, chosen)
+
+
+LOCK_NAME = ".cfp-lock"
+
+
+@contextlib.contextmanager
+def locked(workdir: Path):
+    """Hold ``workdir``'s lock while a run writes it: a file naming the holder's host, pid and
+    start time, created only where none exists (``O_EXCL``, which shared file systems honour
+    where ``flock`` may not). A lock left by a process of this host that is gone is taken
+    over; one held by a live process, or by another host's, refuses the run in one line. Of a
+    run over several processes, process 0 alone writes the work dir and holds its lock."""
+    path = Path(workdir) / LOCK_NAME
+    me = _holder_text(socket.gethostname(), os.getpid())
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = path.read_text() if path.is_file() else ""
+            if _stale(holder, path):
+                path.unlink(missing_ok=True)
+                continue
+            host, pid = (holder.split() + ["?", "?"])[:2]
+            raise CfpError(f"the work dir {workdir} is in use by process {pid} on {host} (its "
+                           f"lock {path}): let that run finish, or choose another --workdir; "
+                           f"if that process is gone, delete the lock") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(me)
+        break
+    else:
+        raise CfpError(f"cannot take the lock {path}: other runs keep taking it")
+    try:
+        yield
+    finally:
+        if path.is_file() and path.read_text() == me:
+            path.unlink(missing_ok=True)
+
+
+def _holder_text(host: str, pid: int) -> str:
+    return f"{host} {pid} {_start_time(pid)}\n"
+
+
+def _start_time(pid: int) -> str:
+    """When process ``pid`` started (clock ticks after boot), telling a reused pid apart."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return "-"
+
+
+def _stale(holder: str, path: Path) -> bool:
+    """Whether the lock text ``holder`` names a process of this host that no longer runs."""
+    parts = holder.split()
+    if len(parts) != 3 or not parts[1].isdigit():  # being written, or not cfp's
+        return time.time() - path.stat().st_mtime > 60 if path.exists() else True
+    host, pid, started = parts[0], int(parts[1]), parts[2]
+    if host != socket.gethostname():
+        return False  # its liveness cannot be told from here
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return started != "-" and _start_time(pid) != started
 
 
 def record_files(workdir: Path) -> list[Path]:

@@ -464,3 +464,47 @@ def test_window_files_renamed_or_swapped_are_refused(tmp_path):
     with pytest.raises(CfpError, match=f"window_{len(reps)}.pkl is no window type of this "
                                        f"profile .it has {len(reps)}."):
         wd.profile_checkpoint(analysis, "measure", 4)
+
+
+def test_a_second_run_on_a_work_dir_refuses_naming_the_holder(tmp_path, capsys):
+    """A work dir whose lock a live process holds is refused in one line naming its host and
+    pid, before any work, and another host's lock likewise. Controls: once the holder is
+    gone its stale lock is taken over (and released when the run ends); a work dir nobody
+    holds is run."""
+    import socket
+    import subprocess
+    from cfp.workdir import LOCK_NAME, _holder_text
+    argv = ["--mode", "analysis", "--model", "mlp", "--mesh", "4", "--workdir", str(tmp_path)]
+    lock = tmp_path / LOCK_NAME
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        lock.write_text(_holder_text(socket.gethostname(), holder.pid))
+        assert main(argv) == 2
+        assert (f"the work dir {tmp_path} is in use by process {holder.pid} on "
+                f"{socket.gethostname()}") in _one_line(capsys)
+        assert not (tmp_path / "analysis.pkl").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(argv) == 0  # the holder is gone: its lock is stale
+    assert (tmp_path / "analysis.pkl").exists() and not lock.exists()
+
+    lock.write_text("elsewhere.example 4242 123\n")
+    assert main(argv) == 2
+    assert "in use by process 4242 on elsewhere.example" in _one_line(capsys)
+    lock.unlink()
+    assert main(argv) == 0 and not lock.exists()
+
+
+def test_a_reused_pid_does_not_hold_a_stale_lock(tmp_path):
+    """A lock naming a live pid with another start time was left by a process that is gone
+    (its pid since reused): stale."""
+    import os
+    import socket
+    from cfp.workdir import _stale
+    lock = tmp_path / "lock"
+    lock.write_text("x")
+    mine = f"{socket.gethostname()} {os.getpid()}"
+    assert _stale(f"{mine} 1\n", lock)
+    from cfp.workdir import _start_time
+    assert not _stale(f"{mine} {_start_time(os.getpid())}\n", lock)
