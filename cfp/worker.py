@@ -53,6 +53,9 @@ class WorkerOptions:
     runtime: multihost.Runtime | None = None  # the processes measured across, when several
 
 
+PARENT_GONE_EXIT = 75  # a worker's exit status when its parent has ended
+
+
 class WorkerBug(RuntimeError):
     """An exception in the worker that is not a JAX/XLA failure of the item measured."""
 
@@ -243,6 +246,7 @@ class Worker:
 
 def _main(conn, generation: int = 0):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    _exit_with_parent()
     analysis, options = conn.recv()
     phases = Phases()
     try:
@@ -287,6 +291,21 @@ def _main(conn, generation: int = 0):
             conn.send(("error", str(e)))
         except Exception:  # noqa: BLE001 - a bug: the parent raises it with this traceback
             conn.send(("bug", traceback.format_exc()))
+
+
+def _exit_with_parent(interval_s: float = 0.2) -> None:
+    """End this worker within ``interval_s`` of its parent's end: a parent killed (SIGKILL,
+    or SIGTERM, which it does not catch) tells it nothing, and a compile or a timing would
+    keep it running for seconds. The parent's resource tracker ends with its last worker."""
+    import threading
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os._exit(PARENT_GONE_EXIT)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _quiet_log(runtime, generation: int) -> str:

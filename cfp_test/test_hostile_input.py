@@ -508,3 +508,110 @@ def test_a_reused_pid_does_not_hold_a_stale_lock(tmp_path):
     assert _stale(f"{mine} 1\n", lock)
     from cfp.workdir import _start_time
     assert not _stale(f"{mine} {_start_time(os.getpid())}\n", lock)
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """pid -> command line of every process below ``pid``."""
+    from pathlib import Path
+    parent_of = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent_of[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            pass
+    found, frontier = {}, [pid]
+    while frontier:
+        p = frontier.pop()
+        for child, parent in parent_of.items():
+            if parent == p and child not in found:
+                try:
+                    found[child] = Path(f"/proc/{child}/cmdline").read_bytes().replace(
+                        b"\0", b" ").decode()
+                except OSError:
+                    continue
+                frontier.append(child)
+    return found
+
+
+def _running(pid: int) -> bool:
+    from pathlib import Path
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_workers_end_with_the_main_process(tmp_path, sig):
+    """Killed while its measurement worker runs, the main process leaves no process behind
+    for more than two seconds: neither the worker nor multiprocessing's resource tracker."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+    argv = ["--model", "mlp", "--mesh", "4", "--workdir", str(tmp_path),
+            "--compilation-cache", "none"]
+    assert main(["--mode", "analysis"] + argv) == 0
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]),
+               XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    proc = subprocess.Popen([sys.executable, "-m", "cfp", "--mode", "profile"] + argv, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline, below = time.monotonic() + 120, {}
+    while time.monotonic() < deadline and proc.poll() is None:
+        below = _descendants(proc.pid)
+        if any("spawn_main" in c for c in below.values()):
+            break
+        time.sleep(0.1)
+    assert any("spawn_main" in c for c in below.values()), "no worker started"
+    time.sleep(0.5)
+    below = _descendants(proc.pid)
+    proc.send_signal(getattr(signal, sig))
+    proc.wait(timeout=30)
+    killed = time.monotonic()
+    while any(map(_running, below)) and time.monotonic() - killed < 10:
+        time.sleep(0.05)
+    left = {p: c for p, c in below.items() if _running(p)}
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left and time.monotonic() - killed < 2, left
+
+
+_BUSY_CHILD = """
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, text=True)
+print(child.pid, child.stdout.readline().strip(), flush=True)
+child.wait()
+"""
+_BUSY = "from cfp.worker import _exit_with_parent\n{call}\nimport time\nprint('busy', flush=True)\n" \
+        "time.sleep(30)"
+
+
+@pytest.mark.parametrize("watched", [True, False])
+def test_a_busy_worker_ends_within_a_second_of_its_parent(watched):
+    """A worker busy for long (a compile, a timing) whose parent is killed ends within a
+    second. Control: the same process without the watch runs on."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
+    body = _BUSY.format(call="_exit_with_parent()" if watched else "")
+    parent = subprocess.Popen([sys.executable, "-c", _BUSY_CHILD, body], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    pid, state = parent.stdout.readline().split()
+    assert state == "busy"
+    parent.kill()
+    parent.wait()
+    killed = time.monotonic()
+    while _running(int(pid)) and time.monotonic() - killed < 2:
+        time.sleep(0.05)
+    try:
+        assert _running(int(pid)) != watched
+        assert not watched or time.monotonic() - killed < 1
+    finally:
+        if _running(int(pid)):
+            os.kill(int(pid), signal.SIGKILL)
