@@ -56,6 +56,10 @@ class WorkerOptions:
 PARENT_GONE_EXIT = 75  # a worker's exit status when its parent has ended
 
 
+class WorkerDied(CfpError):
+    """The worker ended while it answered a request."""
+
+
 class WorkerBug(RuntimeError):
     """An exception in the worker that is not a JAX/XLA failure of the item measured."""
 
@@ -219,7 +223,10 @@ class Worker:
 
     def _ask(self, kind, payload):
         self.ensure()
-        self.conn.send((kind, payload))
+        try:
+            self.conn.send((kind, payload))
+        except OSError:
+            pass  # it has died: its end of the pipe reads as closed below
         kind, payload = self._recv()
         if kind == "bug":
             raise WorkerBug(f"the measurement worker failed:\n{payload}")
@@ -232,14 +239,25 @@ class Worker:
                 raise CfpError("another process of the runtime stopped (or lost its "
                                "connection); what was measured is kept: relaunch every "
                                "process to resume")
-            raise CfpError(f"the worker died (exit code {code}); what was measured is kept: "
-                           f"run again to resume")
+            raise WorkerDied(f"the worker died (exit code {code}); what was measured is "
+                             f"kept: run again to resume")
         return payload
 
     def measure_reshards(self, items: list[tuple]) -> dict[tuple, tuple | None]:
         """``(seconds, interval low, interval high)`` of each resharding ``(shape, dtype,
-        src spec, dst spec)`` (see ``_measure_reshards``)."""
-        known, phases = self._ask("reshard", items)
+        src spec, dst spec)`` (see ``_measure_reshards``). One that kills the worker (out of
+        memory, an abort) is charged ``None``, as one XLA cannot run, and the others are
+        timed again one at a time (across processes a death still stops the pass)."""
+        try:
+            known, phases = self._ask("reshard", items)
+        except WorkerDied:
+            if self.options.runtime is not None:
+                raise
+            if len(items) == 1:
+                log.warning("the worker died timing the resharding %s: charged as one that "
+                            "cannot run", items[0])
+                return {items[0]: None}
+            return {k: v for item in items for k, v in self.measure_reshards([item]).items()}
         self.phases.add(phases)
         return known
 

@@ -615,3 +615,41 @@ def test_a_busy_worker_ends_within_a_second_of_its_parent(watched):
     finally:
         if _running(int(pid)):
             os.kill(int(pid), signal.SIGKILL)
+
+
+def test_a_worker_killed_timing_a_resharding_charges_it_and_goes_on():
+    """A resharding whose timing kills the worker is charged as one that cannot run (None)
+    and the rest of its batch is timed. Control: without the kill, every one is timed."""
+    import os
+    import signal
+    from cfp.passes.analysis import run_analysis
+    from cfp.passes.profile import needed_reshards
+    from cfp.windows import boundaries, split_windows
+    from cfp.worker import Worker, WorkerOptions
+
+    class KillingWorker(Worker):
+        """The real worker, killed (SIGKILL) as soon as it is asked to time the culprit."""
+
+        culprit, asked = None, None
+
+        def _ask(self, kind, payload):
+            self.asked = payload if kind == "reshard" else None
+            return super()._ask(kind, payload)
+
+        def _recv(self):
+            if self.asked is not None and self.culprit in self.asked:
+                os.kill(self.proc.pid, signal.SIGKILL)
+            return super()._recv()
+
+    analysis = run_analysis(WorkloadSpec("mlp", "tiny").resolved(), (4,))
+    windows, _ = split_windows(analysis, 32)
+    items = sorted(needed_reshards(boundaries(analysis, windows), analysis.blocks.blocks,
+                                   ("m0",)), key=repr)[:3]
+    worker = KillingWorker(analysis, WorkerOptions("measure", 2**62, 16))
+    try:
+        assert all(worker.measure_reshards(items).values())  # the control
+        worker.culprit = items[1]
+        got = worker.measure_reshards(items)
+    finally:
+        worker.close()
+    assert got[items[1]] is None and got[items[0]] and got[items[2]]
