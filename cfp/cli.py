@@ -416,7 +416,8 @@ def _kept(workdir: Path) -> str:
     names = [str(p.relative_to(workdir)) for p in record_files(workdir)]
     windows = [n for n in names if Path(n).name.startswith("window_")]
     rest = [n for n in names if n not in windows]
-    return ", ".join(rest + ([f"{len(windows)} window files"] if windows else [])) or "nothing"
+    counted = [f"{len(windows)} window file{'s' if len(windows) > 1 else ''}"] if windows else []
+    return ", ".join(rest + counted) or "nothing"
 
 
 def _workdir(opts: RunOptions):

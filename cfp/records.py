@@ -69,8 +69,10 @@ def write_record(path: Path, fmt: str, fingerprint: tuple, record: Any) -> None:
             pickle.dump(header, f, protocol=pickle.HIGHEST_PROTOCOL)
             pickle.dump(record, f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is None:  # say which file (a full disk)
+            raise OSError(e.errno, e.strerror, str(path)) from None
         raise
 
 
