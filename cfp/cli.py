@@ -11,10 +11,13 @@ import argparse
 import contextlib
 import dataclasses
 import errno
+import gc
 import logging
 import math
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from cfp.errors import CfpError
@@ -398,9 +401,11 @@ def run_args(args) -> Path:
     enable_compilation_cache(_cache_dir(args))  # before anything compiles
     from cfp.workdir import locked
     try:
-        with locked(opts.workdir) if opts.reports else contextlib.nullcontext():
+        with (locked(opts.workdir) if opts.reports else contextlib.nullcontext(),
+              _CtrlC() as ctrl_c):
             for mode in opts.modes:
                 _RUNNERS[mode](opts, args)
+                ctrl_c.check()
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
@@ -408,6 +413,83 @@ def run_args(args) -> Path:
                        f"{e.filename or 'a file'}); kept there: {_kept(opts.workdir)}: free "
                        f"some space and run again, which resumes from them") from None
     return opts.workdir
+
+
+class _CtrlC:
+    """SIGINT while the passes run: ``KeyboardInterrupt``, as Python's own handler raises it,
+    but never inside the garbage collector, where Python would print and ignore it (JAX's
+    collector callback is often where a Ctrl-C lands): there it is sent again, by a thread
+    of its own, once the collection ends. It is remembered too, for one lost in a
+    ``__del__`` run outside a collection (Python's report of it is not printed): ``check``
+    raises it again."""
+
+    def __init__(self):
+        self.seen = self.in_gc = self.deferred = self.closing = False
+        self.previous = self.hook = None
+        self.resend, self.lock = threading.Event(), threading.Lock()
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._handler)
+            self.hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
+            gc.callbacks.insert(0, self._gc_starts)
+            gc.callbacks.append(self._gc_ends)
+            threading.Thread(target=self._resender, name="ctrl-c", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.previous is None:
+            return False
+        with self.lock:  # no Ctrl-C is sent again from here on
+            self.closing = True
+            self.resend.set()
+        self._flush()  # one sent before runs its handler now, while it is still ours
+        gc.callbacks.remove(self._gc_starts)
+        gc.callbacks.remove(self._gc_ends)
+        signal.signal(signal.SIGINT, self.previous)
+        sys.unraisablehook = self.hook
+        return False
+
+    @staticmethod
+    def _flush() -> None:
+        """A call: where Python runs the handlers of signals that have arrived."""
+
+    def _handler(self, signum, frame):
+        self.seen = True
+        if self.closing:
+            return  # the run stops already
+        if self.in_gc:
+            self.deferred = True
+            return
+        raise KeyboardInterrupt
+
+    def _resender(self):
+        while True:
+            self.resend.wait()
+            with self.lock:
+                self.resend.clear()
+                if self.closing:
+                    return
+                os.kill(os.getpid(), signal.SIGINT)
+
+    def _gc_starts(self, phase, info):
+        if phase == "start":
+            self.in_gc = True
+
+    def _gc_ends(self, phase, info):
+        if phase == "stop":
+            self.in_gc = False
+            if self.deferred:
+                self.deferred = False
+                self.resend.set()
+
+    def _unraisable(self, unraisable) -> None:
+        if not (self.seen and isinstance(unraisable.exc_value, KeyboardInterrupt)):
+            self.hook(unraisable)
+
+    def check(self) -> None:
+        if self.seen:
+            raise KeyboardInterrupt
 
 
 def _kept(workdir: Path) -> str:

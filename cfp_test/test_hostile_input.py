@@ -653,3 +653,63 @@ def test_a_worker_killed_timing_a_resharding_charges_it_and_goes_on():
     finally:
         worker.close()
     assert got[items[1]] is None and got[items[0]] and got[items[2]]
+
+
+def test_a_ctrl_c_python_swallows_still_stops_the_run(tmp_path, capsys, monkeypatch):
+    """A Ctrl-C that lands in a ``__del__`` (or a garbage collector's callback, such as
+    JAX's) is printed and ignored by Python; cfp remembers it and stops at the end of the
+    pass: one line, status 130. Control: the pass did run to its end, the interrupt lost
+    inside it."""
+    import signal
+    import cfp.cli
+    ran = []
+
+    class Swallows:
+        def __del__(self):
+            signal.raise_signal(signal.SIGINT)
+
+    def runner(opts, args):
+        Swallows()
+        ran.append("to its end")
+    monkeypatch.setitem(cfp.cli._RUNNERS, "analysis", runner)
+    assert main(["--mode", "analysis", "--model", "mlp", "--mesh", "4",
+                 "--workdir", str(tmp_path)]) == 130
+    assert ran == ["to its end"]
+    assert capsys.readouterr().err.strip().splitlines() == [  # Python's report not printed
+        "cfp: interrupted; everything measured so far is kept in the work dir"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
+def test_a_ctrl_c_in_the_garbage_collector_stops_the_run_at_once(tmp_path, capsys,
+                                                                 monkeypatch):
+    """A Ctrl-C that arrives while a collector callback runs (as JAX's does, on every
+    collection) is held back and delivered once the collection ends: the pass stops there,
+    not at its end. Control: the same pass without the Ctrl-C runs to its end."""
+    import gc
+    import signal
+    import time
+    import cfp.cli
+    ran, interrupting = [], []
+
+    def interrupt(phase, info):
+        if phase == "start":
+            signal.raise_signal(signal.SIGINT)
+
+    def runner(opts, args):
+        if interrupting:
+            gc.callbacks.insert(1, interrupt)  # inside cfp's watch of the collection
+        try:
+            gc.collect()
+        finally:
+            if interrupt in gc.callbacks:
+                gc.callbacks.remove(interrupt)
+        time.sleep(1)
+        ran.append("past the collection")
+    monkeypatch.setitem(cfp.cli._RUNNERS, "analysis", runner)
+    argv = ["--mode", "analysis", "--model", "mlp", "--mesh", "4", "--workdir", str(tmp_path)]
+    assert main(argv) == 0 and ran == ["past the collection"]  # the control
+    ran.clear()
+    interrupting.append(True)
+    assert main(argv) == 130 and ran == []
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "cfp: interrupted; everything measured so far is kept in the work dir"]
