@@ -97,16 +97,21 @@ def outcome(case: str, status, output: str, note: str = "", expect=(2, 130)) -> 
 
 
 def compiled_again(workdir: Path, argv: list[str]) -> str:
-    """The rerun after an interruption: how many combinations it found measured before, and
-    how many it compiled (the rest: nothing measured before is measured again)."""
+    """The rerun after an interruption: the combinations and reshardings it found measured
+    before, and what it compiled (no more than it had left to measure: nothing measured
+    before was measured again)."""
     _, out = run(["--mode", "profile", "--workdir", str(workdir)] + argv)
-    before = re.search(r"combinations to measure: (\d+) \((\d+) measured before\)", out)
+    combos = re.search(r"combinations to measure: (\d+) \((\d+) measured before\)", out)
+    reshards = re.search(r"reshardings to time: (\d+) \((\d+) known\)", out)
     compiled = re.search(r"compiled in this run: (\d+)", out)
-    if not (before and compiled):
+    if not (combos and compiled):
         return f"rerun: {out.strip().splitlines()[-1:]}"
-    total, known = map(int, before.groups())
-    return (f"rerun: {known} of {total} measured before, {compiled.group(1)} compiled "
-            f"({'nothing measured again' if int(compiled.group(1)) <= total - known else 'MEASURED AGAIN'})")
+    todo, known = map(int, combos.groups())
+    again = int(compiled.group(1)) > todo
+    return (f"rerun: {known} combinations measured before, {todo} left, "
+            f"{compiled.group(1)} compiled"
+            + (f"; {reshards.group(2)} of {reshards.group(1)} reshardings known" if reshards
+               else "") + (" (MEASURED AGAIN)" if again else " (nothing measured again)"))
 
 
 def profiled(tmp: Path, name: str, argv: list[str]) -> Path:
@@ -194,7 +199,8 @@ def interrupts(tmp: Path, done: Path) -> list[Outcome]:
     mesh = ["--model", "mlp", "--mesh", "2x2", "--compilation-cache", "none"]
     run(["--mode", "analysis", "--workdir", str(wd)] + mesh)
     status, text = run(["--mode", "profile", "--workdir", str(wd)] + mesh,
-                       interrupt_when=lambda t: "reshardings to time" in t)
+                       interrupt_when=lambda t: "reshardings to time" in t
+                       and (wd / "reshard.pkl").exists())  # after their first batch
     out.append(outcome("SIGINT in profile (resharding timing)", status, text,
                        compiled_again(wd, mesh)))
 
