@@ -11,13 +11,10 @@ import argparse
 import contextlib
 import dataclasses
 import errno
-import gc
 import logging
 import math
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from cfp.errors import CfpError
@@ -160,18 +157,18 @@ _BOUNDS = {
     "device_bandwidth": 1e16, "time_limit": 86400, "validate_top": 64, "iters": 10**4,
     "num_processes": 4096, "join_timeout": 86400, "micro_batches": 4096,
 }
-_ZERO_ALLOWED = ("alpha", "beta")
+_PER_AXIS = ("alpha", "beta")  # text: one number per mesh axis, each may be zero
 
 
 def _bounds_text(dest: str) -> str:
     high = _BOUNDS[dest]
-    return (f"{'zero or more' if dest in _ZERO_ALLOWED else 'positive'}, at most "
+    return (f"{'zero or more' if dest in _PER_AXIS else 'positive'}, at most "
             f"{high if isinstance(high, int) else f'{high:g}'}")
 
 
 def check_number(dest: str, value: float) -> None:
     """``value`` of the flag ``dest`` is finite and within ``_BOUNDS``; a ``CfpError`` if not."""
-    low_ok = value >= 0 if dest in _ZERO_ALLOWED else value > 0
+    low_ok = value >= 0 if dest in _PER_AXIS else value > 0
     if not (math.isfinite(value) and low_ok and value <= _BOUNDS[dest]):
         raise CfpError(f"--{dest.replace('_', '-')} must be {_bounds_text(dest)}, got {value}")
 
@@ -220,7 +217,7 @@ def _options(args) -> RunOptions:
         "num_layers", "seq_len", "hidden_size", "num_heads", "vocab_size", "num_experts")
         if getattr(args, k) is not None)
     for k in _BOUNDS:
-        if k not in ("alpha", "beta") and getattr(args, k) is not None:
+        if k not in _PER_AXIS and getattr(args, k) is not None:
             check_number(k, getattr(args, k))
     spec = WorkloadSpec(args.model, args.config, args.batch_size, args.dtype, overrides)
     workdir = Path(args.workdir) if args.workdir else None
@@ -339,6 +336,7 @@ def _check_workdir(workdir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """The command line: runs ``argv``'s passes; a ``CfpError`` is one line and status 2."""
+    from cfp.interrupts import interrupted
     try:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -348,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cfp: error: {e}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, Exception) as e:
-        if not _interrupted(e):
+        if not interrupted(e):
             raise
         print("cfp: interrupted; everything measured so far is kept in the work dir",
               file=sys.stderr)
@@ -356,25 +354,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _interrupted(e: BaseException | None) -> bool:
-    """Whether ``e`` is a Ctrl-C, or what one became: an extension module interrupted while
-    it was imported raises ``ImportError`` from the ``KeyboardInterrupt``."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, KeyboardInterrupt):
-            return True
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return False
-
-
 def run(argv: list[str]) -> Path:
     """The passes ``argv`` asks for, as the command line runs them; returns the work dir.
     Bad input raises ``CfpError`` (argument errors too), Ctrl-C ``KeyboardInterrupt``."""
+    from cfp.interrupts import interrupted
     try:
         return run_args(build_parser().parse_args(argv))
     except Exception as e:
-        if _interrupted(e):
+        if interrupted(e):
             raise KeyboardInterrupt from e
         raise
 
@@ -399,10 +386,11 @@ def run_args(args) -> Path:
     _check_devices(opts, args)
     from cfp.jax_compat import enable_compilation_cache
     enable_compilation_cache(_cache_dir(args))  # before anything compiles
+    from cfp.interrupts import CtrlC
     from cfp.workdir import locked
     try:
         with (locked(opts.workdir) if opts.reports else contextlib.nullcontext(),
-              _CtrlC() as ctrl_c):
+              CtrlC() as ctrl_c):
             for mode in opts.modes:
                 _RUNNERS[mode](opts, args)
                 ctrl_c.check()
@@ -413,83 +401,6 @@ def run_args(args) -> Path:
                        f"{e.filename or 'a file'}); kept there: {_kept(opts.workdir)}: free "
                        f"some space and run again, which resumes from them") from None
     return opts.workdir
-
-
-class _CtrlC:
-    """SIGINT while the passes run: ``KeyboardInterrupt``, as Python's own handler raises it,
-    but never inside the garbage collector, where Python would print and ignore it (JAX's
-    collector callback is often where a Ctrl-C lands): there it is sent again, by a thread
-    of its own, once the collection ends. It is remembered too, for one lost in a
-    ``__del__`` run outside a collection (Python's report of it is not printed): ``check``
-    raises it again."""
-
-    def __init__(self):
-        self.seen = self.in_gc = self.deferred = self.closing = False
-        self.previous = self.hook = None
-        self.resend, self.lock = threading.Event(), threading.Lock()
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGINT, self._handler)
-            self.hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
-            gc.callbacks.insert(0, self._gc_starts)
-            gc.callbacks.append(self._gc_ends)
-            threading.Thread(target=self._resender, name="ctrl-c", daemon=True).start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.previous is None:
-            return False
-        with self.lock:  # no Ctrl-C is sent again from here on
-            self.closing = True
-            self.resend.set()
-        self._flush()  # one sent before runs its handler now, while it is still ours
-        gc.callbacks.remove(self._gc_starts)
-        gc.callbacks.remove(self._gc_ends)
-        signal.signal(signal.SIGINT, self.previous)
-        sys.unraisablehook = self.hook
-        return False
-
-    @staticmethod
-    def _flush() -> None:
-        """A call: where Python runs the handlers of signals that have arrived."""
-
-    def _handler(self, signum, frame):
-        self.seen = True
-        if self.closing:
-            return  # the run stops already
-        if self.in_gc:
-            self.deferred = True
-            return
-        raise KeyboardInterrupt
-
-    def _resender(self):
-        while True:
-            self.resend.wait()
-            with self.lock:
-                self.resend.clear()
-                if self.closing:
-                    return
-                os.kill(os.getpid(), signal.SIGINT)
-
-    def _gc_starts(self, phase, info):
-        if phase == "start":
-            self.in_gc = True
-
-    def _gc_ends(self, phase, info):
-        if phase == "stop":
-            self.in_gc = False
-            if self.deferred:
-                self.deferred = False
-                self.resend.set()
-
-    def _unraisable(self, unraisable) -> None:
-        if not (self.seen and isinstance(unraisable.exc_value, KeyboardInterrupt)):
-            self.hook(unraisable)
-
-    def check(self) -> None:
-        if self.seen:
-            raise KeyboardInterrupt
 
 
 def _kept(workdir: Path) -> str:
