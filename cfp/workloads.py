@@ -234,11 +234,12 @@ def _is_cfp(filename: str) -> bool:
 def _dirs() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(cfp's directories, those of JAX and Python's own library); imported late, so that
     JAX starts after the command line sets its devices."""
+    import importlib.util
     import jax
     import jaxlib
-    import cfp.passes
     here = lambda m: os.path.dirname(os.path.abspath(m.__file__)) + os.sep  # noqa: E731
-    return ((here(sys.modules["cfp"]), here(cfp.passes)),
+    passes = importlib.util.find_spec("cfp.passes").submodule_search_locations[0]
+    return ((here(sys.modules["cfp"]), os.path.abspath(passes) + os.sep),
             (here(jax), here(jaxlib), here(contextlib), "<"))  # "<": generated code
 
 
