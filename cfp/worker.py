@@ -30,6 +30,7 @@ import multiprocessing as mp
 import os
 import signal
 import statistics
+import sys
 import time
 import traceback
 from typing import Iterator
@@ -84,7 +85,8 @@ class Worker:
         # The step's records go through the pipe, not the spawn: a spawned process that dies
         # importing the user's script again leaves a large spawn payload half written, and
         # the parent waiting on it.
-        self.proc = ctx.Process(target=_main, args=(child, generation), daemon=True)
+        self.proc = ctx.Process(target=_main, args=(child, generation, os.getpid()),
+                                daemon=True)
         before = {k: os.environ.get(k) for k in host_memory.POOLED}
         os.environ.update(host_memory.POOLED)  # the worker's heap keeps its blocks
         try:
@@ -262,9 +264,9 @@ class Worker:
         return known
 
 
-def _main(conn, generation: int = 0):
+def _main(conn, generation: int = 0, parent_pid: int | None = None):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    _exit_with_parent()
+    _exit_with_parent(parent_pid or os.getppid())
     analysis, options = conn.recv()
     phases = Phases()
     try:
@@ -311,18 +313,28 @@ def _main(conn, generation: int = 0):
             conn.send(("bug", traceback.format_exc()))
 
 
-def _exit_with_parent(interval_s: float = 0.2) -> None:
-    """End this worker within ``interval_s`` of its parent's end: a parent killed (SIGKILL,
+def _exit_with_parent(parent_pid: int, interval_s: float = 0.2) -> None:
+    """End this worker as soon as its parent ``parent_pid`` ends: a parent killed (SIGKILL,
     or SIGTERM, which it does not catch) tells it nothing, and a compile or a timing would
-    keep it running for seconds. The parent's resource tracker ends with its last worker."""
+    keep it running for seconds. On Linux the kernel kills it then (``PR_SET_PDEATHSIG``);
+    elsewhere, and as a second guard, a thread that watches the parent ends it within
+    ``interval_s`` whenever it gets the interpreter. The parent's resource tracker ends with
+    its last worker."""
     import threading
-    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
 
     def watch():
-        while os.getppid() == parent:
+        while os.getppid() == parent_pid:
             time.sleep(interval_s)
         os._exit(PARENT_GONE_EXIT)
 
+    if os.getppid() != parent_pid:  # it ended before the guard was set
+        os._exit(PARENT_GONE_EXIT)
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 

@@ -569,13 +569,15 @@ def test_workers_end_with_the_main_process(tmp_path, sig):
     below = _descendants(proc.pid)
     proc.send_signal(getattr(signal, sig))
     proc.wait(timeout=30)
-    killed = time.monotonic()
-    while any(map(_running, below)) and time.monotonic() - killed < 10:
+    killed, ended_s = time.monotonic(), {}
+    while len(ended_s) < len(below) and time.monotonic() - killed < 10:
+        ended_s.update({p: time.monotonic() - killed for p in below
+                        if p not in ended_s and not _running(p)})
         time.sleep(0.05)
-    left = {p: c for p, c in below.items() if _running(p)}
-    for p in left:
+    for p in set(below) - set(ended_s):
         os.kill(p, signal.SIGKILL)
-    assert not left and time.monotonic() - killed < 2, left
+    lingered = {below[p][:60]: round(ended_s.get(p, 10.0), 2) for p in below}
+    assert all(s < 2 for s in lingered.values()), lingered
 
 
 _BUSY_CHILD = """
@@ -584,8 +586,8 @@ child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.
 print(child.pid, child.stdout.readline().strip(), flush=True)
 child.wait()
 """
-_BUSY = "from cfp.worker import _exit_with_parent\n{call}\nimport time\nprint('busy', flush=True)\n" \
-        "time.sleep(30)"
+_BUSY = ("import os, time\nfrom cfp.worker import _exit_with_parent\n{call}\n"
+         "print('busy', flush=True)\ntime.sleep(30)")
 
 
 @pytest.mark.parametrize("watched", [True, False])
@@ -599,7 +601,7 @@ def test_a_busy_worker_ends_within_a_second_of_its_parent(watched):
     import time
     from pathlib import Path
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
-    body = _BUSY.format(call="_exit_with_parent()" if watched else "")
+    body = _BUSY.format(call="_exit_with_parent(os.getppid())" if watched else "")
     parent = subprocess.Popen([sys.executable, "-c", _BUSY_CHILD, body], env=env,
                               stdout=subprocess.PIPE, text=True)
     pid, state = parent.stdout.readline().split()
