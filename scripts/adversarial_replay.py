@@ -453,7 +453,11 @@ def main() -> None:
             rows += got
             for r in got:
                 print(f"{r.case}: {r.status}; {r.last_line[:120]} {r.note}", flush=True)
-    text = table(rows) + f"\n(replayed in {time.time() - start:.0f} s)\n"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip() or "unknown"
+    text = (f"python scripts/adversarial_replay.py at {commit}, "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores\n\n"
+            + table(rows) + f"\n(replayed in {time.time() - start:.0f} s)\n")
     print(text)
     if a.out:
         Path(a.out).write_text(text)
