@@ -170,14 +170,14 @@ def host_memory_bytes() -> int:
 def trace_step(workload):
     """Trace a workload's full training step with abstract inputs (nothing allocated)."""
     import jax
-    import numpy as np
+    import jax.numpy as jnp
     from cfp.graph import trace_program
     with user_code(workload.model):
         args = (workload.abstract_params(), workload.abstract_opt_state(),
                 workload.abstract_batch())
         not_float = [jax.tree_util.keystr(path) for path, x in
                      jax.tree_util.tree_flatten_with_path(args[0])[0]
-                     if not np.issubdtype(x.dtype, np.inexact)]
+                     if not jnp.issubdtype(x.dtype, jnp.inexact)]  # bfloat16 is inexact
         if not_float:
             raise CfpError(f"the parameters of {workload.model} are differentiated, but "
                            f"{', '.join(not_float[:3])} {'is' if len(not_float) == 1 else 'are'}"
