@@ -163,7 +163,6 @@ def check_fits_host(graph, host_bytes: int) -> None:
 
 def host_memory_bytes() -> int:
     """This host's physical memory."""
-    import os
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
@@ -207,7 +206,7 @@ def user_code(model: str):
 
 def _user_error(model: str, e: BaseException, doing: str = "") -> CfpError:
     frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if not (_is_cfp(f.filename) or f.filename.startswith(_dirs()[1]))]
+              if not (_is_cfp(f.filename) or _is_jax_or_python(f.filename))]
     where = (f'  File "{e.filename}", line {e.lineno}\n' if isinstance(e, SyntaxError)
              else "".join(traceback.format_list(frames)))
     log.info("%s raised%s, in its own code:\n%s", model, f" {doing}" if doing else "",
@@ -220,9 +219,8 @@ def _user_error(model: str, e: BaseException, doing: str = "") -> CfpError:
 def _raised_outside_cfp(e: BaseException) -> bool:
     """Whether the innermost frame of ``e``'s traceback that is not JAX's or Python's own is
     outside cfp: in the user's code, or a library it called."""
-    not_anyones = _dirs()[1]
     inner = [f.filename for f in traceback.extract_tb(e.__traceback__)
-             if not f.filename.startswith(not_anyones)]
+             if not _is_jax_or_python(f.filename)]
     return bool(inner) and not _is_cfp(inner[-1])
 
 
@@ -230,17 +228,30 @@ def _is_cfp(filename: str) -> bool:
     return filename.startswith(_dirs()[0])
 
 
+def _is_jax_or_python(filename: str) -> bool:
+    """A file of JAX, of Python's own library (not of the packages installed beside it, the
+    user's among them), or code Python generated."""
+    _, jax_dirs, stdlib, installed = _dirs()
+    return (filename.startswith(jax_dirs + ("<",))
+            or filename.startswith(stdlib) and not filename.startswith(installed))
+
+
 @functools.cache
-def _dirs() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(cfp's directories, those of JAX and Python's own library); imported late, so that
-    JAX starts after the command line sets its devices."""
+def _dirs() -> tuple[tuple[str, ...], tuple[str, ...], str, tuple[str, ...]]:
+    """(cfp's directories, JAX's, Python's own library, where packages are installed);
+    imported late, so that JAX starts after the command line sets its devices."""
     import importlib.util
+    import site
+    import sysconfig
     import jax
     import jaxlib
     here = lambda m: os.path.dirname(os.path.abspath(m.__file__)) + os.sep  # noqa: E731
     passes = importlib.util.find_spec("cfp.passes").submodule_search_locations[0]
+    paths = sysconfig.get_paths()
+    installed = {paths["purelib"], paths["platlib"], *site.getsitepackages()}
     return ((here(sys.modules["cfp"]), os.path.abspath(passes) + os.sep),
-            (here(jax), here(jaxlib), here(contextlib), "<"))  # "<": generated code
+            (here(jax), here(jaxlib)), os.path.abspath(paths["stdlib"]) + os.sep,
+            tuple(os.path.abspath(d) + os.sep for d in installed))
 
 
 def spec_fingerprint(spec: WorkloadSpec) -> tuple:

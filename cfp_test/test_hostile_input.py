@@ -728,3 +728,27 @@ def test_the_readme_s_first_cluster_case_runs_every_pass_as_recorded(tmp_path, c
     assert "priced for alpa-50x4 (analytic)" in out and "Search Pass (predicted" in out
     assert rc == 2 and "no plan fits the memory budget of 32.000 GB per device; the smallest " \
                        "any plan reaches is about 72." in err, err
+
+
+@pytest.mark.parametrize("where,users", [("installed", True), ("cfp", False),
+                                         ("python", False)])
+def test_who_raised_is_told_by_the_innermost_frame_not_jax_s_or_python_s(where, users):
+    """An error raised in a package installed beside Python (a user's own, or one it calls,
+    such as Hugging Face's) is the user's, though site-packages lies inside Python's library
+    directory; one raised in cfp is cfp's (the control); Python's own frames are looked
+    through, to cfp's below them."""
+    import os
+    import sysconfig
+    import cfp
+    from cfp.workloads import _raised_outside_cfp
+    files = {"installed": os.path.join(sysconfig.get_paths()["purelib"], "mypkg", "model.py"),
+             "cfp": os.path.join(os.path.dirname(cfp.__file__), "blocks.py"),
+             "python": os.path.join(sysconfig.get_paths()["stdlib"], "functools.py")}
+    code = compile("raise ValueError('5 heads do not divide 64')", files[where], "exec")
+
+    def from_cfp():  # this test's own frame stands for cfp's code, the caller
+        exec(code)
+    from_cfp.__code__ = from_cfp.__code__.replace(co_filename=files["cfp"])
+    with pytest.raises(ValueError) as e:
+        from_cfp()
+    assert _raised_outside_cfp(e.value) is users
