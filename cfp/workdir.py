@@ -191,7 +191,12 @@ def locked(workdir: Path):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
-            holder = path.read_text() if path.is_file() else ""
+            if not path.is_file() or path.is_symlink():
+                raise CfpError(f"{path} is not a lock cfp wrote: delete it") from None
+            try:
+                holder = path.read_text()
+            except FileNotFoundError:  # released meanwhile
+                continue
             if _stale(holder, path):
                 path.unlink(missing_ok=True)
                 continue
@@ -199,8 +204,12 @@ def locked(workdir: Path):
             raise CfpError(f"the work dir {workdir} is in use by process {pid} on {host} (its "
                            f"lock {path}): let that run finish, or choose another --workdir; "
                            f"if that process is gone, delete the lock") from None
-        with os.fdopen(fd, "w") as f:
-            f.write(me)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(me)
+        except BaseException:  # a full disk: no empty lock is left behind
+            path.unlink(missing_ok=True)
+            raise
         break
     else:
         raise CfpError(f"cannot take the lock {path}: other runs keep taking it")

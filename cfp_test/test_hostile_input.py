@@ -752,3 +752,13 @@ def test_who_raised_is_told_by_the_innermost_frame_not_jax_s_or_python_s(where, 
     with pytest.raises(ValueError) as e:
         from_cfp()
     assert _raised_outside_cfp(e.value) is users
+
+
+def test_a_lock_cfp_did_not_write_is_refused(tmp_path, capsys):
+    """A directory or a link in the lock's place is refused in one line (never removed)."""
+    from cfp.workdir import LOCK_NAME
+    (tmp_path / LOCK_NAME).mkdir()
+    assert main(["--mode", "analysis", "--model", "mlp", "--mesh", "4",
+                 "--workdir", str(tmp_path)]) == 2
+    assert "is not a lock cfp wrote: delete it" in _one_line(capsys)
+    assert (tmp_path / LOCK_NAME).is_dir()
