@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the pass to run; all three in order when left out; 'stages' plans "
                         "pipeline stages (run here and checked when there is no --cluster)")
     p.add_argument("-v", "--verbose", action="store_true", help="log the library's progress")
-    w = p.add_argument_group("workload")
+    w = p.add_argument_group(
+        "workload", "a step run here (not priced with --cost model, nor planned with --cluster) "
+        "may have no array of more than 2^31 elements, nor one larger than the host's memory")
     w.add_argument("--model", default="gpt",
                    help="mlp, gpt, llama, moe, bert, or package.module:factory for your own step")
     w.add_argument("--config", default=None,
@@ -166,7 +168,7 @@ def _bounds_text(dest: str) -> str:
             f"{high if isinstance(high, int) else f'{high:g}'}")
 
 
-def check_number(dest: str, value: float) -> None:
+def _check_number(dest: str, value: float) -> None:
     """``value`` of the flag ``dest`` is finite and within ``_BOUNDS``; a ``CfpError`` if not."""
     low_ok = value >= 0 if dest in _PER_AXIS else value > 0
     if not (math.isfinite(value) and low_ok and value <= _BOUNDS[dest]):
@@ -183,7 +185,7 @@ def _per_axis(flag: str, text: str, num_axes: int) -> tuple[float, ...]:
     if len(values) != num_axes:
         raise CfpError(f"--{flag}: give one value per mesh axis ({num_axes}), got {text!r}")
     for v in values:
-        check_number(flag, v)
+        _check_number(flag, v)
     return values
 
 
@@ -218,7 +220,7 @@ def _options(args) -> RunOptions:
         if getattr(args, k) is not None)
     for k in _BOUNDS:
         if k not in _PER_AXIS and getattr(args, k) is not None:
-            check_number(k, getattr(args, k))
+            _check_number(k, getattr(args, k))
     spec = WorkloadSpec(args.model, args.config, args.batch_size, args.dtype, overrides)
     workdir = Path(args.workdir) if args.workdir else None
     modes = (args.mode,) if args.mode else MODES

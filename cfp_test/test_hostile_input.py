@@ -150,6 +150,7 @@ def test_numbers_at_their_bounds_are_taken(capsys):
     help_text = " ".join(build_parser().format_help().split())  # the bounds are in --help
     assert "layers, overriding the preset's [positive, at most 1024]" in help_text
     assert "[positive, at most 512]" in help_text
+    assert "may have no array of more than 2^31 elements" in help_text
 
 
 GOOD_CLUSTER = {"name": "c", "memory_per_device_GB": 80, "peak_TFLOPs": 312,
