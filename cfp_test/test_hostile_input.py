@@ -764,3 +764,23 @@ def test_a_lock_cfp_did_not_write_is_refused(tmp_path, capsys):
                  "--workdir", str(tmp_path)]) == 2
     assert "is not a lock cfp wrote: delete it" in _one_line(capsys)
     assert (tmp_path / LOCK_NAME).is_dir()
+
+
+def test_the_processes_of_one_run_share_its_lock(tmp_path, capsys):
+    """Of a run over several processes, process 0 writes the work dir and holds its lock; the
+    others neither take nor heed it (they share it). Control: process 0 heeds a lock held."""
+    import socket
+    import subprocess
+    from cfp.workdir import LOCK_NAME, _holder_text
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        (tmp_path / LOCK_NAME).write_text(_holder_text(socket.gethostname(), holder.pid))
+        argv = ["--mode", "analysis", "--model", "mlp", "--workdir", str(tmp_path),
+                "--num-processes", "2", "--coordinator", "127.0.0.1:1"]
+        assert main(argv + ["--process-id", "1"]) == 0, capsys.readouterr().err
+        assert main(argv + ["--process-id", "0"]) == 2
+        assert f"in use by process {holder.pid}" in _one_line(capsys)
+        assert (tmp_path / LOCK_NAME).read_text().split()[1] == str(holder.pid)
+    finally:
+        holder.kill()
+        holder.wait()
