@@ -15,22 +15,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cfp.errors import CfpError
 
+def autoshard(factory: str, *, mesh: str = "8", workdir: str | Path | None = None,
+              batch_size: int | None = None, dtype: str = "float32",
+              memory_budget_gb: float | None = None, max_combinations: int = 32,
+              validate_top: int = 3, extra_args=()) -> dict:
+    """Run analysis, profile and search on ``factory``'s step; return the plan.
 
-def autoshard(factory: str, *, mesh: str = "8", workdir: str | Path, batch_size: int | None = None,
-              dtype: str = "float32", memory_budget_gb: float | None = None,
-              max_combinations: int = 32, validate_top: int = 3, extra_args=()) -> dict:
-    """Run analysis, profile and search on ``factory``'s step; return the plan."""
-    from cfp.cli import main
+    ``workdir`` None: the command line's default (``profiles/<factory>-<mesh>/``). Bad input
+    raises ``CfpError`` with its one-line reason, before any work; Ctrl-C raises
+    ``KeyboardInterrupt`` (everything measured is kept in the work dir)."""
+    from cfp.cli import run
     from cfp.plan import load_plan
-    args = ["--model", factory, "--mesh", mesh, "--workdir", str(workdir), "--dtype", dtype,
+    args = ["--model", factory, "--mesh", mesh, "--dtype", dtype,
             "--max-combinations", str(max_combinations), "--validate-top", str(validate_top)]
+    if workdir is not None:
+        args += ["--workdir", str(workdir)]
     if batch_size is not None:
         args += ["--batch-size", str(batch_size)]
     if memory_budget_gb is not None:
         args += ["--memory-budget", str(memory_budget_gb)]
-    code = main(args + list(extra_args))
-    if code != 0:
-        raise CfpError(f"cfp stopped with status {code} (see the line above)")
-    return load_plan(Path(workdir) / "plan.json")
+    return load_plan(run(args + list(extra_args)) / "plan.json")

@@ -8,7 +8,9 @@ record from the work dir (``cfp.workdir``), runs the pass, writes its record and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import errno
 import logging
 import math
 import os
@@ -16,6 +18,7 @@ import sys
 from pathlib import Path
 
 from cfp.errors import CfpError
+from cfp.workloads import MAX_ARRAY_ELEMENTS
 
 MODES = ("analysis", "profile", "search")
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cfp" / "jax"
@@ -31,9 +34,8 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, status 2, no usage dump
-        print(f"cfp: error: {message} (see python -m cfp --help)", file=sys.stderr)
-        raise SystemExit(2)
+    def error(self, message):  # one line, status 2, no usage dump (main prints it)
+        raise CfpError(f"{message} (see python -m cfp --help)")
 
     def format_help(self):  # the presets are listed from the zoo, which imports JAX: only here
         self.epilog = f"size presets: {_presets_text()}"
@@ -52,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the pass to run; all three in order when left out; 'stages' plans "
                         "pipeline stages (run here and checked when there is no --cluster)")
     p.add_argument("-v", "--verbose", action="store_true", help="log the library's progress")
-    w = p.add_argument_group("workload")
+    w = p.add_argument_group(
+        "workload", "a step run here (not priced with --cost model, nor planned with --cluster) "
+        "may have no array of more than 2^31 elements, nor one larger than the host's memory")
     w.add_argument("--model", default="gpt",
                    help="mlp, gpt, llama, moe, bert, or package.module:factory for your own step")
     w.add_argument("--config", default=None,
@@ -137,7 +141,52 @@ def build_parser() -> argparse.ArgumentParser:
     st = p.add_argument_group("stages")
     st.add_argument("--micro-batches", type=int, default=8,
                     help="micro-batches per step; must divide the batch size")
+    for action in p._actions:
+        if action.dest in _BOUNDS:
+            action.help += f" [{_bounds_text(action.dest)}]"
     return p
+
+
+# The most each numeric flag may be, checked (positive and finite, too) before any work and
+# stated in --help; --alpha and --beta may be zero.
+MAX_LAYERS, MAX_VIRTUAL_DEVICES = 1024, 512
+_BOUNDS = {
+    "num_layers": MAX_LAYERS, "batch_size": MAX_ARRAY_ELEMENTS,
+    **dict.fromkeys(("seq_len", "hidden_size", "num_heads", "vocab_size", "num_experts"),
+                    MAX_ARRAY_ELEMENTS),
+    "num_devices": MAX_VIRTUAL_DEVICES, "max_combinations": 2**16, "profile_budget": 1e7,
+    "memory_budget": 2**20, "alpha": 1, "beta": 1, "device_flops": 1e18,
+    "device_bandwidth": 1e16, "time_limit": 86400, "validate_top": 64, "iters": 10**4,
+    "num_processes": 4096, "join_timeout": 86400, "micro_batches": 4096,
+}
+_PER_AXIS = ("alpha", "beta")  # text: one number per mesh axis, each may be zero
+
+
+def _bounds_text(dest: str) -> str:
+    high = _BOUNDS[dest]
+    return (f"{'zero or more' if dest in _PER_AXIS else 'positive'}, at most "
+            f"{high if isinstance(high, int) else f'{high:g}'}")
+
+
+def _check_number(dest: str, value: float) -> None:
+    """``value`` of the flag ``dest`` is finite and within ``_BOUNDS``; a ``CfpError`` if not."""
+    low_ok = value >= 0 if dest in _PER_AXIS else value > 0
+    if not (math.isfinite(value) and low_ok and value <= _BOUNDS[dest]):
+        raise CfpError(f"--{dest.replace('_', '-')} must be {_bounds_text(dest)}, got {value}")
+
+
+def _per_axis(flag: str, text: str, num_axes: int) -> tuple[float, ...]:
+    """``--alpha``/``--beta``: one number per mesh axis, each checked."""
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise CfpError(f"--{flag} {text!r} is not a list of numbers: give one per mesh axis, "
+                       f"e.g. 5e-6,3e-6") from None
+    if len(values) != num_axes:
+        raise CfpError(f"--{flag}: give one value per mesh axis ({num_axes}), got {text!r}")
+    for v in values:
+        _check_number(flag, v)
+    return values
 
 
 def _env_int(*names: str) -> int | None:
@@ -169,14 +218,9 @@ def _options(args) -> RunOptions:
     overrides = tuple((k, getattr(args, k)) for k in (
         "num_layers", "seq_len", "hidden_size", "num_heads", "vocab_size", "num_experts")
         if getattr(args, k) is not None)
-    positive = overrides + tuple((k, getattr(args, k)) for k in (
-        "batch_size", "num_devices", "max_combinations", "validate_top", "iters",
-        "memory_budget", "profile_budget", "time_limit", "device_flops", "device_bandwidth",
-        "micro_batches")
-        if getattr(args, k) is not None)
-    for k, v in positive:
-        if v <= 0:
-            raise CfpError(f"--{k.replace('_', '-')} must be positive, got {v}")
+    for k in _BOUNDS:
+        if k not in _PER_AXIS and getattr(args, k) is not None:
+            _check_number(k, getattr(args, k))
     spec = WorkloadSpec(args.model, args.config, args.batch_size, args.dtype, overrides)
     workdir = Path(args.workdir) if args.workdir else None
     modes = (args.mode,) if args.mode else MODES
@@ -193,6 +237,7 @@ def _options(args) -> RunOptions:
             raise CfpError(f"mesh {args.mesh} has {math.prod(mesh_shape)} devices; cluster "
                            f"{cluster.name} has {cluster.num_devices}")
         check_mesh(mesh_shape, cluster.num_devices)
+        _check_per_axis(args, mesh_shape)
         return RunOptions(spec, mesh_shape, cluster.num_devices, workdir, modes, cluster)
     if args.mesh == "auto":
         raise CfpError("--mesh auto compares the logical meshes of a described cluster: give "
@@ -203,8 +248,18 @@ def _options(args) -> RunOptions:
     else:
         mesh_shape = parse_mesh(args.mesh)
         num = math.prod(mesh_shape) if args.num_devices is None else args.num_devices
+    if num > MAX_VIRTUAL_DEVICES:
+        raise CfpError(f"mesh {args.mesh} has {num} devices, over the {MAX_VIRTUAL_DEVICES} a "
+                       f"run here may use: plan for more with --cluster")
     check_mesh(mesh_shape, num)
+    _check_per_axis(args, mesh_shape)
     return RunOptions(spec, mesh_shape, num, workdir, modes, runtime=_runtime(args, num))
+
+
+def _check_per_axis(args, mesh_shape: tuple[int, ...]) -> None:
+    for flag in ("alpha", "beta"):
+        if getattr(args, flag) is not None:
+            _per_axis(flag, getattr(args, flag), len(mesh_shape))
 
 
 def _runtime(args, num_devices: int):
@@ -282,38 +337,82 @@ def _check_workdir(workdir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(name)s: %(message)s")
+    """The command line: runs ``argv``'s passes; a ``CfpError`` is one line and status 2."""
+    from cfp.interrupts import interrupted
     try:
-        opts = _options(args)
-        # A described cluster is compiled for here only up to 64 devices (cluster_pricing).
-        _setup_devices(opts.num_devices // opts.runtime.num_processes if opts.runtime
-                       else opts.num_devices if opts.cluster is None or opts.num_devices <= 64
-                       else 8)
-        if not opts.reports:
-            from cfp import report
-            report.silence()
-        if opts.mesh_shape is None:
-            opts = dataclasses.replace(opts, mesh_shape=_choose_mesh(opts, args))
-        if not args.workdir:
-            opts = dataclasses.replace(opts, workdir=_default_workdir(opts))
-        opts = dataclasses.replace(opts, spec=opts.spec.resolved())
-        if opts.reports:
-            _check_workdir(opts.workdir)
-        _check_devices(opts, args)
-        from cfp.jax_compat import enable_compilation_cache
-        enable_compilation_cache(_cache_dir(args))  # before anything compiles
-        for mode in opts.modes:
-            _RUNNERS[mode](opts, args)
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                            format="%(name)s: %(message)s")
+        run_args(args)
     except CfpError as e:
         print(f"cfp: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Exception) as e:
+        if not interrupted(e):
+            raise
         print("cfp: interrupted; everything measured so far is kept in the work dir",
               file=sys.stderr)
         return 130
     return 0
+
+
+def run(argv: list[str]) -> Path:
+    """The passes ``argv`` asks for, as the command line runs them; returns the work dir.
+    Bad input raises ``CfpError`` (argument errors too), Ctrl-C ``KeyboardInterrupt``."""
+    from cfp.interrupts import interrupted
+    try:
+        return run_args(build_parser().parse_args(argv))
+    except Exception as e:
+        if interrupted(e):
+            raise KeyboardInterrupt from e
+        raise
+
+
+def run_args(args) -> Path:
+    """The passes of parsed ``args``; returns the work dir."""
+    opts = _options(args)
+    # A described cluster is compiled for here only up to 64 devices (cluster_pricing).
+    _setup_devices(opts.num_devices // opts.runtime.num_processes if opts.runtime
+                   else opts.num_devices if opts.cluster is None or opts.num_devices <= 64
+                   else 8)
+    if not opts.reports:
+        from cfp import report
+        report.silence()
+    if opts.mesh_shape is None:
+        opts = dataclasses.replace(opts, mesh_shape=_choose_mesh(opts, args))
+    if not args.workdir:
+        opts = dataclasses.replace(opts, workdir=_default_workdir(opts))
+    opts = dataclasses.replace(opts, spec=opts.spec.resolved())
+    if opts.reports:
+        _check_workdir(opts.workdir)
+    _check_devices(opts, args)
+    from cfp.jax_compat import enable_compilation_cache
+    enable_compilation_cache(_cache_dir(args))  # before anything compiles
+    from cfp.interrupts import CtrlC
+    from cfp.workdir import locked
+    try:
+        with (locked(opts.workdir) if opts.reports else contextlib.nullcontext(),
+              CtrlC() as ctrl_c):
+            for mode in opts.modes:
+                _RUNNERS[mode](opts, args)
+                ctrl_c.check()
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise CfpError(f"the disk of the work dir {opts.workdir} is full (writing "
+                       f"{e.filename or 'a file'}); kept there: {_kept(opts.workdir)}: free "
+                       f"some space and run again, which resumes from them") from None
+    return opts.workdir
+
+
+def _kept(workdir: Path) -> str:
+    """The records a work dir holds, for the line that says what a failed run kept."""
+    from cfp.workdir import record_files
+    names = [str(p.relative_to(workdir)) for p in record_files(workdir)]
+    windows = [n for n in names if Path(n).name.startswith("window_")]
+    rest = [n for n in names if n not in windows]
+    counted = [f"{len(windows)} window file{'s' if len(windows) > 1 else ''}"] if windows else []
+    return ", ".join(rest + counted) or "nothing"
 
 
 def _workdir(opts: RunOptions):
@@ -350,6 +449,7 @@ def _run_analysis(opts: RunOptions, args) -> None:
 
     report.say("***********Analysis Pass****************")
     rec = run_analysis(opts.spec, opts.mesh_shape)
+    _check_fits_host(opts, args, rec)
     report.analysis_console(rec)
     if not opts.reports:  # each process analyses for itself; process 0 keeps the record
         return
@@ -391,16 +491,13 @@ def _cost_model(args, mesh_shape):
         preset = dict(DEVICE_PRESETS[args.device_preset or "a100"])
     n = len(mesh_shape)
 
-    def per_axis(text, default):
-        if text is None:
+    def per_axis(flag, default):
+        if getattr(args, flag) is None:
             vals = list(default)[-n:] if len(default) >= n else [default[-1]] * n
             return tuple(float(v) for v in vals)
-        vals = [float(x) for x in text.split(",")]
-        if len(vals) != n:
-            raise CfpError(f"give one value per mesh axis ({n}), got {text!r}")
-        return tuple(vals)
+        return _per_axis(flag, getattr(args, flag), n)
 
-    return CostModel(per_axis(args.alpha, preset["alpha"]), per_axis(args.beta, preset["beta"]),
+    return CostModel(per_axis("alpha", preset["alpha"]), per_axis("beta", preset["beta"]),
                      args.device_flops or preset["device_flops"],
                      args.device_bandwidth or preset["device_bandwidth"])
 
@@ -415,20 +512,31 @@ def _profile_options(opts: RunOptions, args):
         compilation_cache=_cache_dir(args))
 
 
-def _analysis(opts: RunOptions, wd):
+def _analysis(opts: RunOptions, args, wd):
     """The analysis record: process 0's from the work dir; any other process analyses again,
     so that no shared file system is needed (its workers check it traced process 0's step)."""
     if opts.reports:
-        return wd.read_analysis()
-    from cfp.passes.analysis import run_analysis
-    return run_analysis(opts.spec, opts.mesh_shape)
+        rec = wd.read_analysis()
+    else:
+        from cfp.passes.analysis import run_analysis
+        rec = run_analysis(opts.spec, opts.mesh_shape)
+    _check_fits_host(opts, args, rec)
+    return rec
+
+
+def _check_fits_host(opts: RunOptions, args, analysis) -> None:
+    """A step that will run here has arrays this host can hold (a run planned for a cluster,
+    or priced by the cost model, uses abstract shapes only)."""
+    if opts.cluster is None and args.cost == "measure":
+        from cfp.workloads import check_fits_host, host_memory_bytes
+        check_fits_host(analysis.graph, host_memory_bytes())
 
 
 def _run_profile(opts: RunOptions, args) -> None:
     from cfp import report
     from cfp.passes.profile import MemoryCheckpoint, run_profile
     wd = _workdir(opts)
-    analysis = _analysis(opts, wd)
+    analysis = _analysis(opts, args, wd)
     options = dataclasses.replace(_profile_options(opts, args), runtime=opts.runtime)
     report.say("***********Profiling Pass****************")
     if opts.cluster is not None:
@@ -456,7 +564,7 @@ def _run_search(opts: RunOptions, args) -> None:
     from cfp import report
     from cfp.passes.search import SearchOptions, run_search
     wd = _workdir(opts)
-    analysis = _analysis(opts, wd)
+    analysis = _analysis(opts, args, wd)
     if opts.cluster is not None:
         return _predict(opts, args, wd, analysis)
     # Across processes the search runs on process 0's profile.

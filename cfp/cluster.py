@@ -33,6 +33,8 @@ from pathlib import Path
 
 from cfp.errors import CfpError
 
+MAX_DEVICES = 2**16  # the most devices of a described cluster
+
 
 @dataclasses.dataclass(frozen=True)
 class Level:
@@ -151,19 +153,31 @@ def load_cluster(name_or_path: str) -> Cluster:
                        f"({', '.join(PRESETS)}) or a .json file")
     try:
         d = json.loads(path.read_text())
-        levels = [(lv["name"], int(lv["size"]), float(lv["alpha_s"]),
-                   float(lv["bandwidth_GBps"])) for lv in d["levels"]]
-        cluster = _cluster(d.get("name", path.stem), levels, float(d["memory_per_device_GB"]),
-                           float(d["peak_TFLOPs"]), float(d["memory_bandwidth_GBps"]),
-                           d.get("assumed", ()))
+        levels = [(lv["name"], lv["size"], float(lv["alpha_s"]), float(lv["bandwidth_GBps"]))
+                  for lv in d["levels"]]
+        figures = {k: float(d[k]) for k in ("memory_per_device_GB", "peak_TFLOPs",
+                                            "memory_bandwidth_GBps")}
+        name, assumed = str(d.get("name", path.stem)), tuple(map(str, d.get("assumed", ())))
     except FileNotFoundError:
         raise CfpError(f"no cluster file {path}") from None
+    except OSError as e:  # a directory, or a file it may not read
+        raise CfpError(f"cannot read the cluster file {path} ({e.strerror})") from None
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise CfpError(f"{path}: not a cluster description ({type(e).__name__}: {e}); "
                        f"see cfp/cluster.py for the format") from None
-    if not levels or any(lv[1] < 1 or lv[3] <= 0 for lv in levels):
-        raise CfpError(f"{path}: every level needs a size >= 1 and a bandwidth > 0")
-    return cluster
+    if not levels or any(type(lv[1]) is not int or lv[1] < 1 for lv in levels):
+        raise CfpError(f"{path}: every level needs a whole size >= 1")
+    if math.prod(lv[1] for lv in levels) > MAX_DEVICES:
+        raise CfpError(f"{path}: {math.prod(lv[1] for lv in levels)} devices, over the "
+                       f"{MAX_DEVICES} cfp plans for")
+    for what, value, zero_ok in ([(f"{lv[0]} alpha_s", lv[2], True) for lv in levels]
+                                 + [(f"{lv[0]} bandwidth_GBps", lv[3], False) for lv in levels]
+                                 + [(k, v, False) for k, v in figures.items()]):
+        if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
+            raise CfpError(f"{path}: {what} must be a finite number "
+                           f"{'of zero or more' if zero_ok else 'over zero'}, got {value}")
+    return _cluster(name, levels, figures["memory_per_device_GB"], figures["peak_TFLOPs"],
+                    figures["memory_bandwidth_GBps"], assumed)
 
 
 def logical_meshes(num_devices: int, max_axes: int = 3) -> list[tuple[int, ...]]:

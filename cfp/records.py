@@ -5,7 +5,11 @@ the format name, the schema version and the fingerprint of the run that made it 
 dtype, batch, mesh, JAX version, graph hash); a later pass checks all three before it trusts
 anything. Files are read with a restricted unpickler that admits only cfp's own record types and
 plain data (numbers, strings, tuples, lists, dicts, sets, numpy arrays), so a crafted file in a
-work dir cannot run code. Writes are atomic (a temporary file renamed into place).
+work dir cannot run code. Nor can it choose code that cfp runs later: no value read may be a
+class or another callable, and the one field that names code, a ``WorkloadSpec``'s model (a
+user's ``package.module:factory``), must be the reading run's own (its fingerprint names it);
+with no run to compare against, only the zoo's models are read. Writes are atomic (a temporary
+file renamed into place).
 """
 from __future__ import annotations
 
@@ -65,8 +69,10 @@ def write_record(path: Path, fmt: str, fingerprint: tuple, record: Any) -> None:
             pickle.dump(header, f, protocol=pickle.HIGHEST_PROTOCOL)
             pickle.dump(record, f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is None:  # say which file (a full disk)
+            raise OSError(e.errno, e.strerror, str(path)) from None
         raise
 
 
@@ -78,9 +84,10 @@ def read_record(path: Path, fmt: str, fingerprint: tuple | None, *, hint: str) -
     path = Path(path)
     if not path.exists():
         raise CfpError(f"{path} does not exist: {hint}")
-    data = path.read_bytes()
+    if not path.is_file():  # a directory, or a link to a device such as /dev/zero
+        raise CfpError(f"{path} is not a regular file: {hint}")
     try:
-        stream = io.BytesIO(data)
+        stream = io.BytesIO(path.read_bytes())
         header = _RestrictedUnpickler(stream).load()
         if not isinstance(header, FileHeader):
             raise pickle.UnpicklingError("no cfp header")
@@ -94,9 +101,43 @@ def read_record(path: Path, fmt: str, fingerprint: tuple | None, *, hint: str) -
             diff = [k for k in mine if mine.get(k) != theirs.get(k)]
             raise CfpError(f"{path} was made for another run ({', '.join(diff)} differ: "
                            f"{', '.join(f'{k}={theirs.get(k)}' for k in diff)}): {hint}")
-        return _RestrictedUnpickler(stream).load()
+        record = _RestrictedUnpickler(stream).load()
     except CfpError:
         raise
     except Exception as e:  # truncated, foreign, or crafted
         raise CfpError(f"{path} is not a readable cfp {fmt} file ({type(e).__name__}: "
                        f"{str(e)[:80]}): {hint}") from None
+    _check_names_no_code(record, fingerprint, path, hint)
+    return record
+
+
+def _check_names_no_code(record: Any, fingerprint: tuple | None, path: Path, hint: str) -> None:
+    """Refuse a record holding a callable, or a workload spec the reading run did not name."""
+    import numpy as np
+    from cfp.workloads import WorkloadSpec, spec_fingerprint
+    run = dict(p for p in fingerprint or () if isinstance(p, tuple) and len(p) == 2)
+    named = tuple((k, run.get(k)) for k, _ in spec_fingerprint(WorkloadSpec("")))
+    stack, seen = [record], set()
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (int, float, complex, str, bytes, type(None))):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, type) or callable(obj):
+            raise CfpError(f"{path} holds a callable ({getattr(obj, '__name__', obj)!r}), "
+                           f"which no cfp record does: {hint}")
+        if isinstance(obj, WorkloadSpec) and (
+                spec_fingerprint(obj) != named if "model" in run else ":" in obj.model):
+            raise CfpError(f"{path} names the workload {obj.model!r}, not this run's "
+                           f"{run.get('model', 'zoo model')!r}; a work dir's file never "
+                           f"chooses what runs: {hint}")
+        if isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, (tuple, list, set, frozenset)):
+            stack.extend(obj)
+        elif isinstance(obj, np.ndarray):
+            if obj.dtype == object:
+                stack.extend(obj.ravel().tolist())
+        elif dataclasses.is_dataclass(obj):
+            stack.extend(vars(obj).values())

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import time
 
 import numpy as np
@@ -230,7 +231,7 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, exclude=(), workers: 
     # GPT-39B plan on 64 devices (500 000 booleans) needs 4 GB with it and 1.4 GB without.
     solver.parameters.linearization_level = 2 if len(m.Proto().variables) <= LP_MAX_VARIABLES \
         else 0
-    status = solver.Solve(m)
+    status = _solve_interruptibly(solver, m)
     if status == cp_model.UNKNOWN:
         raise CfpError(f"the solver found no plan within its time limit ({time_limit_s:g} s) "
                        f"and could not prove there is none: raise --time-limit")
@@ -241,6 +242,37 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, exclude=(), workers: 
     return Solution(choices, strat, cost, mem,
                     "OPTIMAL" if status == cp_model.OPTIMAL else "FEASIBLE",
                     time.perf_counter() - t0, stats.get("edge_booleans", 0))
+
+
+def _solve_interruptibly(solver, model) -> int:
+    """``solver.Solve(model)`` under cfp's interrupt policy. CP-SAT's own SIGINT catching is
+    off: it would end the search as if its time were up, so that a Ctrl-C is lost, and leave
+    SIGINT at its default (the next Ctrl-C kills the run with no word). The search runs in a
+    thread, so that Ctrl-C is raised here at once; it stops the search first."""
+    solver.parameters.catch_sigint_signal = False
+    if threading.current_thread() is not threading.main_thread():
+        return solver.Solve(model)  # only the main thread takes signals
+    done, outcome = threading.Event(), {}
+
+    def search():
+        try:
+            outcome["status"] = solver.Solve(model)
+        except BaseException as e:  # raised again below, in the caller's thread
+            outcome["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=search, name="cp-sat", daemon=True).start()
+    try:
+        while not done.wait(0.1):  # Event.wait, unlike Thread.join, survives an interrupt
+            pass
+    except KeyboardInterrupt:
+        solver.StopSearch()
+        done.wait()
+        raise
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["status"]
 
 
 def solve_alike(problem: Problem, *, time_limit_s: float = 60.0, exclude=()

@@ -14,9 +14,14 @@ dumps.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
+import os
+import socket
+import time
 from pathlib import Path
 
+from cfp.errors import CfpError
 from cfp.records import read_record, write_record
 
 ANALYSIS_FORMAT = "cfp-analysis"
@@ -60,11 +65,15 @@ class WorkDir:
                            whole_segments: bool = False) -> "ProfileCheckpoint":
         """The checkpoint of one profile; its chosen combinations are the work dir's, shared
         by the profiles of every cost, so that ``--cost model`` prices what was measured."""
+        from cfp.windows import split_windows
+        windows, reps = split_windows(analysis, max_combinations, whole_segments)
         return ProfileCheckpoint(
             self.profile_dir(cost),
             self.profile_fingerprint(analysis, cost, max_combinations, whole_segments),
             chosen=(self.profile_dir("measure") / "chosen.pkl", self.profile_fingerprint(
-                analysis, "measure", max_combinations, whole_segments)))
+                analysis, "measure", max_combinations, whole_segments)),
+            window_fps={k: window_fingerprint(analysis, windows[rep])
+                        for k, rep in enumerate(reps)})
 
     def write_profile(self, rec, analysis) -> Path:
         out = self.profile_dir(rec.cost)
@@ -98,31 +107,55 @@ def blocks_fingerprint(analysis) -> str:
                     for b in analysis.blocks.blocks])
 
 
+def window_fingerprint(analysis, window) -> str:
+    """What a window type's measurements are of: each block of its representative instance,
+    with its members, their result shapes and its strategies."""
+    graph = analysis.graph
+    return _digest([(tuple(m.op for m in b.members), tuple(s.axes for s in b.strategies),
+                     tuple(graph.values[v].shape for m in b.members
+                           for v in graph.ops[m.op].outputs))
+                    for b in analysis.blocks.blocks[window.start:window.end]])
+
+
 class ProfileCheckpoint:
     """Per-result saves of the profile pass in ``directory``, and what an earlier,
-    interrupted run of the same profile left there."""
+    interrupted run of the same profile left there. ``window_fps``: per window type its
+    ``window_fingerprint``, which its file's header carries, so that a file renamed or swapped
+    with another type's is refused (None: any window file of the profile is read)."""
 
     def __init__(self, directory: Path, fingerprint: tuple,
-                 chosen: tuple[Path, tuple] | None = None):
-        self.dir, self.fp = Path(directory), fingerprint
+                 chosen: tuple[Path, tuple] | None = None,
+                 window_fps: dict[int, str] | None = None):
+        self.dir, self.fp, self.window_fps = Path(directory), fingerprint, window_fps
         self.dir.mkdir(parents=True, exist_ok=True)
         # (path, fingerprint) of the chosen combinations; by default this profile's own
         self.chosen_path, self.chosen_fp = chosen or (self.dir / "chosen.pkl", fingerprint)
         # A file another run left is refused now, before the pass does any work.
         for path in sorted(self.dir.glob("window_*.pkl")):
-            read_record(path, WINDOW_FORMAT, self.fp, hint=f"delete {path} to profile afresh")
+            k = path.stem.removeprefix("window_")
+            if window_fps is not None and not (k.isdigit() and int(k) in window_fps):
+                raise CfpError(f"{path} is no window type of this profile (it has "
+                               f"{len(window_fps)}): delete it to profile afresh")
+            read_record(path, WINDOW_FORMAT, self._window_fp(int(k) if k.isdigit() else k),
+                        hint=f"delete {path} to profile afresh")
         self.load_reshards()
         self.load_chosen()
+
+    def _window_fp(self, k) -> tuple:
+        if self.window_fps is None:
+            return self.fp
+        return self.fp + (("window", f"type {k}: {self.window_fps[k]}"),)
 
     def load_window(self, k: int) -> dict:
         path = self.dir / f"window_{k}.pkl"
         if not path.exists():
             return {}
-        return read_record(path, WINDOW_FORMAT, self.fp,
+        return read_record(path, WINDOW_FORMAT, self._window_fp(k),
                            hint=f"delete {path} to profile afresh").results
 
     def save_window(self, k: int, window_profile) -> None:
-        write_record(self.dir / f"window_{k}.pkl", WINDOW_FORMAT, self.fp, window_profile)
+        write_record(self.dir / f"window_{k}.pkl", WINDOW_FORMAT, self._window_fp(k),
+                     window_profile)
 
     def load_reshards(self) -> dict:
         path = self.dir / "reshard.pkl"
@@ -140,6 +173,88 @@ class ProfileCheckpoint:
 
     def save_chosen(self, chosen: dict) -> None:
         write_record(self.chosen_path, CHOSEN_FORMAT, self.chosen_fp, chosen)
+
+
+LOCK_NAME = ".cfp-lock"
+
+
+@contextlib.contextmanager
+def locked(workdir: Path):
+    """Hold ``workdir``'s lock while a run writes it: a file naming the holder's host, pid and
+    start time, created only where none exists (``O_EXCL``, which shared file systems honour
+    where ``flock`` may not). A lock left by a process of this host that is gone is taken
+    over; one held by a live process, or by another host's, refuses the run in one line. Of a
+    run over several processes, process 0 alone writes the work dir and holds its lock."""
+    path = Path(workdir) / LOCK_NAME
+    me = _holder_text(socket.gethostname(), os.getpid())
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            if not path.is_file() or path.is_symlink():
+                raise CfpError(f"{path} is not a lock cfp wrote: delete it") from None
+            try:
+                holder = path.read_text()
+            except FileNotFoundError:  # released meanwhile
+                continue
+            if _stale(holder, path):
+                path.unlink(missing_ok=True)
+                continue
+            host, pid = (holder.split() + ["?", "?"])[:2]
+            raise CfpError(f"the work dir {workdir} is in use by process {pid} on {host} (its "
+                           f"lock {path}): let that run finish, or choose another --workdir; "
+                           f"if that process is gone, delete the lock") from None
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(me)
+        except BaseException:  # a full disk: no empty lock is left behind
+            path.unlink(missing_ok=True)
+            raise
+        break
+    else:
+        raise CfpError(f"cannot take the lock {path}: other runs keep taking it")
+    try:
+        yield
+    finally:
+        if path.is_file() and path.read_text() == me:
+            path.unlink(missing_ok=True)
+
+
+def _holder_text(host: str, pid: int) -> str:
+    return f"{host} {pid} {_start_time(pid)}\n"
+
+
+def _start_time(pid: int) -> str:
+    """When process ``pid`` started (clock ticks after boot), telling a reused pid apart."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return "-"
+
+
+def _stale(holder: str, path: Path) -> bool:
+    """Whether the lock text ``holder`` names a process of this host that no longer runs."""
+    parts = holder.split()
+    if len(parts) != 3 or not parts[1].isdigit():  # being written, or not cfp's
+        return time.time() - path.stat().st_mtime > 60 if path.exists() else True
+    host, pid, started = parts[0], int(parts[1]), parts[2]
+    if host != socket.gethostname():
+        return False  # its liveness cannot be told from here
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return started != "-" and _start_time(pid) != started
+
+
+def record_files(workdir: Path) -> list[Path]:
+    """The records and plan in ``workdir`` and its ``model/`` profile, in order."""
+    workdir = Path(workdir)
+    return sorted(p for d in (workdir, workdir / "model") if d.is_dir()
+                  for p in d.iterdir() if p.is_file() and not p.name.startswith(".")
+                  and (p.suffix == ".pkl" or p.name == "plan.json"))
 
 
 def write_profile_csv(path: Path, rec) -> None:
@@ -160,8 +275,12 @@ def write_profile_csv(path: Path, rec) -> None:
                          "same_program_as": " ".join(map(str, m.same_program_as or ())),
                          "note": m.note})
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["window_type"])
-        w.writeheader()
-        w.writerows(rows)
-    tmp.replace(path)
+    try:
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["window_type"])
+            w.writeheader()
+            w.writerows(rows)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -30,6 +30,7 @@ import multiprocessing as mp
 import os
 import signal
 import statistics
+import sys
 import time
 import traceback
 from typing import Iterator
@@ -51,6 +52,13 @@ class WorkerOptions:
     cost_model: object | None = None  # cfp.measure.CostModel for cost == "model"
     compilation_cache: str | None = None  # JAX's persistent compilation cache directory
     runtime: multihost.Runtime | None = None  # the processes measured across, when several
+
+
+PARENT_GONE_EXIT = 75  # a worker's exit status when its parent has ended
+
+
+class WorkerDied(CfpError):
+    """The worker ended while it answered a request."""
 
 
 class WorkerBug(RuntimeError):
@@ -77,7 +85,8 @@ class Worker:
         # The step's records go through the pipe, not the spawn: a spawned process that dies
         # importing the user's script again leaves a large spawn payload half written, and
         # the parent waiting on it.
-        self.proc = ctx.Process(target=_main, args=(child, generation), daemon=True)
+        self.proc = ctx.Process(target=_main, args=(child, generation, os.getpid()),
+                                daemon=True)
         before = {k: os.environ.get(k) for k in host_memory.POOLED}
         os.environ.update(host_memory.POOLED)  # the worker's heap keeps its blocks
         try:
@@ -216,7 +225,10 @@ class Worker:
 
     def _ask(self, kind, payload):
         self.ensure()
-        self.conn.send((kind, payload))
+        try:
+            self.conn.send((kind, payload))
+        except OSError:
+            pass  # it has died: its end of the pipe reads as closed below
         kind, payload = self._recv()
         if kind == "bug":
             raise WorkerBug(f"the measurement worker failed:\n{payload}")
@@ -229,20 +241,32 @@ class Worker:
                 raise CfpError("another process of the runtime stopped (or lost its "
                                "connection); what was measured is kept: relaunch every "
                                "process to resume")
-            raise CfpError(f"the worker died (exit code {code}); what was measured is kept: "
-                           f"run again to resume")
+            raise WorkerDied(f"the worker died (exit code {code}); what was measured is "
+                             f"kept: run again to resume")
         return payload
 
     def measure_reshards(self, items: list[tuple]) -> dict[tuple, tuple | None]:
         """``(seconds, interval low, interval high)`` of each resharding ``(shape, dtype,
-        src spec, dst spec)`` (see ``_measure_reshards``)."""
-        known, phases = self._ask("reshard", items)
+        src spec, dst spec)`` (see ``_measure_reshards``). One that kills the worker (out of
+        memory, an abort) is charged ``None``, as one XLA cannot run, and the others are
+        timed again one at a time (across processes a death still stops the pass)."""
+        try:
+            known, phases = self._ask("reshard", items)
+        except WorkerDied:
+            if self.options.runtime is not None:
+                raise
+            if len(items) == 1:
+                log.warning("the worker died timing the resharding %s: charged as one that "
+                            "cannot run", items[0])
+                return {items[0]: None}
+            return {k: v for item in items for k, v in self.measure_reshards([item]).items()}
         self.phases.add(phases)
         return known
 
 
-def _main(conn, generation: int = 0):
+def _main(conn, generation: int = 0, parent_pid: int | None = None):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    _exit_with_parent(parent_pid or os.getppid())
     analysis, options = conn.recv()
     phases = Phases()
     try:
@@ -287,6 +311,31 @@ def _main(conn, generation: int = 0):
             conn.send(("error", str(e)))
         except Exception:  # noqa: BLE001 - a bug: the parent raises it with this traceback
             conn.send(("bug", traceback.format_exc()))
+
+
+def _exit_with_parent(parent_pid: int, interval_s: float = 0.2) -> None:
+    """End this worker as soon as its parent ``parent_pid`` ends: a parent killed (SIGKILL,
+    or SIGTERM, which it does not catch) tells it nothing, and a compile or a timing would
+    keep it running for seconds. On Linux the kernel kills it then (``PR_SET_PDEATHSIG``);
+    elsewhere, and as a second guard, a thread that watches the parent ends it within
+    ``interval_s`` whenever it gets the interpreter. The parent's resource tracker ends with
+    its last worker."""
+    import threading
+    if sys.platform.startswith("linux"):
+        import ctypes
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(interval_s)
+        os._exit(PARENT_GONE_EXIT)
+
+    if os.getppid() != parent_pid:  # it ended before the guard was set
+        os._exit(PARENT_GONE_EXIT)
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _quiet_log(runtime, generation: int) -> str:

@@ -11,13 +11,22 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import importlib
+import logging
 import math
+import os
+import sys
+import traceback
 
 from cfp.errors import CfpError
 
+log = logging.getLogger(__name__)
+
 AXIS_NAMES = ("m0", "m1", "m2")
+MAX_ARRAY_ELEMENTS = 2**31  # the most elements of one array of a step measured here
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,11 +64,16 @@ class WorkloadSpec:
 
 def _user_workload(spec: WorkloadSpec):
     module_name, _, attr = spec.model.partition(":")
+    if not (module_name and attr):
+        raise CfpError(f"--model {spec.model!r} names no factory: give it as "
+                       f"package.module:factory with the module on PYTHONPATH")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
         raise CfpError(f"cannot load the user step {spec.model!r} ({e}); give it as "
                        f"package.module:factory with the module on PYTHONPATH") from None
+    except (Exception, SystemExit) as e:  # a module that fails to parse, raises, or exits
+        raise _user_error(spec.model, e, f"importing {module_name}") from None
     kwargs = dict(spec.overrides, dtype=spec.dtype)
     if spec.batch_size is not None:
         kwargs["batch_size"] = spec.batch_size
@@ -71,10 +85,13 @@ def _user_workload(spec: WorkloadSpec):
                            f"{', '.join(sorted(declared)) or 'no keywords'})")
         kwargs = {k: v for k, v in kwargs.items() if k in declared}
     from cfp.models import Workload
-    workload = factory(**kwargs)
+    with user_code(spec.model):
+        workload = factory(**kwargs)
     if not isinstance(workload, Workload):
         raise CfpError(f"{spec.model} returned a {type(workload).__name__}, not a "
                        f"cfp.models.Workload (see cfp.models.user_workload)")
+    if workload.model == "user":  # user_workload's name: messages give the factory's
+        workload = dataclasses.replace(workload, model=spec.model)
     if spec.batch_size is not None and workload.batch_size != spec.batch_size:
         raise CfpError(f"{spec.model} takes no batch_size: its batch is "
                        f"{workload.batch_size}")
@@ -92,12 +109,13 @@ def _declared_keywords(factory) -> set[str] | None:
 
 def parse_mesh(text: str) -> tuple[int, ...]:
     """``"8"`` -> ``(8,)``, ``"2x4"`` -> ``(2, 4)``; axes are named m0, m1, ..."""
-    try:
-        shape = tuple(int(p) for p in text.lower().split("x"))
-    except ValueError:
-        shape = ()
-    if not shape or len(shape) > len(AXIS_NAMES) or any(n < 1 for n in shape):
+    parts = text.split("x")
+    shape = tuple(int(p) for p in parts if p.isdigit())  # digits only: no signs, spaces, 'X'
+    if len(shape) != len(parts) or len(shape) > len(AXIS_NAMES) or any(n < 1 for n in shape):
         raise CfpError(f"--mesh {text!r} is not a mesh shape: write N or NxM (e.g. 8 or 2x4)")
+    if len(shape) > 1 and 1 in shape:
+        raise CfpError(f"--mesh {text!r} has an axis of one device, which splits nothing: "
+                       f"write {mesh_text(tuple(n for n in shape if n > 1) or (1,))}")
     return shape
 
 
@@ -126,22 +144,123 @@ def make_mesh(shape: tuple[int, ...]):
     return jax.sharding.Mesh(np.array(devices[:n]).reshape(shape), AXIS_NAMES[:len(shape)])
 
 
+def check_fits_host(graph, host_bytes: int) -> None:
+    """Refuse a step to be run here whose largest array has more than
+    ``MAX_ARRAY_ELEMENTS`` elements or more bytes than the host's memory, before any worker
+    starts (one would die allocating it)."""
+    largest = max(graph.values.values(), key=lambda v: (v.nbytes, math.prod(v.shape)))
+    elements = max(math.prod(v.shape) for v in graph.values.values())
+    if elements > MAX_ARRAY_ELEMENTS:
+        raise CfpError(f"the step has an array of {elements} elements, over the "
+                       f"{MAX_ARRAY_ELEMENTS} a step run here may have: choose smaller sizes, "
+                       f"or plan without running it (--cost model or --cluster)")
+    if largest.nbytes > host_bytes:
+        raise CfpError(f"the step's largest array ({largest.type_str}, "
+                       f"{largest.nbytes / 2**30:.3g} GB) does not fit this host's "
+                       f"{host_bytes / 2**30:.3g} GB of memory: choose smaller sizes, or plan "
+                       f"without running it (--cost model or --cluster)")
+
+
+def host_memory_bytes() -> int:
+    """This host's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def trace_step(workload):
     """Trace a workload's full training step with abstract inputs (nothing allocated)."""
     import jax
+    import jax.numpy as jnp
     from cfp.graph import trace_program
-    args = (workload.abstract_params(), workload.abstract_opt_state(),
-            workload.abstract_batch())
-    loss = jax.eval_shape(workload.loss_fn, args[0], args[2])
-    if not isinstance(loss, jax.ShapeDtypeStruct) or loss.shape != ():
-        raise CfpError(f"the loss of {workload.model} returns "
-                       f"{getattr(loss, 'shape', type(loss).__name__)}, not a scalar")
-    return trace_program(workload.train_step(), *args)
+    with user_code(workload.model):
+        args = (workload.abstract_params(), workload.abstract_opt_state(),
+                workload.abstract_batch())
+        not_float = [jax.tree_util.keystr(path) for path, x in
+                     jax.tree_util.tree_flatten_with_path(args[0])[0]
+                     if not jnp.issubdtype(x.dtype, jnp.inexact)]  # bfloat16 is inexact
+        if not_float:
+            raise CfpError(f"the parameters of {workload.model} are differentiated, but "
+                           f"{', '.join(not_float[:3])} {'is' if len(not_float) == 1 else 'are'}"
+                           f" not floating point: keep integer arrays out of the params")
+        loss = jax.eval_shape(workload.loss_fn, args[0], args[2])
+        if not isinstance(loss, jax.ShapeDtypeStruct) or loss.shape != ():
+            raise CfpError(f"the loss of {workload.model} returns "
+                           f"{getattr(loss, 'shape', type(loss).__name__)}, not a scalar")
+        return trace_program(workload.train_step(), *args)
+
+
+@contextlib.contextmanager
+def user_code(model: str):
+    """Around code that runs a user's step (``model`` is ``package.module:factory``): an
+    exception raised by the user's code becomes one ``CfpError`` naming the factory, its
+    frames logged (shown under ``-v``). One raised by cfp itself stays a bug, with its
+    traceback. Zoo models are cfp's own code."""
+    try:
+        yield
+    except (CfpError, KeyboardInterrupt):
+        raise
+    except (Exception, SystemExit) as e:  # user code may call sys.exit
+        if ":" not in model or not _raised_outside_cfp(e):
+            raise
+        raise _user_error(model, e) from None
+
+
+def _user_error(model: str, e: BaseException, doing: str = "") -> CfpError:
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not (_is_cfp(f.filename) or _is_jax_or_python(f.filename))]
+    where = (f'  File "{e.filename}", line {e.lineno}\n' if isinstance(e, SyntaxError)
+             else "".join(traceback.format_list(frames)))
+    log.info("%s raised%s, in its own code:\n%s", model, f" {doing}" if doing else "",
+             where.rstrip())
+    what = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return CfpError(f"{model}{': ' + doing if doing else ''} raised {type(e).__name__}"
+                    f"{': ' + what if what else ''}")
+
+
+def _raised_outside_cfp(e: BaseException) -> bool:
+    """Whether the innermost frame of ``e``'s traceback that is not JAX's or Python's own is
+    outside cfp: in the user's code, or a library it called."""
+    inner = [f.filename for f in traceback.extract_tb(e.__traceback__)
+             if not _is_jax_or_python(f.filename)]
+    return bool(inner) and not _is_cfp(inner[-1])
+
+
+def _is_cfp(filename: str) -> bool:
+    return filename.startswith(_dirs()[0])
+
+
+def _is_jax_or_python(filename: str) -> bool:
+    """A file of JAX, of Python's own library (not of the packages installed beside it, the
+    user's among them), or code Python generated."""
+    _, jax_dirs, stdlib, installed = _dirs()
+    return (filename.startswith(jax_dirs + ("<",))
+            or filename.startswith(stdlib) and not filename.startswith(installed))
+
+
+@functools.cache
+def _dirs() -> tuple[tuple[str, ...], tuple[str, ...], str, tuple[str, ...]]:
+    """(cfp's directories, JAX's, Python's own library, where packages are installed);
+    imported late, so that JAX starts after the command line sets its devices."""
+    import importlib.util
+    import site
+    import sysconfig
+    import jax
+    import jaxlib
+    here = lambda m: os.path.dirname(os.path.abspath(m.__file__)) + os.sep  # noqa: E731
+    passes = importlib.util.find_spec("cfp.passes").submodule_search_locations[0]
+    paths = sysconfig.get_paths()
+    installed = {paths["purelib"], paths["platlib"], *site.getsitepackages()}
+    return ((here(sys.modules["cfp"]), os.path.abspath(passes) + os.sep),
+            (here(jax), here(jaxlib)), os.path.abspath(paths["stdlib"]) + os.sep,
+            tuple(os.path.abspath(d) + os.sep for d in installed))
+
+
+def spec_fingerprint(spec: WorkloadSpec) -> tuple:
+    """The workload's part of a run's fingerprint: every field of its spec."""
+    return (("model", spec.model), ("config", spec.config), ("batch", spec.batch_size),
+            ("dtype", spec.dtype), ("overrides", spec.overrides))
 
 
 def run_fingerprint(spec: WorkloadSpec, mesh_shape: tuple[int, ...]) -> tuple:
     """What identifies a run's files: workload, mesh and the JAX version."""
     import jax
-    return (("model", spec.model), ("config", spec.config), ("batch", spec.batch_size),
-            ("dtype", spec.dtype), ("overrides", spec.overrides),
-            ("mesh", mesh_text(mesh_shape)), ("jax", jax.__version__))
+    return spec_fingerprint(spec) + (("mesh", mesh_text(mesh_shape)), ("jax", jax.__version__))

@@ -115,6 +115,12 @@ def user_workload(loss_fn: Callable, init_params: Callable, make_batch: Callable
     and sizes, is kept aside and put back before ``loss_fn`` sees it); ``make_batch(key)``
     returns a batch; ``optimizer`` is an Optax ``GradientTransformation`` (None: cfp's Adam).
     """
+    if optimizer is not None and not (hasattr(optimizer, "init")
+                                      and hasattr(optimizer, "update")):
+        from cfp.errors import CfpError
+        raise CfpError(f"optimizer={getattr(optimizer, '__name__', optimizer)!r} is not an "
+                       f"Optax GradientTransformation: call it (optax.adamw(1e-3), not "
+                       f"optax.adamw)")
     static: dict = {}
 
     def arrays_of(key):

@@ -1,0 +1,786 @@
+"""Hostile input: a work dir's files never choose what runs, numbers are checked as numbers, and
+every refusal is one line with status 2 before any work."""
+import dataclasses
+
+import jax  # noqa: F401  (started here, on the 8 devices conftest asks for)
+import pytest
+
+from cfp.cli import main
+from cfp.errors import CfpError
+from cfp.records import read_record, write_record
+from cfp.workdir import ANALYSIS_FORMAT, WorkDir
+from cfp.workloads import WorkloadSpec, run_fingerprint
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("cfp: error:"), err
+    return err[0]
+
+
+@pytest.fixture(scope="module")
+def mlp_analysis(tmp_path_factory):
+    """A genuine analysis record of the tiny MLP on 4 devices, and its run's fingerprint."""
+    workdir = tmp_path_factory.mktemp("genuine")
+    assert main(["--mode", "analysis", "--model", "mlp", "--mesh", "4",
+                 "--workdir", str(workdir)]) == 0
+    record = read_record(workdir / "analysis.pkl", ANALYSIS_FORMAT, None, hint="")
+    return record, run_fingerprint(record.spec, (4,))
+
+
+def test_a_record_naming_other_code_runs_nothing(tmp_path, capsys, mlp_analysis):
+    """An analysis record under a genuine header whose spec names ``os:system`` is refused by
+    profile and search in one line, and the command never runs. Controls: the crafted spec
+    does run its command when built, and the same record with the genuine spec is read."""
+    genuine, fp = mlp_analysis
+    marker = tmp_path / "command-ran"
+    evil = WorkloadSpec("os:system", overrides=(("command", f"touch {marker}"),))
+    write_record(tmp_path / "analysis.pkl", ANALYSIS_FORMAT, fp,
+                 dataclasses.replace(genuine, spec=evil))
+    capsys.readouterr()
+    for mode in ("profile", "search"):
+        assert main(["--mode", mode, "--model", "mlp", "--mesh", "4", "--memory-budget", "1",
+                     "--workdir", str(tmp_path)]) == 2
+        assert "names the workload 'os:system', not this run's 'mlp'" in _one_line(capsys)
+    assert not marker.exists()
+
+    with pytest.raises(CfpError, match="returned a int"):
+        evil.build()
+    assert marker.exists()  # the marker does show a command that ran
+    write_record(tmp_path / "analysis.pkl", ANALYSIS_FORMAT, fp, genuine)
+    assert WorkDir(tmp_path, fp).read_analysis().spec == genuine.spec
+
+
+def test_a_record_holding_a_callable_is_refused(tmp_path, mlp_analysis):
+    """No field of a record may hold a class or a function, the kind of value a later pass
+    could call. Control: the same record without it is read."""
+    genuine, fp = mlp_analysis
+    path = tmp_path / "analysis.pkl"
+    write_record(path, ANALYSIS_FORMAT, fp, dataclasses.replace(genuine, mesh_shape=WorkloadSpec))
+    with pytest.raises(CfpError, match="holds a callable .'WorkloadSpec'."):
+        read_record(path, ANALYSIS_FORMAT, fp, hint="h")
+    write_record(path, ANALYSIS_FORMAT, fp, genuine)
+    assert read_record(path, ANALYSIS_FORMAT, fp, hint="h").mesh_shape == (4,)
+
+
+def test_a_user_step_is_read_only_by_the_run_that_names_it(tmp_path, mlp_analysis):
+    """Read with no run to compare against (the scripts' reads), a record naming a user's
+    factory is refused; the run that names that factory reads it."""
+    genuine, _ = mlp_analysis
+    spec = WorkloadSpec("zoo_extra:convnet", None, 8, "float32", ())
+    fp = run_fingerprint(spec, (4,))
+    path = tmp_path / "analysis.pkl"
+    write_record(path, ANALYSIS_FORMAT, fp, dataclasses.replace(genuine, spec=spec))
+    with pytest.raises(CfpError, match="names the workload 'zoo_extra:convnet'"):
+        read_record(path, ANALYSIS_FORMAT, None, hint="h")
+    assert read_record(path, ANALYSIS_FORMAT, fp, hint="h").spec == spec
+
+
+@pytest.mark.parametrize("make", ["directory", "device"])
+def test_a_record_that_is_no_regular_file_is_refused(tmp_path, make):
+    """A directory, or a link to /dev/zero (read until memory ran out), in a record's place."""
+    path = tmp_path / "analysis.pkl"
+    if make == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to("/dev/zero")
+    with pytest.raises(CfpError, match="is not a regular file: h$"):
+        read_record(path, ANALYSIS_FORMAT, None, hint="h")
+
+
+NAN_INF = [(flag, value) for flag in ("--memory-budget", "--profile-budget", "--time-limit",
+                                      "--device-flops", "--device-bandwidth")
+           for value in ("nan", "inf", "-inf")]
+NUMBERS = [([f"{flag}={value}"], f"{flag} must be positive") for flag, value in NAN_INF] + [
+    (["--alpha", "-1", "--beta", "1e-9"], "--alpha must be zero or more"),
+    (["--alpha", "1e-6", "--beta", "-1"], "--beta must be zero or more"),
+    (["--alpha", "nan"], "--alpha must be zero or more"),
+    (["--alpha", "fast"], "is not a list of numbers"),
+    (["--alpha", "1e-6,1e-6"], "one value per mesh axis (1)"),
+    (["--batch-size", str(10**23)], "--batch-size must be positive, at most 2147483648"),
+    (["--num-layers", str(10**6)], "--num-layers must be positive, at most 1024"),
+    (["--num-devices", "100000"], "--num-devices must be positive, at most 512"),
+    (["--mesh", "1000x1000"], "over the 512 a run here may use"),
+    (["--iters", str(10**20)], "--iters must be positive, at most 10000"),
+    (["--validate-top", str(10**6)], "--validate-top must be positive, at most 64"),
+    (["--max-combinations", str(10**9)], "--max-combinations must be positive"),
+    (["--micro-batches", "0"], "--micro-batches must be positive"),
+    (["--join-timeout", "0"], "--join-timeout must be positive"),
+    (["--mesh", "1x8"], "has an axis of one device, which splits nothing: write 8"),
+    (["--mesh", "2X4"], "is not a mesh shape"),
+    (["--mesh", "2x-4"], "is not a mesh shape"),
+    (["--mesh", " 8"], "is not a mesh shape"),
+]
+
+
+@pytest.fixture
+def compiles():
+    """Names of the XLA compile events JAX reports while the test runs."""
+    import jax
+    seen = []
+
+    def listener(name, *args, **kwargs):
+        if "backend_compile" in name:
+            seen.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    yield seen
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.mark.parametrize("argv,expected", NUMBERS, ids=[" ".join(a) for a, _ in NUMBERS])
+def test_numbers_are_checked_as_numbers_before_any_work(tmp_path, capsys, compiles, argv,
+                                                        expected):
+    """Each value out of its stated bounds, NaN and infinities included, is one line and
+    status 2 before anything is analysed or compiled."""
+    budget = [] if argv[0].startswith("--memory-budget") else ["--memory-budget", "1"]
+    assert main(argv + budget + ["--workdir", str(tmp_path)]) == 2
+    assert expected in _one_line(capsys)
+    assert compiles == [] and not (tmp_path / "analysis.pkl").exists()
+
+
+def test_numbers_at_their_bounds_are_taken(capsys):
+    """The control: the bounds themselves, and zero alpha and beta, pass the checks."""
+    from cfp.cli import _options, build_parser
+    argv = ["--num-layers", "1024", "--batch-size", str(2**31), "--iters", "10000",
+            "--validate-top", "64", "--alpha", "0,0", "--beta", "0,1e-9", "--time-limit", "86400",
+            "--memory-budget", "0.5", "--num-devices", "512", "--mesh", "2x256"]
+    opts = _options(build_parser().parse_args(argv))
+    assert opts.mesh_shape == (2, 256) and opts.num_devices == 512
+    help_text = " ".join(build_parser().format_help().split())  # the bounds are in --help
+    assert "layers, overriding the preset's [positive, at most 1024]" in help_text
+    assert "[positive, at most 512]" in help_text
+    assert "may have no array of more than 2^31 elements" in help_text
+
+
+GOOD_CLUSTER = {"name": "c", "memory_per_device_GB": 80, "peak_TFLOPs": 312,
+                "memory_bandwidth_GBps": 2039,
+                "levels": [{"name": "node", "size": 2, "alpha_s": 1e-5, "bandwidth_GBps": 25},
+                           {"name": "gpu", "size": 4, "alpha_s": 5e-6, "bandwidth_GBps": 150}]}
+BAD_CLUSTERS = [
+    ({"memory_per_device_GB": -80}, "memory_per_device_GB must be a finite number over zero"),
+    ({"memory_per_device_GB": 0}, "memory_per_device_GB must be a finite number over zero"),
+    ({"peak_TFLOPs": 0}, "peak_TFLOPs must be a finite number over zero"),
+    ({"peak_TFLOPs": float("nan")}, "peak_TFLOPs must be a finite number over zero, got nan"),
+    ({"memory_bandwidth_GBps": float("inf")}, "memory_bandwidth_GBps must be a finite"),
+    ({"levels": [{"name": "gpu", "size": 8, "alpha_s": -1, "bandwidth_GBps": 150}]},
+     "gpu alpha_s must be a finite number of zero or more"),
+    ({"levels": [{"name": "gpu", "size": 8, "alpha_s": 0, "bandwidth_GBps": float("nan")}]},
+     "gpu bandwidth_GBps must be a finite number over zero"),
+    ({"levels": [{"name": "gpu", "size": 2.5, "alpha_s": 0, "bandwidth_GBps": 1}]},
+     "every level needs a whole size >= 1"),
+    ({"levels": [{"name": "gpu", "size": 2**17, "alpha_s": 0, "bandwidth_GBps": 1}]},
+     "131072 devices, over the 65536"),
+    ("directory", "cannot read the cluster file"),
+]
+
+
+@pytest.mark.parametrize("change,expected", BAD_CLUSTERS,
+                         ids=[str(c)[:60] for c, _ in BAD_CLUSTERS])
+def test_a_bad_cluster_file_is_one_line_before_any_work(tmp_path, capsys, compiles, change,
+                                                        expected):
+    import json
+    path = tmp_path / "cluster.json"
+    if change == "directory":
+        path.mkdir()
+    else:
+        path.write_text(json.dumps({**GOOD_CLUSTER, **change}))
+    assert main(["--cluster", str(path), "--workdir", str(tmp_path / "w")]) == 2
+    assert expected in _one_line(capsys)
+    assert compiles == [] and not (tmp_path / "w" / "analysis.pkl").exists()
+
+
+def test_a_good_cluster_file_and_the_readme_cluster_cases_pass_the_checks(tmp_path):
+    """The controls: the README's cluster file loads, and every case of
+    scripts/cluster_cases.sh (the README's) passes every check made before work."""
+    import json
+    import shlex
+    from pathlib import Path
+    from cfp.cli import _options, build_parser
+    from cfp.cluster import load_cluster
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(GOOD_CLUSTER))
+    assert load_cluster(str(path)).num_devices == 8
+    script = (Path(__file__).parents[1] / "scripts" / "cluster_cases.sh").read_text()
+    cases = [shlex.split(line.replace("\\\n", " "))[1:]
+             for line in script.replace("\\\n", " ").splitlines() if line.startswith("run ")]
+    assert len(cases) == 5
+    for argv in cases:
+        opts = _options(build_parser().parse_args(argv))
+        assert opts.cluster is not None and opts.num_devices in (64, 200)
+
+
+def test_a_step_too_large_to_run_here_is_refused_before_any_worker(tmp_path, capsys):
+    """A step whose largest array is over 2^31 elements is refused once analysed, before its
+    record is written or anything measured; priced by the cost model (abstract shapes only),
+    the same step is analysed (the control)."""
+    argv = ["--mode", "analysis", "--model", "gpt", "--hidden-size", "65536", "--num-heads",
+            "1", "--mesh", "4", "--workdir", str(tmp_path)]
+    assert main(argv) == 2
+    assert "elements, over the 2147483648 a step run here may have" in _one_line(capsys)
+    assert not (tmp_path / "analysis.pkl").exists()
+    assert main(argv + ["--cost", "model"]) == 0
+    assert (tmp_path / "analysis.pkl").exists()
+
+
+@pytest.mark.parametrize("extra,refused", [([], True), (["--cost", "model"], False),
+                                           (["--cluster", "a100-8"], False)])
+def test_arrays_must_fit_the_host_only_where_the_step_runs_here(tmp_path, capsys, monkeypatch,
+                                                                extra, refused):
+    """On a host of 1 KB, the tiny GPT's largest array does not fit: refused when it would
+    run here, planned when it is priced (--cost model) or planned for a cluster."""
+    import cfp.workloads
+    monkeypatch.setattr(cfp.workloads, "host_memory_bytes", lambda: 2**10)
+    rc = main(["--mode", "analysis", "--model", "gpt", "--workdir", str(tmp_path)] + extra)
+    if refused:
+        assert rc == 2 and "does not fit this host's 9.54e-07 GB of memory" in _one_line(capsys)
+    else:
+        assert rc == 0, capsys.readouterr().err
+
+
+API_REFUSALS = [
+    ({"dtype": "float16"}, "argument --dtype: invalid choice: 'float16'"),
+    ({"extra_args": ["--frobnicate"]}, "unrecognized arguments: --frobnicate"),
+    ({"mesh": "1x4"}, "has an axis of one device"),
+    ({"memory_budget_gb": float("nan")}, "--memory-budget must be positive"),
+]
+
+
+@pytest.mark.parametrize("kwargs,expected", API_REFUSALS, ids=[str(k) for k, _ in API_REFUSALS])
+def test_the_api_raises_cfp_error_with_the_reason(tmp_path, capsys, kwargs, expected):
+    """``autoshard`` raises ``CfpError`` carrying the one-line reason (never SystemExit, which
+    ``except Exception`` does not catch), and prints nothing of its own."""
+    from cfp.api import autoshard
+    with pytest.raises(CfpError) as e:
+        autoshard("zoo_extra:convnet", **{"mesh": "4", "workdir": tmp_path, **kwargs})
+    assert expected in str(e.value) and "\n" not in str(e.value)
+    assert capsys.readouterr().err == ""
+
+
+def test_the_api_without_a_workdir_uses_the_default_one(tmp_path, monkeypatch):
+    """``workdir=None`` is the command line's default work dir, not ``./None``; here the run
+    stops after the analysis, so reading the plan names that dir."""
+    from cfp.api import autoshard
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CfpError, match="cannot read the plan profiles/convnet-4/plan.json"):
+        autoshard("zoo_extra:convnet", mesh="4", extra_args=["--mode", "analysis"])
+    assert (tmp_path / "profiles" / "convnet-4" / "analysis.pkl").exists()
+    assert not (tmp_path / "None").exists()
+
+
+_USER_HEAD = """
+import jax, jax.numpy as jnp
+from cfp.models import user_workload
+
+def _batch(key):
+    return {"x": jnp.ones((8, 4)), "y": jnp.ones((8, 2))}
+
+def _loss(p, b):
+    return jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+"""
+USER_ERRORS = [
+    ("def make():\n    raise ValueError('5 heads do not divide a hidden size of 64')\n",
+     "{mod}:make raised ValueError: 5 heads do not divide a hidden size of 64"),
+    ("def make():\n    return user_workload(lambda p, b: jnp.mean(b['x'] @ p['w'].T), "
+     "lambda k: {'w': jnp.ones((3, 2))}, _batch)\n",
+     "{mod}:make raised TypeError: dot_general requires contracting dimensions"),
+    ("def make():\n    import optax\n    return user_workload(_loss, "
+     "lambda k: {'w': jnp.ones((4, 2))}, _batch, optimizer=optax.adamw)\n",
+     "optimizer='adamw' is not an Optax GradientTransformation: call it"),
+    ("def make():\n    return user_workload(_loss, lambda k: {'w': jnp.ones((4, 2)), "
+     "'n': jnp.ones((2,), jnp.int32)}, _batch)\n", "['n'] is not floating point"),
+    ("import sys\nsys.exit(3)\n", "{mod}:make: importing {mod} raised SystemExit: 3"),
+    ("def make(:\n", "{mod}:make: importing {mod} raised SyntaxError: "),
+    ("raise RuntimeError('no GPU here')\n",
+     "{mod}:make: importing {mod} raised RuntimeError: no GPU here"),
+]
+
+
+@pytest.mark.parametrize("body,expected", USER_ERRORS, ids=range(len(USER_ERRORS)))
+def test_an_error_in_user_code_is_one_line_naming_the_factory(tmp_path, capsys, monkeypatch,
+                                                               caplog, body, expected):
+    """A user's factory, model or module that raises is one line naming the factory path,
+    status 2, with the user's own frames logged (shown under -v)."""
+    mod = f"usermod_{tmp_path.name}"
+    (tmp_path / f"{mod}.py").write_text(_USER_HEAD + body if "def make()" in body else body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with caplog.at_level("INFO", logger="cfp.workloads"):
+        rc = main(["--mode", "analysis", "--model", f"{mod}:make", "--mesh", "4",
+                   "--workdir", str(tmp_path / "w")])
+    assert rc == 2 and expected.format(mod=mod) in _one_line(capsys)
+    if "raised" in expected:
+        assert f"{mod}.py" in caplog.text  # the user's frame, for -v
+
+
+def test_model_without_a_factory_is_one_line(tmp_path, capsys):
+    assert main(["--mode", "analysis", "--model", ":", "--workdir", str(tmp_path)]) == 2
+    assert "--model ':' names no factory" in _one_line(capsys)
+
+
+def test_a_bug_in_cfp_under_a_user_step_keeps_its_traceback(monkeypatch, tmp_path):
+    """The control: an exception raised in cfp's own code while it traces a user's step is
+    cfp's bug, raised as it is (its traceback printed), not blamed on the user."""
+    import cfp.graph
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in cfp")
+    monkeypatch.setattr(cfp.graph, "trace_program", broken)
+    with pytest.raises(RuntimeError, match="a bug in cfp"):
+        main(["--mode", "analysis", "--model", "zoo_extra:convnet", "--mesh", "4",
+              "--workdir", str(tmp_path)])
+
+
+_SOLVE_AND_INTERRUPT = """
+import os, signal, sys, threading, time
+from ortools.sat.python import cp_model
+from cfp.solver import _solve_interruptibly
+m = cp_model.CpModel()  # a search that runs until its time limit (10 s were not enough)
+xs = [m.NewIntVar(0, 1000, f"x{i}") for i in range(60)]
+for i in range(59):
+    m.Add(xs[i] * 3 + xs[i + 1] * 7 != 500 + i)
+m.AddAllDifferent(xs)
+m.Minimize(sum((i % 7 + 1) * x for i, x in enumerate(xs)))
+solver = cp_model.CpSolver()
+solver.parameters.max_time_in_seconds = 30
+solver.parameters.num_workers = 1
+threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+start = time.perf_counter()
+try:
+    _solve_interruptibly(solver, m) if sys.argv[1] == "cfp" else solver.Solve(m)
+    print("search ended", flush=True)
+except KeyboardInterrupt:
+    print(f"interrupted after {time.perf_counter() - start:.1f} s", flush=True)
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)
+except KeyboardInterrupt:
+    print("interrupted again", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["cfp", "cp-sat alone"])
+def test_ctrl_c_during_the_solver_is_raised_at_once_and_keeps_the_handler(how):
+    """Ctrl-C in CP-SAT's search stops it and is raised at once, and a second Ctrl-C is still
+    a KeyboardInterrupt. Control: CP-SAT left to itself swallows the Ctrl-C (its search just
+    ends) and leaves SIGINT at its default, so the second one kills with no word."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
+    done = subprocess.run([sys.executable, "-c", _SOLVE_AND_INTERRUPT, how], env=env,
+                          capture_output=True, text=True, timeout=60)
+    lines = done.stdout.splitlines()
+    if how == "cfp":
+        assert done.returncode == 0 and lines[1:] == ["interrupted again"], done
+        assert lines[0].startswith("interrupted after 0.") and len(lines) == 2, lines
+    else:
+        assert lines == ["search ended"] and done.returncode == -2, done
+
+
+@pytest.mark.parametrize("cause", [KeyboardInterrupt, None])
+def test_an_interrupted_import_is_an_interrupt(tmp_path, monkeypatch, capsys, cause):
+    """A Ctrl-C while an extension module (OR-Tools') initializes surfaces as ImportError
+    from the KeyboardInterrupt: one line and status 130, and KeyboardInterrupt from the API.
+    Control: an ImportError that no Ctrl-C caused is a bug, raised with its traceback."""
+    import cfp.cli
+    from cfp.api import autoshard
+
+    def interrupted_import(opts, args):
+        try:
+            raise cause() if cause else ImportError("initialization failed")
+        except BaseException as e:
+            raise ImportError("initialization failed") from e
+    monkeypatch.setitem(cfp.cli._RUNNERS, "analysis", interrupted_import)
+    argv = ["--mode", "analysis", "--model", "mlp", "--mesh", "4", "--workdir", str(tmp_path)]
+    if cause:
+        assert main(argv) == 130
+        assert capsys.readouterr().err.strip().splitlines() == [
+            "cfp: interrupted; everything measured so far is kept in the work dir"]
+        with pytest.raises(KeyboardInterrupt):
+            autoshard("mlp", mesh="4", workdir=tmp_path, extra_args=["--mode", "analysis"])
+    else:
+        with pytest.raises(ImportError, match="initialization failed"):
+            main(argv)
+
+
+@pytest.mark.parametrize("code", ["ENOSPC", "EIO"])
+def test_a_full_disk_is_one_line_naming_what_was_kept(tmp_path, capsys, monkeypatch, code):
+    """The disk filling after the analysis record is written: one line naming the work dir
+    and the record kept, status 2. Control: another failure to write (EIO) is no user's
+    mistake, and is raised with its traceback."""
+    import errno
+    import os
+    import cfp.report
+
+    def full(rec, directory):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)),
+                      str(directory / "segments.txt"))
+    monkeypatch.setattr(cfp.report, "write_analysis_dumps", full)
+    argv = ["--mode", "analysis", "--model", "mlp", "--mesh", "4", "--workdir", str(tmp_path)]
+    if code == "EIO":
+        with pytest.raises(OSError, match="Input/output error"):
+            main(argv)
+        return
+    assert main(argv) == 2
+    line = _one_line(capsys)
+    assert f"the disk of the work dir {tmp_path} is full (writing {tmp_path}/" in line
+    assert "kept there: analysis.pkl: free some space and run again" in line
+
+
+def test_window_files_renamed_or_swapped_are_refused(tmp_path):
+    """Each window file's header carries its window type's fingerprint (members, their
+    shapes, strategies): two files of same-width types swapped, or one renamed to a type
+    the profile does not have, are refused before any work. Control: in place, both are
+    read back."""
+    from cfp.measure import Measurement
+    from cfp.passes.analysis import run_analysis
+    from cfp.passes.profile import WindowProfile
+    from cfp.windows import split_windows
+    spec = WorkloadSpec("gpt", "tiny").resolved()
+    analysis = run_analysis(spec, (4,))
+    windows, reps = split_windows(analysis, 4)
+    space = {k: tuple(len(analysis.blocks.blocks[b].strategies)
+                      for b in range(windows[r].start, windows[r].end))
+             for k, r in enumerate(reps)}
+    a, b = [k for k in space if space[k] == space[0]][:2]  # two types of one width
+    wd = WorkDir(tmp_path, run_fingerprint(spec, (4,)))
+    checkpoint = wd.profile_checkpoint(analysis, "measure", 4)
+    for k, t in ((a, 1.0), (b, 2.0)):
+        blocks = tuple(range(windows[reps[k]].start, windows[reps[k]].end))
+        checkpoint.save_window(k, WindowProfile(k, blocks, space[k],
+                                                {(0,) * len(blocks): Measurement("ok", t)}))
+    again = wd.profile_checkpoint(analysis, "measure", 4)
+    assert [m.time_s for m in again.load_window(a).values()] == [1.0]
+    assert [m.time_s for m in again.load_window(b).values()] == [2.0]
+
+    fa, fb = tmp_path / f"window_{a}.pkl", tmp_path / f"window_{b}.pkl"
+    tmp = tmp_path / "swap"
+    fa.rename(tmp), fb.rename(fa), tmp.rename(fb)
+    with pytest.raises(CfpError, match=f"window_{a}.pkl was made for another run .window "
+                                       f"differ: window=type {b}: "):
+        wd.profile_checkpoint(analysis, "measure", 4)
+    fa.unlink()
+    fb.rename(tmp_path / f"window_{len(reps)}.pkl")
+    with pytest.raises(CfpError, match=f"window_{len(reps)}.pkl is no window type of this "
+                                       f"profile .it has {len(reps)}."):
+        wd.profile_checkpoint(analysis, "measure", 4)
+
+
+def test_a_second_run_on_a_work_dir_refuses_naming_the_holder(tmp_path, capsys):
+    """A work dir whose lock a live process holds is refused in one line naming its host and
+    pid, before any work, and another host's lock likewise. Controls: once the holder is
+    gone its stale lock is taken over (and released when the run ends); a work dir nobody
+    holds is run."""
+    import socket
+    import subprocess
+    from cfp.workdir import LOCK_NAME, _holder_text
+    argv = ["--mode", "analysis", "--model", "mlp", "--mesh", "4", "--workdir", str(tmp_path)]
+    lock = tmp_path / LOCK_NAME
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        lock.write_text(_holder_text(socket.gethostname(), holder.pid))
+        assert main(argv) == 2
+        assert (f"the work dir {tmp_path} is in use by process {holder.pid} on "
+                f"{socket.gethostname()}") in _one_line(capsys)
+        assert not (tmp_path / "analysis.pkl").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(argv) == 0  # the holder is gone: its lock is stale
+    assert (tmp_path / "analysis.pkl").exists() and not lock.exists()
+
+    lock.write_text("elsewhere.example 4242 123\n")
+    assert main(argv) == 2
+    assert "in use by process 4242 on elsewhere.example" in _one_line(capsys)
+    lock.unlink()
+    assert main(argv) == 0 and not lock.exists()
+
+
+def test_a_reused_pid_does_not_hold_a_stale_lock(tmp_path):
+    """A lock naming a live pid with another start time was left by a process that is gone
+    (its pid since reused): stale."""
+    import os
+    import socket
+    from cfp.workdir import _stale
+    lock = tmp_path / "lock"
+    lock.write_text("x")
+    mine = f"{socket.gethostname()} {os.getpid()}"
+    assert _stale(f"{mine} 1\n", lock)
+    from cfp.workdir import _start_time
+    assert not _stale(f"{mine} {_start_time(os.getpid())}\n", lock)
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """pid -> command line of every process below ``pid``."""
+    from pathlib import Path
+    parent_of = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent_of[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            pass
+    found, frontier = {}, [pid]
+    while frontier:
+        p = frontier.pop()
+        for child, parent in parent_of.items():
+            if parent == p and child not in found:
+                try:
+                    found[child] = Path(f"/proc/{child}/cmdline").read_bytes().replace(
+                        b"\0", b" ").decode()
+                except OSError:
+                    continue
+                frontier.append(child)
+    return found
+
+
+def _running(pid: int) -> bool:
+    from pathlib import Path
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_workers_end_with_the_main_process(tmp_path, sig):
+    """Killed while its measurement worker runs, the main process leaves no process behind
+    for more than two seconds: neither the worker nor multiprocessing's resource tracker."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+    argv = ["--model", "mlp", "--mesh", "4", "--workdir", str(tmp_path),
+            "--compilation-cache", "none"]
+    assert main(["--mode", "analysis"] + argv) == 0
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]),
+               XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    proc = subprocess.Popen([sys.executable, "-m", "cfp", "--mode", "profile"] + argv, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline, below = time.monotonic() + 120, {}
+    while time.monotonic() < deadline and proc.poll() is None:
+        below = _descendants(proc.pid)
+        if any("spawn_main" in c for c in below.values()):
+            break
+        time.sleep(0.1)
+    assert any("spawn_main" in c for c in below.values()), "no worker started"
+    time.sleep(0.5)
+    below = _descendants(proc.pid)
+    proc.send_signal(getattr(signal, sig))
+    proc.wait(timeout=30)
+    killed, ended_s = time.monotonic(), {}
+    while len(ended_s) < len(below) and time.monotonic() - killed < 10:
+        ended_s.update({p: time.monotonic() - killed for p in below
+                        if p not in ended_s and not _running(p)})
+        time.sleep(0.05)
+    for p in set(below) - set(ended_s):
+        os.kill(p, signal.SIGKILL)
+    lingered = {below[p][:60]: round(ended_s.get(p, 10.0), 2) for p in below}
+    assert all(s < 2 for s in lingered.values()), lingered
+
+
+_BUSY_CHILD = """
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, text=True)
+print(child.pid, child.stdout.readline().strip(), flush=True)
+child.wait()
+"""
+_BUSY = ("import os, time\nfrom cfp.worker import _exit_with_parent\n{call}\n"
+         "print('busy', flush=True)\ntime.sleep(30)")
+
+
+@pytest.mark.parametrize("watched", [True, False])
+def test_a_busy_worker_ends_within_a_second_of_its_parent(watched):
+    """A worker busy for long (a compile, a timing) whose parent is killed ends within a
+    second. Control: the same process without the watch runs on."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
+    body = _BUSY.format(call="_exit_with_parent(os.getppid())" if watched else "")
+    parent = subprocess.Popen([sys.executable, "-c", _BUSY_CHILD, body], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    pid, state = parent.stdout.readline().split()
+    assert state == "busy"
+    parent.kill()
+    parent.wait()
+    killed = time.monotonic()
+    while _running(int(pid)) and time.monotonic() - killed < 2:
+        time.sleep(0.05)
+    try:
+        assert _running(int(pid)) != watched
+        assert not watched or time.monotonic() - killed < 1
+    finally:
+        if _running(int(pid)):
+            os.kill(int(pid), signal.SIGKILL)
+
+
+def test_a_worker_killed_timing_a_resharding_charges_it_and_goes_on():
+    """A resharding whose timing kills the worker is charged as one that cannot run (None)
+    and the rest of its batch is timed. Control: without the kill, every one is timed."""
+    import os
+    import signal
+    from cfp.passes.analysis import run_analysis
+    from cfp.passes.profile import needed_reshards
+    from cfp.windows import boundaries, split_windows
+    from cfp.worker import Worker, WorkerOptions
+
+    class KillingWorker(Worker):
+        """The real worker, killed (SIGKILL) as soon as it is asked to time the culprit."""
+
+        culprit, asked = None, None
+
+        def _ask(self, kind, payload):
+            self.asked = payload if kind == "reshard" else None
+            return super()._ask(kind, payload)
+
+        def _recv(self):
+            if self.asked is not None and self.culprit in self.asked:
+                os.kill(self.proc.pid, signal.SIGKILL)
+            return super()._recv()
+
+    analysis = run_analysis(WorkloadSpec("mlp", "tiny").resolved(), (4,))
+    windows, _ = split_windows(analysis, 32)
+    items = sorted(needed_reshards(boundaries(analysis, windows), analysis.blocks.blocks,
+                                   ("m0",)), key=repr)[:3]
+    worker = KillingWorker(analysis, WorkerOptions("measure", 2**62, 16))
+    try:
+        assert all(worker.measure_reshards(items).values())  # the control
+        worker.culprit = items[1]
+        got = worker.measure_reshards(items)
+    finally:
+        worker.close()
+    assert got[items[1]] is None and got[items[0]] and got[items[2]]
+
+
+def test_a_ctrl_c_python_swallows_still_stops_the_run(tmp_path, capsys, monkeypatch):
+    """A Ctrl-C that lands in a ``__del__`` (or a garbage collector's callback, such as
+    JAX's) is printed and ignored by Python; cfp remembers it and stops at the end of the
+    pass: one line, status 130. Control: the pass did run to its end, the interrupt lost
+    inside it."""
+    import signal
+    import cfp.cli
+    ran = []
+
+    class Swallows:
+        def __del__(self):
+            signal.raise_signal(signal.SIGINT)
+
+    def runner(opts, args):
+        Swallows()
+        ran.append("to its end")
+    monkeypatch.setitem(cfp.cli._RUNNERS, "analysis", runner)
+    assert main(["--mode", "analysis", "--model", "mlp", "--mesh", "4",
+                 "--workdir", str(tmp_path)]) == 130
+    assert ran == ["to its end"]
+    assert capsys.readouterr().err.strip().splitlines() == [  # Python's report not printed
+        "cfp: interrupted; everything measured so far is kept in the work dir"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
+def test_a_ctrl_c_in_the_garbage_collector_stops_the_run_at_once(tmp_path, capsys,
+                                                                 monkeypatch):
+    """A Ctrl-C that arrives while a collector callback runs (as JAX's does, on every
+    collection) is held back and delivered once the collection ends: the pass stops there,
+    not at its end. Control: the same pass without the Ctrl-C runs to its end."""
+    import gc
+    import signal
+    import time
+    import cfp.cli
+    ran, interrupting = [], []
+
+    def interrupt(phase, info):
+        if phase == "start":
+            signal.raise_signal(signal.SIGINT)
+
+    def runner(opts, args):
+        if interrupting:
+            gc.callbacks.insert(1, interrupt)  # inside cfp's watch of the collection
+        try:
+            gc.collect()
+        finally:
+            if interrupt in gc.callbacks:
+                gc.callbacks.remove(interrupt)
+        time.sleep(1)
+        ran.append("past the collection")
+    monkeypatch.setitem(cfp.cli._RUNNERS, "analysis", runner)
+    argv = ["--mode", "analysis", "--model", "mlp", "--mesh", "4", "--workdir", str(tmp_path)]
+    assert main(argv) == 0 and ran == ["past the collection"]  # the control
+    ran.clear()
+    interrupting.append(True)
+    assert main(argv) == 130 and ran == []
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "cfp: interrupted; everything measured so far is kept in the work dir"]
+
+
+def test_the_readme_s_first_cluster_case_runs_every_pass_as_recorded(tmp_path, capsys):
+    """LLaMA-2-13B on alpa-50x4 (scripts/cluster_cases.sh, the README's), whose arrays this
+    host need not hold, is analysed, priced and searched as recorded in
+    scripts/results/2026-11-24-cluster-residuals-cpu.txt: its search finds that no plan fits
+    the 32 GB of a device, the verdict it had before these checks (its least memory, about
+    72 GB then, moves as composed memory is refined)."""
+    rc = main(["--model", "llama", "--config", "13b", "--dtype", "bfloat16", "--batch-size",
+               "8", "--seq-len", "1024", "--cluster", "alpa-50x4", "--workdir", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert "priced for alpa-50x4 (analytic)" in out and "Search Pass (predicted" in out
+    assert rc == 2 and "no plan fits the memory budget of 32.000 GB per device; the smallest " \
+                       "any plan reaches is about " in err, err
+
+
+@pytest.mark.parametrize("where,users", [("installed", True), ("cfp", False),
+                                         ("python", False)])
+def test_who_raised_is_told_by_the_innermost_frame_not_jax_s_or_python_s(where, users):
+    """An error raised in a package installed beside Python (a user's own, or one it calls,
+    such as Hugging Face's) is the user's, though site-packages lies inside Python's library
+    directory; one raised in cfp is cfp's (the control); Python's own frames are looked
+    through, to cfp's below them."""
+    import os
+    import sysconfig
+    import cfp
+    from cfp.workloads import _raised_outside_cfp
+    files = {"installed": os.path.join(sysconfig.get_paths()["purelib"], "mypkg", "model.py"),
+             "cfp": os.path.join(os.path.dirname(cfp.__file__), "blocks.py"),
+             "python": os.path.join(sysconfig.get_paths()["stdlib"], "functools.py")}
+    code = compile("raise ValueError('5 heads do not divide 64')", files[where], "exec")
+
+    def from_cfp():  # this test's own frame stands for cfp's code, the caller
+        exec(code)
+    from_cfp.__code__ = from_cfp.__code__.replace(co_filename=files["cfp"])
+    with pytest.raises(ValueError) as e:
+        from_cfp()
+    assert _raised_outside_cfp(e.value) is users
+
+
+def test_a_lock_cfp_did_not_write_is_refused(tmp_path, capsys):
+    """A directory or a link in the lock's place is refused in one line (never removed)."""
+    from cfp.workdir import LOCK_NAME
+    (tmp_path / LOCK_NAME).mkdir()
+    assert main(["--mode", "analysis", "--model", "mlp", "--mesh", "4",
+                 "--workdir", str(tmp_path)]) == 2
+    assert "is not a lock cfp wrote: delete it" in _one_line(capsys)
+    assert (tmp_path / LOCK_NAME).is_dir()
+
+
+def test_the_processes_of_one_run_share_its_lock(tmp_path, capsys):
+    """Of a run over several processes, process 0 writes the work dir and holds its lock; the
+    others neither take nor heed it (they share it). Control: process 0 heeds a lock held."""
+    import socket
+    import subprocess
+    from cfp.workdir import LOCK_NAME, _holder_text
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        (tmp_path / LOCK_NAME).write_text(_holder_text(socket.gethostname(), holder.pid))
+        argv = ["--mode", "analysis", "--model", "mlp", "--workdir", str(tmp_path),
+                "--num-processes", "2", "--coordinator", "127.0.0.1:1"]
+        assert main(argv + ["--process-id", "1"]) == 0, capsys.readouterr().err
+        assert main(argv + ["--process-id", "0"]) == 2
+        assert f"in use by process {holder.pid}" in _one_line(capsys)
+        assert (tmp_path / LOCK_NAME).read_text().split()[1] == str(holder.pid)
+    finally:
+        holder.kill()
+        holder.wait()
