@@ -90,9 +90,14 @@ def make_plan(analysis, strategies, *, in_specs=None, out_specs=None, source: st
 
 
 def write_plan(path: Path, plan: dict) -> None:
+    """Write ``plan.json`` atomically: a plan is whole or absent, never half written."""
     tmp = Path(path).with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(plan, indent=1))
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(plan, indent=1))
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def load_plan(path) -> dict:
