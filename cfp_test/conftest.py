@@ -21,3 +21,20 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # helpers and test-only models
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def compiles():
+    """Names of the XLA compile events JAX reports while the test runs."""
+    import jax
+    seen = []
+
+    def listener(name, *args, **kwargs):
+        if "backend_compile" in name:
+            seen.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    yield seen
+    jax.monitoring.unregister_event_duration_listener(listener)

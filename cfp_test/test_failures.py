@@ -23,20 +23,6 @@ ROOT = Path(__file__).resolve().parent.parent
 MLP = WorkloadSpec("mlp", "tiny", None, "float32", ()).resolved()
 
 
-@pytest.fixture
-def compiles():
-    """Names of the XLA compile events JAX reports while the test runs."""
-    seen = []
-
-    def listener(name, *args, **kwargs):
-        if "backend_compile" in name:
-            seen.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    yield seen
-    jax.monitoring.unregister_event_duration_listener(listener)
-
-
 BAD_INPUTS = [
     (["--num-devices", "0"], "--num-devices must be positive"),
     (["--batch-size", "0"], "--batch-size must be positive"),

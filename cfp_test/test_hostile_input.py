@@ -113,21 +113,6 @@ NUMBERS = [([f"{flag}={value}"], f"{flag} must be positive") for flag, value in 
 ]
 
 
-@pytest.fixture
-def compiles():
-    """Names of the XLA compile events JAX reports while the test runs."""
-    import jax
-    seen = []
-
-    def listener(name, *args, **kwargs):
-        if "backend_compile" in name:
-            seen.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    yield seen
-    jax.monitoring.unregister_event_duration_listener(listener)
-
-
 @pytest.mark.parametrize("argv,expected", NUMBERS, ids=[" ".join(a) for a, _ in NUMBERS])
 def test_numbers_are_checked_as_numbers_before_any_work(tmp_path, capsys, compiles, argv,
                                                         expected):
