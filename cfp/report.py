@@ -328,10 +328,9 @@ def write_search_dumps(workdir, analysis, profile, rec) -> None:
     from cfp.dims import spec_axes
     from cfp.plan import make_plan, write_plan
     from cfp.sharding import collectives
-    from cfp.workloads import AXIS_NAMES
     out = Path(workdir) / "debug_search"
     out.mkdir(parents=True, exist_ok=True)
-    axis_names = AXIS_NAMES[:len(analysis.mesh_shape)]
+    axis_names = analysis.mesh_axes
     g, blocks = analysis.graph, analysis.blocks.blocks
     plan = rec.plan
     paths = input_paths(analysis.spec)
