@@ -22,13 +22,12 @@ def users_mesh(axis_type):
 
 
 @pytest.fixture(scope="module")
-def found(tmp_path_factory):
-    """A plan found by the three passes on the user's mesh (its axes Explicit, as
-    ``jax.make_mesh`` makes them by default)."""
-    return autoshard("zoo_extra:einsum_net_momentum", mesh=jax.make_mesh((2, 4), NAMES),
-                     workdir=tmp_path_factory.mktemp("wd"), memory_budget_gb=1,
-                     max_combinations=16, validate_top=1,
-                     extra_args=["--iters", "2", "--no-validate-baselines"])
+def found():
+    """The plan of the most split strategies for the user's named mesh (the three passes on
+    the user's ``Mesh`` itself: ``test_autoshard_on_the_users_mesh``, slow)."""
+    spec = WorkloadSpec("zoo_extra:einsum_net_momentum").resolved()
+    a = run_analysis(spec, (2, 4), axis_names=NAMES)
+    return make_plan(a, [len(b.strategies) - 1 for b in a.blocks.blocks])
 
 
 def users_step():
@@ -106,3 +105,34 @@ def test_mesh_names_on_the_command_line_and_from_a_mesh():
             parse_mesh(bad)
     with pytest.raises(CfpError, match="jax.sharding.Mesh"):
         mesh_from((2, 4))
+
+
+@pytest.mark.slow  # the three passes, ~4 min on a loaded 2-core machine
+def test_autoshard_on_the_users_mesh(tmp_path):
+    """``autoshard`` takes the user's ``jax.make_mesh`` (Explicit axes, its default); the
+    plan it finds speaks the user's names and runs three steps on that mesh."""
+    plan = autoshard("zoo_extra:einsum_net_momentum", mesh=jax.make_mesh((2, 4), NAMES),
+                     workdir=tmp_path, memory_budget_gb=1, max_combinations=16,
+                     validate_top=1, extra_args=["--iters", "2", "--no-validate-baselines"])
+    assert plan["mesh"] == {"shape": [2, 4], "axes": list(NAMES)}
+    assert (tmp_path / "analysis.pkl").exists()
+    train_step, params, velocity, batch = users_step()
+    assert_users_loop(train_step, plan, users_mesh(AxisType.Explicit), params, velocity, batch)
+
+
+def test_named_axes_on_the_command_line_reach_the_record(tmp_path, capsys):
+    """``--mesh data=2,model=4``: the analysis record carries the names and the run's
+    fingerprint holds them, so a work dir of another naming is not taken for this one."""
+    from cfp.cli import main
+    from cfp.workdir import WorkDir
+    from cfp.workloads import run_fingerprint
+    base = ["--mode", "analysis", "--model", "zoo_extra:einsum_net_momentum",
+            "--workdir", str(tmp_path)]
+    assert main(base + ["--mesh", "data=2,model=4"]) == 0
+    spec = WorkloadSpec("zoo_extra:einsum_net_momentum").resolved()
+    rec = WorkDir(tmp_path, run_fingerprint(spec, (2, 4), NAMES)).read_analysis()
+    assert rec.mesh_axes == NAMES
+    with pytest.raises(CfpError):  # control: the same shape, axes m0, m1
+        WorkDir(tmp_path, run_fingerprint(spec, (2, 4))).read_analysis()
+    assert main(base + ["--mesh", "data=2,data=4"]) == 2
+    assert "names an axis twice" in capsys.readouterr().err
