@@ -244,3 +244,38 @@ def equinox_module(num_layers: int = 2):
         return _ce(jax.vmap(model)(b["x"]), b["y"])
 
     return user_workload(loss, Model, batch, optimizer=optax.adam(1e-3), name="equinox_module")
+
+
+def flax_logical_model(hidden: int = 16, mlp: int = 64):
+    """A Flax MLP whose kernels name their dims with logical axes (``embed``, ``mlp``,
+    ``vocab``), as Flax and MaxText models do: ``model.init`` returns them boxed."""
+    import flax.linen as nn
+
+    def dense(features, names, name):
+        return nn.Dense(features, name=name, kernel_init=nn.with_logical_partitioning(
+            nn.initializers.normal(0.1), names), use_bias=False)
+
+    class Mlp(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = dense(hidden, ("vocab", "embed"), "embed")(x)
+            h = nn.relu(dense(mlp, ("embed", "mlp"), "up")(h))
+            return dense(VOCAB, ("mlp", "vocab"), "out")(h)
+    return Mlp()
+
+
+def flax_logical(batch_size: int = 16, dtype: str = "float32") -> Workload:
+    """``flax_logical_model`` trained on one-hot inputs, its params unboxed (``nn.unbox``)."""
+    import flax.linen as nn
+    model = flax_logical_model()
+
+    def init(key):
+        return nn.unbox(model.init(key, jnp.zeros((1, VOCAB)))["params"])
+
+    def batch(key):
+        labels = jax.random.randint(key, (batch_size,), 0, VOCAB)
+        return {"x": jax.nn.one_hot(labels, VOCAB, dtype=dtype), "y": labels}
+
+    def loss(params, b):
+        return _ce(model.apply({"params": params}, b["x"]), b["y"])
+    return Workload("flax_logical", "test", None, batch_size, dtype, init, batch, loss)
