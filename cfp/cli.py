@@ -586,8 +586,25 @@ def _run_search(opts: RunOptions, args) -> None:
     wd.write_search(rec)
     report.search_console(rec, opts.num_devices)
     report.write_search_dumps(wd.path, analysis, profile, rec)
+    _write_logical_rules(wd.path, analysis)
     report.say(f"wrote {wd.path / 'plan.json'}, {wd.path / 'search.pkl'} and "
                f"{wd.path / 'debug_search'}/")
+
+
+def _write_logical_rules(workdir: Path, analysis) -> None:
+    """logical_rules.json beside plan.json, when the params carry Flax logical names."""
+    from cfp import report
+    from cfp.logical_rules import workload_rules, write_logical_rules
+    from cfp.plan import load_plan
+    plan = load_plan(workdir / "plan.json")
+    rules = workload_rules(plan, analysis.spec.build())
+    if rules is None:
+        report.say("no logical-axis rules: the params carry no logical axis names "
+                   "(nn.with_logical_partitioning, left boxed)")
+        return
+    write_logical_rules(workdir / "logical_rules.json", plan, rules)
+    report.say(f"wrote {workdir / 'logical_rules.json'}" + ("" if rules.expressible else
+               f": the plan is not expressible as logical-axis rules ({rules.conflicts[0]})"))
 
 
 def _predict(opts: RunOptions, args, wd, analysis) -> None:

@@ -77,6 +77,21 @@ def logical_rules(plan: dict, boxed_params) -> LogicalRules:
     return LogicalRules(() if conflicts else rules, tuple(conflicts))
 
 
+def workload_rules(plan: dict, workload) -> LogicalRules | None:
+    """``logical_rules`` of a workload whose params are boxed with logical names (None when
+    none is, or Flax is not installed)."""
+    try:
+        from flax.core import meta
+    except ImportError:
+        return None
+    import jax
+    params = workload.abstract_params()
+    boxes = [x for x in jax.tree_util.tree_leaves(
+        params, is_leaf=lambda x: isinstance(x, meta.Partitioned))
+        if isinstance(x, meta.Partitioned)]
+    return logical_rules(plan, params) if boxes else None
+
+
 def _plan_key(plan: dict, key: str, boxed: bool) -> str:
     """The plan's entry of a parameter: made from unboxed parameters (the path to the box)
     or from boxed ones (the path to its value)."""

@@ -59,3 +59,25 @@ def test_a_plan_no_rule_list_expresses_is_said_to_be_so(analysed):
     rules = logical_rules(plan, boxed)
     assert not rules.expressible and rules.rules == ()
     assert any("logical axis 'embed'" in c for c in rules.conflicts)
+
+
+@pytest.mark.parametrize("model", ["flax_logical_boxed", "flax_logical"])
+def test_logical_rules_json_beside_the_plan(model, tmp_path, capsys):
+    """A run whose params stay boxed writes logical_rules.json beside plan.json (the plan's
+    keys then reach into the boxes); one whose params were unboxed says why there is none."""
+    import json
+    from cfp.cli import _write_logical_rules
+    from cfp.plan import write_plan
+    spec = WorkloadSpec(f"users_models:{model}").resolved()
+    a = run_analysis(spec, (2, 4), axis_names=NAMES)
+    plan = make_plan(a, [[s.name for s in b.strategies].index(name)
+                         for b, name in zip(a.blocks.blocks, MEGATRON)])
+    write_plan(tmp_path / "plan.json", plan)
+    _write_logical_rules(tmp_path, a)
+    if model == "flax_logical":
+        assert not (tmp_path / "logical_rules.json").exists()
+        assert "carry no logical axis names" in capsys.readouterr().out
+        return
+    assert all(k.endswith(".value") for k in plan["params"])
+    written = json.loads((tmp_path / "logical_rules.json").read_text())
+    assert written["expressible"] and ["mlp", "model"] in written["rules"]

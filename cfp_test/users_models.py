@@ -279,3 +279,12 @@ def flax_logical(batch_size: int = 16, dtype: str = "float32") -> Workload:
     def loss(params, b):
         return _ce(model.apply({"params": params}, b["x"]), b["y"])
     return Workload("flax_logical", "test", None, batch_size, dtype, init, batch, loss)
+
+
+def flax_logical_boxed(batch_size: int = 16, dtype: str = "float32") -> Workload:
+    """``flax_logical`` with its params as ``model.init`` returns them: boxed with their
+    logical names."""
+    base = flax_logical(batch_size, dtype)
+    model = flax_logical_model()
+    return dataclasses.replace(base, model="flax_logical_boxed", init_params=lambda key: model.init(
+        key, jnp.zeros((1, VOCAB)))["params"])
