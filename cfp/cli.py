@@ -621,7 +621,7 @@ def _predict(opts: RunOptions, args, wd, analysis) -> None:
     rec = predict_plan(analysis, profile, _memory_budget_bytes(args, opts), args.time_limit)
     report.prediction_console(rec, opts.cluster)
     path = wd.path / "plan.json"
-    write_plan(path, make_plan(analysis, rec.strategies,
+    write_plan(path, make_plan(analysis, rec.strategies, storage=rec.storage,
                                source=f"predicted for {opts.cluster.name} ({rec.pricing})"))
     report.say(f"wrote {path}")
 

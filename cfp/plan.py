@@ -64,17 +64,19 @@ def _renamed(spec, names: dict):
                  else names[e] for e in spec)
 
 
-def make_plan(analysis, strategies, *, in_specs=None, out_specs=None, source: str = "") -> dict:
+def make_plan(analysis, strategies, *, in_specs=None, out_specs=None, source: str = "",
+              storage=None) -> dict:
     """The plan of ``strategies`` (a strategy index per block) for the analysed step.
     ``in_specs``/``out_specs`` (per step input and output, in order) default to the layouts
     the strategies give; a search record passes its own (a baseline may store parameters
-    its own way)."""
+    its own way); ``storage`` (``cfp.execute.Storage``) is where it keeps the state, whose
+    update it constrains to the split layout it names."""
     import jax
     from cfp.execute import plan_specs
     from cfp.workloads import AXIS_NAMES
     g, blocks = analysis.graph, analysis.blocks.blocks
     ours = AXIS_NAMES[:len(analysis.mesh_shape)]  # the axes cfp measured on, m0, m1, ...
-    ins, outs, op_constraints = plan_specs(analysis, strategies, ours)
+    ins, outs, op_constraints = plan_specs(analysis, strategies, ours, storage)
     in_specs = list(in_specs) if in_specs is not None else [ins[v] for v in g.inputs]
     out_specs = list(out_specs) if out_specs is not None else [outs[v] for v in g.outputs]
     axis_names = analysis.mesh_axes  # the user's: the plan speaks them

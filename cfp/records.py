@@ -23,7 +23,7 @@ from typing import Any
 
 from cfp.errors import CfpError
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +40,7 @@ _ALLOWED_NUMPY = {("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiar
                   ("numpy._core.multiarray", "scalar"), ("numpy", "float64"), ("numpy", "float32"),
                   ("numpy", "int64"), ("numpy", "int32")}
 _ALLOWED_CFP_MODULES = {"cfp.records", "cfp.graph", "cfp.strategies", "cfp.blocks",
-                        "cfp.segments", "cfp.workloads", "cfp.measure", "cfp.windows",
+                        "cfp.segments", "cfp.workloads", "cfp.measure", "cfp.windows", "cfp.execute",
                         "cfp.passes.analysis", "cfp.passes.profile",
                         "cfp.passes.search"}
 

@@ -153,6 +153,8 @@ class ProfileProgress:
                 self._line(f"window type {f['k']} (blocks {w.start}..{w.end - 1}): search "
                            f"space {list(f['space'])}, {f['todo']} to measure"
                            + (f", {f['known']} measured before" if f["known"] else ""))
+            elif event == "state_variants":
+                self.total += f["count"]
             elif event == "result":
                 self.n += 1
                 if self.t_first is None:
@@ -363,7 +365,7 @@ def write_search_dumps(workdir, analysis, profile, rec) -> None:
            f"({plan.composed_memory_bytes / 2**30:.4f} GB)"]) + "\n")
     write_plan(Path(workdir) / "plan.json",
                make_plan(analysis, plan.strategies, in_specs=rec.in_specs,
-                         out_specs=rec.out_specs, source=plan.source))
+                         out_specs=rec.out_specs, source=plan.source, storage=plan.storage))
     by_kind: dict = {}
     for c in collectives(rec.compiled_text, analysis.mesh_shape):
         k = by_kind.setdefault(c.kind, {"count": 0, "bytes": 0})
