@@ -98,7 +98,7 @@ def read_record(path: Path, fmt: str, fingerprint: tuple | None, *, hint: str) -
                            f"{SCHEMA_VERSION}: {hint}")
         if fingerprint is not None and header.fingerprint != fingerprint:
             mine, theirs = dict(fingerprint), dict(header.fingerprint)
-            diff = [k for k in mine if mine.get(k) != theirs.get(k)]
+            diff = [k for k in dict.fromkeys([*mine, *theirs]) if mine.get(k) != theirs.get(k)]
             raise CfpError(f"{path} was made for another run ({', '.join(diff)} differ: "
                            f"{', '.join(f'{k}={theirs.get(k)}' for k in diff)}): {hint}")
         record = _RestrictedUnpickler(stream).load()

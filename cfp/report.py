@@ -451,7 +451,12 @@ def prediction_console(rec, cluster) -> None:
         f"per device")
     budget = rec.memory_budget_bytes or cluster.memory_per_device_bytes
     say(f"memory per device: {rec.memory_bytes / 2**30:.3f} GB composed (budget "
-        f"{budget / 2**30:g} GB)")
+        f"{budget / 2**30:g} GB); state: {rec.storage.describe()}")
+    if rec.hand_plans:
+        say(f"hand plans priced the same way ({how}):")
+        for name, seconds, nbytes in sorted(rec.hand_plans, key=lambda h: h[1]):
+            say(f"  {name:<10} predicted {seconds * 1e3:10.3f} ms, {nbytes / 2**30:8.3f} GB "
+                f"per device, {'fits' if nbytes <= budget else 'does not fit'}")
 
 
 def meshes_console(ranked, cluster) -> None:

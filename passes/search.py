@@ -345,7 +345,8 @@ def resharded(problem: Problem, strategies) -> bool:
                for (i, j), moved in problem.reshards.items())
 
 
-def baseline_candidates(analysis, problem: Problem, known) -> list[tuple[str, Solution]]:
+def baseline_candidates(analysis, problem: Problem, known, *, within_budget: bool = True
+                        ) -> list[tuple[str, Solution]]:
     """The rule-file baselines (``cfp.baselines``) that are plans of this problem: every block
     on a profiled strategy, every window on a feasible measured combination, parameters kept as
     the plan keeps them, one strategy per scan body, and within the memory budget. Search
@@ -366,7 +367,7 @@ def baseline_candidates(analysis, problem: Problem, known) -> list[tuple[str, So
         if None in choices or tuple(choices) in seen:
             continue
         cost, mem, strategies = evaluate(problem, choices)
-        if problem.memory_budget is not None and mem > problem.memory_budget:
+        if within_budget and problem.memory_budget is not None and mem > problem.memory_budget:
             continue
         if any(strategies[i] != strategies[j] for i, j in problem.ties):
             continue  # layers of one scan on different strategies: not a plan of a scan
@@ -440,18 +441,29 @@ class Prediction:
     pricing: str  # the profile's cost: "model" (compile-only) or "analytic"
     memory_budget_bytes: int | None = None
     storage: Storage = Storage()  # where the plan keeps the training state
+    # the rule-file hand plans priced from the same profile: (name, seconds, bytes per device)
+    hand_plans: tuple = ()
 
 
 def predict_plan(analysis, profile, memory_budget_bytes: int | None,
                  time_limit_s: float, *, alike_only: bool = False) -> Prediction:
     """The best plan of the priced profile, with its predicted step time and memory."""
     problem, _ = build_problem(analysis, profile, memory_budget_bytes)
-    sol = top_plans(problem, 1, time_limit_s, alike_only=alike_only)[0]
+    hand = tuple((name, predicted_seconds(problem, sol.choices, profile.launch_overhead_s),
+                  sol.memory) for name, sol in baseline_candidates(analysis, problem, [],
+                                                                   within_budget=False))
+    try:
+        sol = top_plans(problem, 1, time_limit_s, alike_only=alike_only)[0]
+    except CfpError as e:  # no plan fits: neither does any hand plan; say what they need
+        if not hand:
+            raise
+        raise CfpError(f"{e}; the hand plans need " + ", ".join(
+            f"{name} {mem / 2**30:.1f} GB" for name, _, mem in hand)) from None
     return Prediction(tuple(analysis.mesh_shape), tuple(sol.strategies),
                       predicted_seconds(problem, sol.choices, profile.launch_overhead_s),
                       sol.memory, sol.status, sol.solve_s, plan_flops(analysis), profile.cost,
                       memory_budget_bytes,
-                      plan_storage(analysis, problem, profile.windows, sol.choices))
+                      plan_storage(analysis, problem, profile.windows, sol.choices), hand)
 
 
 @dataclasses.dataclass(frozen=True)
