@@ -132,6 +132,22 @@ def block_constraints(block: Block, strategy, axis_names) -> dict[int, tuple[lis
     return out
 
 
+_MEMO: dict[int, dict] = {}
+
+
+def memo(owner, key, make: Callable):
+    """``make()``, computed once per ``key`` for as long as ``owner`` (a graph or a record,
+    which are immutable) lives: the state walks below run for every combination priced."""
+    import weakref
+    table = _MEMO.get(id(owner))
+    if table is None:
+        table = _MEMO[id(owner)] = {}
+        weakref.finalize(owner, _MEMO.pop, id(owner), None)
+    if key not in table:
+        table[key] = make()
+    return table[key]
+
+
 def state_updates(graph: Graph) -> dict[int, int]:
     """The values of the optimizer update, each with the index of the state pair
     (``Graph.state_pairs``) whose new value it computes: walking back from each new state
@@ -140,6 +156,10 @@ def state_updates(graph: Graph) -> dict[int, int]:
     Under a plan that splits the state, these are computed in the state's split layout:
     the gradient reduced into it, the update on shards. No model is named: the walk stops
     at the first operator that is not elementwise, so the backward pass stays the block's."""
+    return memo(graph, "state_updates", lambda: _state_updates(graph))
+
+
+def _state_updates(graph: Graph) -> dict[int, int]:
     out: dict[int, int] = {}
     for k, (_, new) in enumerate(graph.state_pairs()):
         shape = graph.values[new].shape
@@ -157,14 +177,15 @@ def state_updates(graph: Graph) -> dict[int, int]:
 
 STATE_LAYOUTS = ("plan", "zero1", "fsdp")  # where a plan keeps a state leaf between steps
 
-
 def state_kinds(graph: Graph) -> list[str]:
     """Per state pair (``Graph.state_pairs``), ``param`` when an operator outside the
     optimizer update (``state_updates``) reads the leaf, as the forward pass reads a
     parameter, else ``opt`` (optimizer state, which only the update reads)."""
-    update_ops = {graph.values[u].producer for u in state_updates(graph)}
-    return ["param" if any(r not in update_ops for r in graph.users.get(v, ())) else "opt"
-            for v, _ in graph.state_pairs()]
+    def make():
+        update_ops = {graph.values[u].producer for u in state_updates(graph)}
+        return ["param" if any(r not in update_ops for r in graph.users.get(v, ())) else "opt"
+                for v, _ in graph.state_pairs()]
+    return memo(graph, "state_kinds", make)
 
 
 def split_rest(spec, shape, mesh_shape, axis_names) -> tuple:

@@ -34,7 +34,7 @@ import dataclasses
 import math
 
 from cfp import dims as dimrules
-from cfp.sharding import STATE_LAYOUTS, block_constraints, state_specs, sub_program
+from cfp.sharding import STATE_LAYOUTS, block_constraints, memo, state_specs, sub_program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,14 +126,16 @@ def window_space(analysis, window: Window) -> list[int]:
 def first_readers(analysis) -> dict[int, int]:
     """Step input -> the block of its first reader in program order (the block whose strategy
     sets the layout it enters in)."""
-    out: dict[int, int] = {}
-    for op in analysis.graph.ops:
-        b = analysis.blocks.owner.get(op.index)
-        if b is not None:
-            for v in op.inputs:
-                if analysis.graph.values[v].producer is None:
-                    out.setdefault(v, b)
-    return out
+    def make():
+        out: dict[int, int] = {}
+        for op in analysis.graph.ops:
+            b = analysis.blocks.owner.get(op.index)
+            if b is not None:
+                for v in op.inputs:
+                    if analysis.graph.values[v].producer is None:
+                        out.setdefault(v, b)
+        return out
+    return memo(analysis.blocks, "first_readers", make)
 
 
 def held_state(analysis, window: Window) -> tuple[int, ...]:
@@ -145,9 +147,10 @@ def held_state(analysis, window: Window) -> tuple[int, ...]:
     g, owner = analysis.graph, analysis.blocks.owner
     first = first_readers(analysis)
     inside = range(window.start, window.end)
-    return tuple(k for k, (v, new) in enumerate(g.state_pairs())
-                 if g.values[v].shape and first.get(v) in inside
-                 and owner.get(g.values[new].producer) in inside)
+    return memo(analysis.blocks, ("held_state", window.start, window.end), lambda: tuple(
+        k for k, (v, new) in enumerate(g.state_pairs())
+        if g.values[v].shape and first.get(v) in inside
+        and owner.get(g.values[new].producer) in inside))
 
 
 def state_layout(analysis, window: Window, combo) -> str:

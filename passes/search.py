@@ -443,6 +443,7 @@ class Prediction:
     storage: Storage = Storage()  # where the plan keeps the training state
     # the rule-file hand plans priced from the same profile: (name, seconds, bytes per device)
     hand_plans: tuple = ()
+    choices: tuple = ()  # option per window instance (``build_problem``'s)
 
 
 def predict_plan(analysis, profile, memory_budget_bytes: int | None,
@@ -463,7 +464,8 @@ def predict_plan(analysis, profile, memory_budget_bytes: int | None,
                       predicted_seconds(problem, sol.choices, profile.launch_overhead_s),
                       sol.memory, sol.status, sol.solve_s, plan_flops(analysis), profile.cost,
                       memory_budget_bytes,
-                      plan_storage(analysis, problem, profile.windows, sol.choices), hand)
+                      plan_storage(analysis, problem, profile.windows, sol.choices), hand,
+                      tuple(sol.choices))
 
 
 @dataclasses.dataclass(frozen=True)
