@@ -23,7 +23,7 @@ from typing import Any
 
 from cfp.errors import CfpError
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 @dataclasses.dataclass(frozen=True)

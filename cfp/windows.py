@@ -307,8 +307,23 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
     held_bytes = {t[0]: held_size(t) for t in terms.held}
     held_bytes.update((t[0], n) for t in terms.gathered if (n := gathered_size(t)))
     adding = sum(size(*t) for t in terms.adding) + sum(held_bytes.values())
+    adding += sum(size(*t, stored=False) - size(*t) for t in terms.adding
+                  if t[0] in gathered_params(analysis, window, combo))
     held_internal = sum(held_bytes.get(v, 0) for v in terms.internal)
     return adding, max(0, measured.temp_bytes - held_internal), sum(held_bytes.values())
+
+
+def gathered_params(analysis, window: Window, combo) -> frozenset[int]:
+    """The parameters ``combo`` stores split (``fsdp``) that the window gathers to compute
+    with. XLA gathers them early and holds them gathered until the backward pass is done with
+    them, across the windows between (the compiled peaks of whole steps say so:
+    ``scripts/composed_memory.py``), so each counts whole, as its blocks compute with it, in
+    the memory that adds up over windows."""
+    from cfp.sharding import state_kinds
+    if state_layout(analysis, window, combo) != "fsdp":
+        return frozenset()
+    g, kinds, pairs = analysis.graph, state_kinds(analysis.graph), analysis.graph.state_pairs()
+    return frozenset(pairs[k][0] for k in held_state(analysis, window) if kinds[k] == "param")
 
 
 def term_sizers(analysis, window: Window, combo, axis_names):
@@ -325,17 +340,18 @@ def term_sizers(analysis, window: Window, combo, axis_names):
         split = {pairs[k][0] for k in held_state(analysis, window)
                  if layout == "fsdp" or kinds[k] == "opt"}
 
-    def spec(v, k, labels):
+    def spec(v, k, labels, stored=True):
         s = ((None,) * len(g.values[v].shape) if k is None
              else dimrules.spec_axes(labels, axes[k], axis_names))
-        return split_rest(s, g.values[v].shape, mesh_shape, axis_names) if v in split else s
+        return (split_rest(s, g.values[v].shape, mesh_shape, axis_names)
+                if stored and v in split else s)
 
     def nbytes(v, s):
         return shard_bytes(g.values[v].shape, _itemsize(g.values[v].dtype), s, mesh_shape,
                            axis_names)
 
-    def size(v, k, labels):
-        return nbytes(v, spec(v, k, labels))
+    def size(v, k, labels, stored=True):
+        return nbytes(v, spec(v, k, labels, stored))
 
     def held_size(term):
         v, made, forward, backward = term

@@ -113,20 +113,20 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
     from cfp.workloads import make_mesh, trace_step
     start = time.perf_counter()
     phases = Phases()
+    with phases("tracing"):
+        workload = analysis.spec.build()
+        mesh = make_mesh(analysis.mesh_shape)
+        program = trace_step(workload)
+        args_host = real_inputs(workload)
     with phases("solving"):
         problem, _ = build_problem(analysis, profile, options.memory_budget_bytes)
-        sols = predicted_plans(problem, options.validate_top, options.time_limit_s)
+        sols = fitting_predictions(analysis, problem, profile, options, program, mesh)
         solve_s = time.perf_counter() - start
         status = sols[0].status
         if options.validate_baselines:
             sols += [sol for _, sol in baseline_candidates(analysis, problem,
                                                            [s.choices for s in sols])]
         sols = share(sols)  # the solver's time limit makes its answer one process's to give
-    with phases("tracing"):
-        workload = analysis.spec.build()
-        mesh = make_mesh(analysis.mesh_shape)
-        program = trace_step(workload)
-        args_host = real_inputs(workload)
     storages = [plan_storage(analysis, problem, profile.windows, s.choices) for s in sols]
     steps, times = measure_plans(program, analysis, list(zip([s.strategies for s in sols],
                                                              storages)),
@@ -158,6 +158,38 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
                        ("rolled" if step.rolled else "unrolled") if program.scans else "")
     log.info("search pass: %.1f s, phases %s", rec.time_s, rec.phase_s)
     return rec
+
+
+CALIBRATIONS = 3  # most solves against a budget scaled to what XLA holds
+
+
+def fitting_predictions(analysis, problem: Problem, profile, options: SearchOptions, program,
+                        mesh) -> list[Solution]:
+    """``predicted_plans``, at least one of which fits the budget once compiled. The
+    composition can count less than XLA holds (split state gathered early, say): where every
+    prediction's compiled peak is over the budget, the budget the solver composes against is
+    scaled by the composed / compiled ratio of the prediction closest to fitting and the
+    plans are solved again, up to ``CALIBRATIONS`` times. Each is compiled, not run."""
+    from cfp.execute import PlannedStep
+    from cfp.measure import memory_of
+    budget = problem.memory_budget
+    sols = predicted_plans(problem, options.validate_top, options.time_limit_s)
+    for _ in range(CALIBRATIONS - 1 if budget is not None else 0):
+        peaks = [memory_of(PlannedStep(
+            program, analysis, s.strategies, mesh,
+            plan_storage(analysis, problem, profile.windows, s.choices)).compile())["peak_bytes"]
+            for s in sols]
+        if min(peaks) <= budget:
+            break
+        ratio = max(s.memory / p for s, p in zip(sols, peaks))
+        problem = dataclasses.replace(problem, memory_budget=int(problem.memory_budget * ratio))
+        log.info("no prediction fits once compiled (peaks %s); solving against %d bytes",
+                 peaks, problem.memory_budget)
+        try:
+            sols = predicted_plans(problem, options.validate_top, options.time_limit_s)
+        except CfpError:  # nothing composes within the scaled budget: keep the last
+            break
+    return sols
 
 
 def plan_storage(analysis, problem: Problem, windows, choices) -> Storage:

@@ -1,18 +1,23 @@
 """Composed memory of the hand plans against their compiled peaks (the state donated).
 
 For one workload and mesh, each rule-file baseline whose blocks are all on strategies the
-analysis kept (``dp``, ``megatron``, ...; not the state-splitting ones, which cfp's own plans
-cannot express yet) is composed as search composes a plan: its windows (split as the profile
-splits them) are compiled one by one, donating what they update, and their memory terms add up
+analysis kept (``dp``, ``megatron``, ``zero1``, ``fsdp``, ...) is composed as search composes a
+plan: its windows (split as the profile splits them) are compiled one by one under its block
+strategies and its state layout (a window holding state takes and returns it split as the
+plan stores it), donating what they update, and their memory terms add up
 (``cfp.windows.option_memory``, ``cfp.solver.evaluate``). The whole step is compiled under the
 same plan, and the two peaks are printed side by side. Nothing is timed.
 
     python scripts/composed_memory.py --model gpt --mesh 8 --num-layers 2 --num-heads 8 \
         --hidden-size 256 --seq-len 128 --batch-size 8 --max-combinations 32
+
+``--search WORKDIR...`` instead lists, for every candidate search ran end to end in those
+work dirs, its composed memory and time against its compiled peak and measured median.
 """
 from __future__ import annotations
 
 import math
+import statistics
 import os
 import sys
 from pathlib import Path
@@ -22,7 +27,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark import workload_parser  # noqa: E402
 
 
+def searched(workdirs) -> None:
+    """Composed memory and time against the compiled and measured, for every candidate the
+    search pass ran end to end in each work dir (``search.pkl``)."""
+    from cfp.records import read_record
+    from cfp.workdir import SEARCH_FORMAT
+    mem_errors, time_errors = [], []
+    for d in workdirs:
+        rec = read_record(Path(d) / "search.pkl", SEARCH_FORMAT, None, hint="run search")
+        print(f"{Path(d).name}: candidate, state, composed / compiled MiB, predicted / "
+              f"measured ms")
+        for c in rec.candidates:
+            mem_errors.append(abs(c.composed_memory_bytes / c.compiled_peak_bytes - 1))
+            time_errors.append(abs(c.predicted_s / c.median_s - 1))
+            print(f"  {c.source:<34} {c.storage.describe():<30} "
+                  f"{c.composed_memory_bytes / 2**20:7.2f} / {c.compiled_peak_bytes / 2**20:7.2f}"
+                  f"  {c.predicted_s * 1e3:8.2f} / {c.median_s * 1e3:8.2f}")
+    print(f"median absolute error over {len(mem_errors)} candidates: memory "
+          f"{statistics.median(mem_errors):.1%}, time {statistics.median(time_errors):.1%}")
+
+
 def main(argv=None) -> None:
+    if argv is None and sys.argv[1:2] == ["--search"]:
+        return searched(sys.argv[2:])
     a = workload_parser(__doc__, model="gpt", rounds=1, min_seconds=0.0,
                         max_combinations=32).parse_args(argv)
     mesh_shape = tuple(int(x) for x in a.mesh.split("x"))
@@ -49,12 +76,17 @@ def main(argv=None) -> None:
     blocks = analysis.blocks.blocks
     print(f"{spec.label} mesh {a.mesh}: composed from {len(windows)} windows against the whole "
           f"step compiled, MiB per device, the state donated")
-    for name, idx in baseline_strategy_indices(analysis).items():
+    from cfp.execute import Storage
+    from cfp.sharding import STATE_LAYOUTS
+    from cfp.windows import held_state
+    errors = []
+    for name, (idx, layout) in baseline_strategy_indices(analysis, storage=True).items():
         if None in idx:
             continue
         groups = []
         for k, w in enumerate(windows):
             combo = tuple(idx[b] for b in range(w.start, w.end))
+            combo += (STATE_LAYOUTS.index(layout),) if held_state(analysis, w) else ()
             exe, _ = WindowProgram(program, analysis, w, mesh).compile(combo)
             terms = memory_terms(analysis, w, earlier[k], held)
             mem, transient, held_bytes = option_memory(
@@ -64,10 +96,13 @@ def main(argv=None) -> None:
                                 [Option(combo, 0, mem, transient, held_bytes)]))
         composed = evaluate(Problem(groups, [len(b.strategies) for b in blocks]),
                             [0] * len(groups))[1]
-        step = PlannedStep(program, analysis, idx, mesh)
+        step = PlannedStep(program, analysis, idx, mesh, Storage(layout))
         peak = memory_of(step.compile())["peak_bytes"]
+        errors.append(abs(composed / peak - 1))
         print(f"{name:10} composed {composed / 2**20:7.2f}  compiled {peak / 2**20:7.2f}  "
               f"error {composed / peak - 1:+.1%}", flush=True)
+    print(f"median absolute error {statistics.median(errors):.1%} over {len(errors)} "
+          f"plans")
 
 
 if __name__ == "__main__":
