@@ -7,6 +7,8 @@ import numpy as np
 
 from cfp.models.optim import AdamState, adam_init, adam_update
 
+STEPS = ("train", "forward")
+
 
 def make_train_step(loss_fn: Callable[[Any, Any], jax.Array], *, lr: float = 1e-3, b1: float = 0.9,
                     b2: float = 0.999, eps: float = 1e-8) -> Callable[[Any, AdamState, Any], tuple]:
@@ -40,8 +42,15 @@ class Workload:
     opt_init: Callable[[Any], Any] | None = None
     opt_update: Callable[[Any, Any, Any], tuple] | None = None
     loss_takes_key: bool = False  # set when loss_fn is (params, batch, rng); see below
+    # The step cfp plans (``STEPS``): "train", value-and-grad plus the optimizer's update;
+    # "forward", the loss alone (inference or evaluation): no gradients, no optimizer state,
+    # nothing returned to feed back.
+    step: str = "train"
 
     def __post_init__(self):
+        if self.step not in STEPS:
+            from cfp.errors import CfpError
+            raise CfpError(f"step {self.step!r} is not one of {', '.join(STEPS)}")
         # A loss that takes a PRNG key, loss_fn(params, batch, rng), gets a fresh one with
         # every batch: cfp carries it in the batch, as (batch, key), so the step keeps its
         # (params, opt_state, batch) form and the key is step data like any other.
@@ -65,8 +74,22 @@ class Workload:
         return jax.eval_shape(lambda: self.make_batch(jax.random.key(0)))
 
     def abstract_opt_state(self) -> Any:
-        """Optimizer state of ShapeDtypeStructs (nothing allocated)."""
-        return jax.eval_shape(self.opt_init or adam_init, self.abstract_params())
+        """Optimizer state of ShapeDtypeStructs (nothing allocated); ``()`` for a forward
+        step, which has none."""
+        return jax.eval_shape(self.init_opt_state, self.abstract_params())
+
+    def init_opt_state(self, params) -> Any:
+        """The optimizer state of ``params`` (``()`` for a forward step)."""
+        return () if self.step == "forward" else (self.opt_init or adam_init)(params)
+
+    def step_fn(self) -> Callable[[Any, Any, Any], Any]:
+        """The step cfp plans, ``step(params, opt_state, batch)``: ``train_step()``, or for
+        ``step="forward"`` the loss alone (``opt_state`` is ``()``), which returns no new
+        state."""
+        if self.step == "train":
+            return self.train_step()
+        loss_fn = self.loss_fn
+        return lambda params, opt_state, batch: loss_fn(params, batch)
 
     def train_step(self, *, lr: float = 1e-3, b1: float = 0.9, b2: float = 0.999,
                    eps: float = 1e-8) -> Callable[[Any, AdamState, Any], tuple]:
@@ -83,7 +106,10 @@ class Workload:
         return make_train_step(self.loss_fn, lr=lr, b1=b1, b2=b2, eps=eps)
 
     def grad_fn(self) -> Callable[[Any, Any], tuple[jax.Array, Any]]:
-        """f(params, batch) -> (loss, grads)."""
+        """f(params, batch) -> (loss, grads); a forward step has no gradients: ``()``."""
+        if self.step == "forward":
+            loss_fn = self.loss_fn
+            return lambda params, batch: (loss_fn(params, batch), ())
         return jax.value_and_grad(self.loss_fn)
 
 
