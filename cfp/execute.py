@@ -100,17 +100,17 @@ def plan_specs(analysis, strategies: Sequence[int | Strategy] | None, axis_names
     if storage.state != "plan":
         from cfp.baselines import input_kinds
         kinds = input_kinds(analysis)
-        split = [split_rest(ins[v], g.values[v].shape, analysis.mesh_shape, axis_names)
-                 for v, _ in pairs]
-        for k, (v, _) in enumerate(pairs):
-            if storage.state == "fsdp" or kinds[k] == "opt":
-                ins[v] = split[k]
+        split = {v: split_rest(ins[v], g.values[v].shape, analysis.mesh_shape, axis_names)
+                 for v, kind in zip(g.inputs, kinds) if kind != "batch"}
+        for v, kind in zip(g.inputs, kinds):  # a forward step's parameters, too (no pairs)
+            if storage.state == "fsdp" and kind == "param" or kind == "opt":
+                ins[v] = split[v]
         for v, k in state_updates(g).items():  # the update on shards
             op = g.ops[g.values[v].producer]
             operands, results = constraints.get(op.index, ([None] * len(op.inputs),
                                                            [None] * len(op.outputs)))
             results = list(results)
-            results[op.outputs.index(v)] = split[k]
+            results[op.outputs.index(v)] = split[pairs[k][0]]
             constraints[op.index] = (list(operands), results)
     outs = {v: made.get(v, none(v)) for v in g.outputs}
     for v, new in pairs:

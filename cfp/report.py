@@ -451,6 +451,13 @@ def prediction_console(rec, cluster) -> None:
     budget = rec.memory_budget_bytes or cluster.memory_per_device_bytes
     say(f"memory per device: {rec.memory_bytes / 2**30:.3f} GB composed (budget "
         f"{budget / 2**30:g} GB)")
+    if rec.baselines:
+        say("hand plans priced the same way:")
+    for b in rec.baselines:
+        say(f"  {b.name} ({b.title}): " + (
+            f"not a plan here: {b.note}" if b.predicted_s is None else
+            f"predicted {b.predicted_s * 1e3:.3f} ms, {b.memory_bytes / 2**30:.3f} GB per "
+            f"device{'' if b.memory_bytes <= budget else ', over the budget'}"))
 
 
 def meshes_console(ranked, cluster) -> None:

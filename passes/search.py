@@ -338,24 +338,64 @@ def baseline_candidates(analysis, problem: Problem, known) -> list[tuple[str, So
     from cfp.baselines import baseline_strategy_indices
     out, seen = [], set(known)
     for name, idx in baseline_strategy_indices(analysis).items():
-        if None in idx or tuple(idx) in seen:
+        if tuple(idx) in seen:
             continue
-        choices = []
-        for g in problem.groups:
-            want = tuple(idx[b] for b in g.blocks)
-            choices.append(next((i for i, o in enumerate(g.options) if o.strategies == want),
-                                None))
-        if None in choices:
+        choices, _ = _baseline_choices(problem, idx)
+        if choices is None:
             continue
         cost, mem, strategies = evaluate(problem, choices)
         if problem.memory_budget is not None and mem > problem.memory_budget:
             continue
-        if any(strategies[i] != strategies[j] for i, j in problem.ties):
-            continue  # layers of one scan on different strategies: not a plan of a scan
         seen.add(strategies)
         out.append((name, Solution(tuple(choices), strategies, cost, mem, f"baseline {name}",
                                    0.0)))
     return out
+
+
+def _baseline_choices(problem: Problem, idx) -> tuple[list[int] | None, str]:
+    """(the option per group of the baseline whose strategy per block is ``idx``, or None
+    with why it is not a plan of ``problem``)."""
+    if None in idx:
+        return None, "a strategy it needs was pruned by the analysis"
+    choices = []
+    for g in problem.groups:
+        want = tuple(idx[b] for b in g.blocks)
+        choices.append(next((i for i, o in enumerate(g.options) if o.strategies == want),
+                            None))
+    if None in choices:
+        return None, "a combination it needs was not profiled"
+    strategies = evaluate(problem, choices)[2]
+    if any(strategies[i] != strategies[j] for i, j in problem.ties):
+        return None, "its layers of one scan differ"  # not a plan of a scan
+    return choices, ""
+
+
+@dataclasses.dataclass(frozen=True)
+class PricedBaseline:
+    """A rule-file baseline (``cfp.baselines``) priced as the plan beside it is."""
+
+    name: str  # the rule file's name (dp, dp_tp, ...)
+    title: str
+    predicted_s: float | None  # None: not a plan of the problem (see note)
+    memory_bytes: int | None  # per device, composed
+    note: str = ""
+
+
+def priced_baselines(analysis, problem: Problem, launch_overhead_s: float
+                     ) -> tuple[PricedBaseline, ...]:
+    """Every rule-file baseline that applies here, priced from the same profile as the
+    searched plan (whatever the memory budget), or why it cannot be."""
+    from cfp.baselines import baseline_strategy_indices, load_rules
+    rules, out = load_rules(), []
+    for name, idx in baseline_strategy_indices(analysis).items():
+        choices, why = _baseline_choices(problem, idx)
+        if choices is None:
+            out.append(PricedBaseline(name, rules[name].title, None, None, why))
+            continue
+        out.append(PricedBaseline(name, rules[name].title,
+                                  predicted_seconds(problem, choices, launch_overhead_s),
+                                  evaluate(problem, choices)[1]))
+    return tuple(out)
 
 
 def predicted_seconds(problem: Problem, choices, launch_overhead_s: float) -> float:
@@ -419,17 +459,19 @@ class Prediction:
     step_flops: float
     pricing: str  # the profile's cost: "model" (compile-only) or "analytic"
     memory_budget_bytes: int | None = None
+    baselines: tuple[PricedBaseline, ...] = ()  # the hand plans, priced the same way
 
 
 def predict_plan(analysis, profile, memory_budget_bytes: int | None,
                  time_limit_s: float, *, alike_only: bool = False) -> Prediction:
     """The best plan of the priced profile, with its predicted step time and memory."""
     problem, _ = build_problem(analysis, profile, memory_budget_bytes)
+    baselines = priced_baselines(analysis, problem, profile.launch_overhead_s)
     sol = top_plans(problem, 1, time_limit_s, alike_only=alike_only)[0]
     return Prediction(tuple(analysis.mesh_shape), tuple(sol.strategies),
                       predicted_seconds(problem, sol.choices, profile.launch_overhead_s),
                       sol.memory, sol.status, sol.solve_s, plan_flops(analysis), profile.cost,
-                      memory_budget_bytes)
+                      memory_budget_bytes, baselines)
 
 
 @dataclasses.dataclass(frozen=True)
