@@ -229,6 +229,9 @@ def _options(args) -> RunOptions:
                         args.step)
     workdir = Path(args.workdir) if args.workdir else None
     modes = (args.mode,) if args.mode else MODES
+    if args.mode == "stages" and args.step == "forward":
+        raise CfpError("--mode stages plans the pipeline of a training step (its 1F1B "
+                       "schedule): leave out --step forward")
     if args.cluster is not None and args.num_processes > 1:
         raise CfpError("--cluster plans without running anything: run it in one process "
                        "(without --num-processes)")

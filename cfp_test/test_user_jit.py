@@ -8,7 +8,7 @@ import pytest
 
 import users_models
 from cfp.errors import CfpError
-from cfp.execute import PlannedStep, example_inputs
+from cfp.execute import PlannedStep, check_numerics, example_inputs
 from cfp.passes.analysis import run_analysis
 from cfp.plan import jit as plan_jit
 from cfp.plan import make_plan, shardings
@@ -153,6 +153,8 @@ def test_a_forward_plan_in_the_users_own_jit():
         assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(placed))
         assert any(any(e is not None for e in x.sharding.spec)
                    for x in jax.tree_util.tree_leaves(placed))
+    loss_err, grad_excess = check_numerics(w, a, strategies, mesh)  # the search pass's check
+    assert loss_err < 1e-5 and grad_excess == 0
     # controls: the comparison tells other parameters apart; a training step's arguments
     # (with an optimizer state) are refused by a forward plan
     other = jax.tree_util.tree_map(lambda x: x * 1.01, params)

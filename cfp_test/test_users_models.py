@@ -193,3 +193,31 @@ def test_a_train_state_step_in_the_users_own_jit():
     assert all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(
         jax.tree_util.tree_leaves(got[1]), jax.tree_util.tree_leaves(state_sh)))
     assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(placed.params))
+
+
+def test_an_nnx_step_in_the_users_own_jit():
+    """The plan of an NNX (model, optimizer) step in the user's own jit: the state split as
+    ``nnx.split(..., nnx.Param, ...)`` splits it is the plan's (params, opt_state), so
+    ``step_shardings`` and ``plan.jit`` take it; three steps, donated and fed back, match one
+    device (``assert_users_loop``)."""
+    import optax
+    import users_models
+    from flax import nnx
+    from cfp.plan import make_plan
+    spec = WorkloadSpec("users_models:nnx_optimizer").resolved()
+    a = run_analysis(spec, (2, 4))
+    plan = make_plan(a, [len(b.strategies) - 1 for b in a.blocks.blocks])
+    model = users_models._nnx_model(32, 4, 2, nnx.Rngs(jax.random.key(0)))
+    graphdef, params, rest = nnx.split(
+        (model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)), nnx.Param, ...)
+    batch = spec.build().make_batch(jax.random.key(1))
+
+    def train_step(params, rest, batch):  # the user's: merge, step in place, split
+        model, optimizer = nnx.merge(graphdef, params, rest)
+        loss = users_models.nnx_step(model, optimizer, batch)
+        _, params, rest = nnx.split((model, optimizer), nnx.Param, ...)
+        return params, rest, loss
+
+    new_params = assert_users_loop(train_step, plan, make_mesh((2, 4)), params, rest, batch)
+    assert any(any(e is not None for e in x.sharding.spec)
+               for x in jax.tree_util.tree_leaves(new_params))
