@@ -221,3 +221,32 @@ def test_an_nnx_step_in_the_users_own_jit():
     new_params = assert_users_loop(train_step, plan, make_mesh((2, 4)), params, rest, batch)
     assert any(any(e is not None for e in x.sharding.spec)
                for x in jax.tree_util.tree_leaves(new_params))
+
+
+def test_a_state_step_given_wrong_is_one_clear_error():
+    """A state that is neither a TrainState-like record nor an NNX (model, optimizer), metrics
+    without the loss, or loss_fn next to train_step: each a CfpError saying what to give."""
+    import jax.numpy as jnp
+    import users_models
+    from cfp.errors import CfpError
+    from cfp.models import user_workload
+    from cfp.workloads import trace_step
+    init_state, make_batch = users_models.train_state_parts()
+    bad = user_workload(train_step=users_models.train_state_step,
+                        init_state=lambda key: {"w": jnp.ones(2)}, make_batch=make_batch)
+    with pytest.raises(CfpError, match="give a Flax TrainState"):
+        bad.abstract_params()
+
+    def metrics_without_loss(state, batch):
+        new, metrics = users_models.train_state_step(state, batch)
+        return new, {"ce": metrics["loss"]}
+
+    with pytest.raises(CfpError, match="under 'loss'"):
+        trace_step(user_workload(train_step=metrics_without_loss, init_state=init_state,
+                                 make_batch=make_batch))
+    with pytest.raises(CfpError, match="instead of loss_fn"):
+        user_workload(lambda p, b: 0.0, train_step=users_models.train_state_step,
+                      init_state=init_state, make_batch=make_batch)
+    good = user_workload(train_step=users_models.train_state_step, init_state=init_state,
+                         make_batch=make_batch)  # the control
+    assert trace_step(good).graph().state_pairs()

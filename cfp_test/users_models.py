@@ -6,6 +6,10 @@ cfp's zoo: heads split off by reshape, dropout driven by keys.
 - ``flax_dropout_rng``: the same model taking the key as the loss's third argument
   (``loss_fn(params, batch, rng)``), trained with Optax's AdamW.
 - ``equinox_attention``: an Equinox transformer whose attention splits 4 heads by reshape.
+- ``flax_train_state``: the Flax linen transformer in a ``TrainState``, stepped by
+  ``train_step(state, batch) -> (state, metrics)``.
+- ``nnx_optimizer``: an NNX transformer with ``nnx.Optimizer``, stepped in place by
+  ``train_step(model, optimizer, batch) -> loss``.
 """
 from __future__ import annotations
 
