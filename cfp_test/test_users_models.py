@@ -126,7 +126,9 @@ def test_dropout_keys_are_step_data(model):
                     assert all(label is None for label in lab), (m.op, op.primitive)
 
 
-STATE_STEPS = ["users_models:flax_train_state", "users_models:nnx_optimizer"]
+# With the slow tests: each kind runs in a loop in the user's own jit among the fast ones.
+STATE_STEPS = [pytest.param(m, marks=pytest.mark.slow)
+               for m in ("users_models:flax_train_state", "users_models:nnx_optimizer")]
 
 
 @pytest.mark.parametrize("model", STATE_STEPS)
