@@ -28,7 +28,7 @@ from cfp import dims as dimrules
 from cfp.jax_compat import itemsize
 from cfp.measure import CostModel, Measurement
 from cfp.sharding import sub_program
-from cfp.windows import Window, shard_bytes, window_layouts, window_ops
+from cfp.windows import Window, apply_state, shard_bytes, window_layouts, window_ops
 
 
 def _axes_of(spec, axis_names) -> list[tuple[int, ...]]:
@@ -77,9 +77,20 @@ def window_measurement(analysis, window: Window, combo, cost: CostModel,
                     if axes:
                         whole = tuple(None for _ in spec)
                         colls.append(("all-gather", axes, nbytes(v, whole)))
-    seconds += sum(cost.collective_s(kind, axes, b, mesh_shape) for kind, axes, b in colls)
     sub = sub_program(g, window_ops(analysis, window))
-    ins, outs, _ = window_layouts(g, blocks, strategies, sub, axis_names)
+    ins, outs, constraints = window_layouts(g, blocks, strategies, sub, axis_names)
+    plain = dict(zip(sub.live_ins, ins))
+    apply_state(analysis, window, combo, sub, ins, outs, constraints, axis_names)
+    # Split state: the gradient's all-reduce becomes a reduce-scatter and the gather of the
+    # updated parameters (the same bytes); a parameter stored split (fsdp) is gathered once
+    # more, as the forward and the backward pass each gather it.
+    for v, spec in zip(sub.live_ins, ins):
+        axes = tuple(sorted({a for d in _axes_of(spec, axis_names) for a in d}
+                            - {a for d in _axes_of(plain[v], axis_names) for a in d}))
+        if axes and any(g.ops[u].primitive not in dimrules.ELEMENTWISE
+                        for u in g.users.get(v, ())):
+            colls.append(("all-gather", axes, nbytes(v, plain[v])))
+    seconds += sum(cost.collective_s(kind, axes, b, mesh_shape) for kind, axes, b in colls)
     arg_b = sum(nbytes(v, s) for v, s in zip(sub.live_ins, ins))
     out_b = sum(nbytes(v, s) for v, s in zip(sub.live_outs, outs))
     return Measurement("ok", seconds, seconds, seconds, 0, 0.0, arg_b + out_b + temp, arg_b,

@@ -1,7 +1,8 @@
 """Python API: a user's own training step through the same three passes.
 
     >>> import cfp.api  # doctest: +SKIP
-    >>> plan = cfp.api.autoshard("mypkg.train:make_workload", mesh="2x4",
+    >>> mesh = jax.make_mesh((2, 4), ("data", "model"))  # doctest: +SKIP
+    >>> plan = cfp.api.autoshard("mypkg.train:make_workload", mesh=mesh,
     ...                          workdir="profiles/mine", memory_budget_gb=4)  # doctest: +SKIP
 
 ``make_workload`` returns a ``cfp.models.Workload``, most simply through
@@ -16,18 +17,21 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def autoshard(factory: str, *, mesh: str = "8", workdir: str | Path | None = None,
+def autoshard(factory: str, *, mesh="8", workdir: str | Path | None = None,
               batch_size: int | None = None, dtype: str = "float32",
               memory_budget_gb: float | None = None, max_combinations: int = 32,
               validate_top: int = 3, extra_args=()) -> dict:
     """Run analysis, profile and search on ``factory``'s step; return the plan.
 
+    ``mesh``: the user's ``jax.sharding.Mesh`` (any axis names and types; the plan speaks its
+    names and applies to it) or ``--mesh`` text (``2x4``, ``data=2,model=4``).
     ``workdir`` None: the command line's default (``profiles/<factory>-<mesh>/``). Bad input
     raises ``CfpError`` with its one-line reason, before any work; Ctrl-C raises
     ``KeyboardInterrupt`` (everything measured is kept in the work dir)."""
     from cfp.cli import run
     from cfp.plan import load_plan
-    args = ["--model", factory, "--mesh", mesh, "--dtype", dtype,
+    from cfp.workloads import mesh_from, mesh_text
+    args = ["--model", factory, "--mesh", mesh_text(*mesh_from(mesh)), "--dtype", dtype,
             "--max-combinations", str(max_combinations), "--validate-top", str(validate_top)]
     if workdir is not None:
         args += ["--workdir", str(workdir)]

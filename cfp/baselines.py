@@ -253,15 +253,19 @@ def baseline_plan(rule: Rule, analysis) -> BaselinePlan:
                         Storage(rule.storage))
 
 
-def baseline_strategy_indices(analysis) -> dict[str, tuple[int | None, ...]]:
+def baseline_strategy_indices(analysis, *, storage: bool = False
+                              ) -> dict[str, tuple[int | None, ...]]:
     """Per rule-file baseline that applies and fixes every block's strategy, the index of
     each block's strategy in its block's list (``None`` where the analysis kept no such
-    strategy)."""
+    strategy): those that keep the state as their blocks compute, or (``storage``) every
+    one, mapped to (indices, its state layout)."""
     out = {}
     for name, rule in load_rules().items():
-        if rule.axes is None or rule.storage != "plan" or not applies(rule, analysis):
+        if rule.axes is None or not (storage or rule.storage == "plan") \
+                or not applies(rule, analysis):
             continue
         bp = baseline_plan(rule, analysis)
-        out[name] = tuple(next((i for i, t in enumerate(b.strategies) if t.axes == st.axes), None)
-                          for b, st in zip(analysis.blocks.blocks, bp.strategies))
+        idx = tuple(next((i for i, t in enumerate(b.strategies) if t.axes == st.axes), None)
+                    for b, st in zip(analysis.blocks.blocks, bp.strategies))
+        out[name] = (idx, rule.storage) if storage else idx
     return out

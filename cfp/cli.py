@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="devices to use; on CPU, this many virtual devices (the mesh's size, "
                         "or 8)")
     m.add_argument("--mesh", default=None,
-                   help="mesh shape, e.g. 8 or 2x4 (axes m0, m1; one axis of all devices "
+                   help="mesh shape, e.g. 8 or 2x4 (axes m0, m1), or named axes, e.g. "
+                        "data=2,model=4, which the plan speaks (one axis of all devices "
                         "when left out); with --cluster, 'auto' plans every logical mesh and "
                         "keeps the best")
     m.add_argument("--cluster", default=None,
@@ -209,6 +210,7 @@ class RunOptions:
     modes: tuple[str, ...]
     cluster: object = None  # cfp.cluster.Cluster; mesh_shape None: --mesh auto, chosen later
     runtime: object = None  # cfp.multihost.Runtime when several processes take part
+    mesh_axes: tuple[str, ...] | None = None  # --mesh's axis names; None: m0, m1, ...
 
     @property
     def reports(self) -> bool:
@@ -240,28 +242,31 @@ def _options(args) -> RunOptions:
         cluster = load_cluster(args.cluster)
         if args.mesh == "auto":
             return RunOptions(spec, None, cluster.num_devices, workdir, modes, cluster)
-        mesh_shape = cluster.mesh_shape if args.mesh is None else parse_mesh(args.mesh)
+        mesh_shape, axes = ((cluster.mesh_shape, None) if args.mesh is None
+                            else parse_mesh(args.mesh))
         if math.prod(mesh_shape) != cluster.num_devices:
             raise CfpError(f"mesh {args.mesh} has {math.prod(mesh_shape)} devices; cluster "
                            f"{cluster.name} has {cluster.num_devices}")
         check_mesh(mesh_shape, cluster.num_devices)
         _check_per_axis(args, mesh_shape)
-        return RunOptions(spec, mesh_shape, cluster.num_devices, workdir, modes, cluster)
+        return RunOptions(spec, mesh_shape, cluster.num_devices, workdir, modes, cluster,
+                          mesh_axes=axes)
     if args.mesh == "auto":
         raise CfpError("--mesh auto compares the logical meshes of a described cluster: give "
                        "--cluster too")
     if args.mesh is None:
         num = 8 if args.num_devices is None else args.num_devices
-        mesh_shape = (num,)
+        mesh_shape, axes = (num,), None
     else:
-        mesh_shape = parse_mesh(args.mesh)
+        mesh_shape, axes = parse_mesh(args.mesh)
         num = math.prod(mesh_shape) if args.num_devices is None else args.num_devices
     if num > MAX_VIRTUAL_DEVICES:
         raise CfpError(f"mesh {args.mesh} has {num} devices, over the {MAX_VIRTUAL_DEVICES} a "
                        f"run here may use: plan for more with --cluster")
     check_mesh(mesh_shape, num)
     _check_per_axis(args, mesh_shape)
-    return RunOptions(spec, mesh_shape, num, workdir, modes, runtime=_runtime(args, num))
+    return RunOptions(spec, mesh_shape, num, workdir, modes, runtime=_runtime(args, num),
+                      mesh_axes=axes)
 
 
 def _check_per_axis(args, mesh_shape: tuple[int, ...]) -> None:
@@ -319,7 +324,7 @@ def _default_workdir(opts: RunOptions) -> Path:
         label += f"-b{spec.batch_size}"
     if opts.cluster is not None:
         label += f"-{opts.cluster.name}"
-    return Path("profiles") / f"{label}-{mesh_text(opts.mesh_shape)}"
+    return Path("profiles") / f"{label}-{mesh_text(opts.mesh_shape, opts.mesh_axes)}"
 
 
 def _setup_devices(num_devices: int) -> None:
@@ -426,7 +431,7 @@ def _kept(workdir: Path) -> str:
 def _workdir(opts: RunOptions):
     from cfp.workdir import WorkDir
     from cfp.workloads import run_fingerprint
-    fp = run_fingerprint(opts.spec, opts.mesh_shape)
+    fp = run_fingerprint(opts.spec, opts.mesh_shape, opts.mesh_axes)
     if opts.cluster is not None:
         fp += (("cluster", repr(opts.cluster)),)
     return WorkDir(opts.workdir, fp)
@@ -456,7 +461,7 @@ def _run_analysis(opts: RunOptions, args) -> None:
     from cfp.passes.analysis import run_analysis
 
     report.say("***********Analysis Pass****************")
-    rec = run_analysis(opts.spec, opts.mesh_shape)
+    rec = run_analysis(opts.spec, opts.mesh_shape, axis_names=opts.mesh_axes)
     _check_fits_host(opts, args, rec)
     report.analysis_console(rec)
     if not opts.reports:  # each process analyses for itself; process 0 keeps the record
@@ -527,7 +532,7 @@ def _analysis(opts: RunOptions, args, wd):
         rec = wd.read_analysis()
     else:
         from cfp.passes.analysis import run_analysis
-        rec = run_analysis(opts.spec, opts.mesh_shape)
+        rec = run_analysis(opts.spec, opts.mesh_shape, axis_names=opts.mesh_axes)
     _check_fits_host(opts, args, rec)
     return rec
 
@@ -589,8 +594,25 @@ def _run_search(opts: RunOptions, args) -> None:
     wd.write_search(rec)
     report.search_console(rec, opts.num_devices)
     report.write_search_dumps(wd.path, analysis, profile, rec)
+    _write_logical_rules(wd.path, analysis)
     report.say(f"wrote {wd.path / 'plan.json'}, {wd.path / 'search.pkl'} and "
                f"{wd.path / 'debug_search'}/")
+
+
+def _write_logical_rules(workdir: Path, analysis) -> None:
+    """logical_rules.json beside plan.json, when the params carry Flax logical names."""
+    from cfp import report
+    from cfp.logical_rules import workload_rules, write_logical_rules
+    from cfp.plan import load_plan
+    plan = load_plan(workdir / "plan.json")
+    rules = workload_rules(plan, analysis.spec.build())
+    if rules is None:
+        report.say("no logical-axis rules: the params carry no logical axis names "
+                   "(nn.with_logical_partitioning, left boxed)")
+        return
+    write_logical_rules(workdir / "logical_rules.json", plan, rules)
+    report.say(f"wrote {workdir / 'logical_rules.json'}" + ("" if rules.expressible else
+               f": the plan is not expressible as logical-axis rules ({rules.conflicts[0]})"))
 
 
 def _predict(opts: RunOptions, args, wd, analysis) -> None:
@@ -607,7 +629,7 @@ def _predict(opts: RunOptions, args, wd, analysis) -> None:
     rec = predict_plan(analysis, profile, _memory_budget_bytes(args, opts), args.time_limit)
     report.prediction_console(rec, opts.cluster)
     path = wd.path / "plan.json"
-    write_plan(path, make_plan(analysis, rec.strategies,
+    write_plan(path, make_plan(analysis, rec.strategies, storage=rec.storage,
                                source=f"predicted for {opts.cluster.name} ({rec.pricing})"))
     report.say(f"wrote {path}")
 

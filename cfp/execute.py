@@ -15,15 +15,13 @@ import numpy as np
 
 from cfp import dims as dimrules
 from cfp.jax_compat import dtype_name, is_key, to_dtype
-from cfp.sharding import block_constraints, step_function
+from cfp.sharding import (STATE_LAYOUTS, block_constraints, split_rest, state_specs,
+                           step_function)
 from cfp.strategies import Strategy
 
 
 def _strategy(block, s):
     return s if isinstance(s, Strategy) else block.strategies[s]
-
-
-STATE_LAYOUTS = ("plan", "zero1", "fsdp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,31 +35,34 @@ class Storage:
     shards and the parameters are gathered after it; ``fsdp`` splits the parameters so too,
     gathered before use. Either way the new state leaves the step in the layout it came in.
     ``inputs``: (step-input position, PartitionSpec entries) pairs that override the
-    plan's (a baseline that splits only the batch)."""
+    plan's (a baseline that splits only the batch). ``leaves``: (state pair index, layout)
+    pairs that override ``state`` for those leaves (a searched plan chooses per window).
+    ``cfp.sharding.state_specs`` applies them."""
 
     state: str = "plan"
     inputs: tuple = ()
+    leaves: tuple = ()
 
     def __post_init__(self):
-        if self.state not in STATE_LAYOUTS:
-            raise ValueError(f"state layout {self.state!r} is not one of {STATE_LAYOUTS}")
+        for layout in (self.state, *(z for _, z in self.leaves)):
+            if layout not in STATE_LAYOUTS:
+                raise ValueError(f"state layout {layout!r} is not one of {STATE_LAYOUTS}")
 
+    def layouts(self, num_pairs: int) -> list[str]:
+        """The layout of each of ``num_pairs`` state pairs."""
+        out = [self.state] * num_pairs
+        for k, layout in self.leaves:
+            out[k] = layout
+        return out
 
-def split_rest(spec, shape, mesh_shape, axis_names) -> tuple:
-    """``spec`` split further over the mesh axes it leaves replicated: each such axis (of
-    size > 1), in mesh order, on the first dim it leaves whole that the axis divides, else on
-    the first split dim it divides further; an axis that divides no dim leaves it whole."""
-    entries = [() if e is None else e if isinstance(e, tuple) else (e,) for e in spec]
-    size = dict(zip(axis_names, mesh_shape))
-    used = {a for e in entries for a in e}
-    for a in axis_names:
-        if size[a] == 1 or a in used:
-            continue
-        fits = [d for d in range(len(shape))
-                if (shape[d] // math.prod(size[b] for b in entries[d])) % size[a] == 0]
-        for d in sorted(fits, key=lambda d: bool(entries[d]))[:1]:
-            entries[d] = entries[d] + (a,)
-    return tuple(None if not e else e[0] if len(e) == 1 else e for e in entries)
+    def describe(self) -> str:
+        """In words: ``plan``, ``zero1``, ``fsdp``, or the count of leaves per layout."""
+        if not self.leaves:
+            return self.state
+        counts = {}
+        for _, z in self.leaves:
+            counts[z] = counts.get(z, 0) + 1
+        return ", ".join(f"{n} leaves {z}" for z, n in sorted(counts.items()))
 
 
 def plan_specs(analysis, strategies: Sequence[int | Strategy] | None, axis_names,
@@ -73,7 +74,6 @@ def plan_specs(analysis, strategies: Sequence[int | Strategy] | None, axis_names
     in the layout its first reader wants (or ``storage``'s); the new state leaves in the
     layout its input came in, so that a loop can feed it back (the plan is a fixed point),
     and the other outputs as their producer makes them."""
-    from cfp.sharding import state_updates
     g, ba = analysis.graph, analysis.blocks
     storage = storage or Storage()
     member = {m.op: (b, m) for b in ba.blocks for m in b.members}
@@ -97,24 +97,11 @@ def plan_specs(analysis, strategies: Sequence[int | Strategy] | None, axis_names
     for b in ba.blocks if strategies is not None else ():
         constraints.update(block_constraints(b, _strategy(b, strategies[b.index]), axis_names))
     pairs = g.state_pairs()
-    if storage.state != "plan":
-        from cfp.baselines import input_kinds
-        kinds = input_kinds(analysis)
-        split = {v: split_rest(ins[v], g.values[v].shape, analysis.mesh_shape, axis_names)
-                 for v, kind in zip(g.inputs, kinds) if kind != "batch"}
-        for v, kind in zip(g.inputs, kinds):  # a forward step's parameters, too (no pairs)
-            if storage.state == "fsdp" and kind == "param" or kind == "opt":
-                ins[v] = split[v]
-        for v, k in state_updates(g).items():  # the update on shards
-            op = g.ops[g.values[v].producer]
-            operands, results = constraints.get(op.index, ([None] * len(op.inputs),
-                                                           [None] * len(op.outputs)))
-            results = list(results)
-            results[op.outputs.index(v)] = split[pairs[k][0]]
-            constraints[op.index] = (list(operands), results)
+    stored = state_specs(g, range(len(pairs)), storage.layouts(len(pairs)), ins, constraints,
+                         analysis.mesh_shape, axis_names)
     outs = {v: made.get(v, none(v)) for v in g.outputs}
-    for v, new in pairs:
-        outs[new] = ins[v]
+    for k, (_, new) in enumerate(pairs):
+        outs[new] = stored[k]
     return ins, outs, constraints
 
 

@@ -102,3 +102,36 @@ def join_runtime(address: str, num_processes: int, process_id: int, *, join_time
     jax.distributed.initialize(address, num_processes=num_processes, process_id=process_id,
                                initialization_timeout=join_timeout_s,
                                heartbeat_timeout_seconds=heartbeat_timeout_s)
+
+
+def auto_axis_types(num_axes: int) -> dict:
+    """``jax.sharding.Mesh`` keywords for a mesh whose axes are all Auto (XLA propagates
+    shardings between the constraints cfp puts in)."""
+    from jax.sharding import AxisType
+    return {"axis_types": (AxisType.Auto,) * num_axes}
+
+
+def explicit_axes(mesh) -> tuple[str, ...]:
+    """The axes of ``mesh`` whose type is Explicit (sharding in the types of arrays)."""
+    from jax.sharding import AxisType
+    return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit)
+
+
+def auto_inside(fn, mesh, out_shardings):
+    """``fn`` with the Explicit axes of ``mesh`` Auto in its body, so that its sharding
+    constraints and XLA's propagation place what it computes; its outputs come back typed
+    with ``out_shardings`` on ``mesh`` (``jax.sharding.auto_axes``). A mesh with no Explicit
+    axis: ``fn`` itself."""
+    axes = explicit_axes(mesh)
+    if not axes:
+        return fn
+    return jax.sharding.auto_axes(fn, axes=axes, out_sharding=out_shardings)
+
+
+def constraint_mesh(mesh):
+    """The mesh a sharding constraint inside ``auto_inside`` names: ``mesh``'s devices and
+    axis names, every axis Auto (as the body sees them)."""
+    if not explicit_axes(mesh):
+        return mesh
+    return jax.sharding.Mesh(mesh.devices, mesh.axis_names,
+                             **auto_axis_types(len(mesh.axis_names)))

@@ -33,7 +33,8 @@ from cfp.errors import CfpError
 from cfp.jax_compat import cost_analysis, is_key, random_keys, to_dtype
 from cfp.sharding import (SubProgram, collectives, op_name, sub_function, sub_program,
                           tagged_op, unnamed_collectives)
-from cfp.windows import Window, window_layouts, window_ops
+from cfp.windows import (Window, apply_state, held_state, state_layout, window_layouts,
+                         window_ops)
 
 _FLOAT_LOW, _FLOAT_HIGH = 0.5, 1.5  # positive, away from zero: safe for log, sqrt, division
 
@@ -147,9 +148,13 @@ class WindowProgram:
         return [b.strategies[k] for b, k in zip(self.blocks, combo)]
 
     def layouts(self, combo) -> tuple[list, list, dict]:
-        """Live-in specs (first reader's want), live-out specs (producer's), constraints."""
-        return window_layouts(self.graph, self.blocks, self.strategies(combo), self.sub,
-                              self.names)
+        """Live-in specs (first reader's want, or the state layout's), live-out specs
+        (producer's; the state the window holds as it came in), constraints."""
+        ins, outs, constraints = window_layouts(self.graph, self.blocks, self.strategies(combo),
+                                                self.sub, self.names)
+        apply_state(self.analysis, self.window, combo, self.sub, ins, outs, constraints,
+                    self.names)
+        return ins, outs, constraints
 
     def donated(self, combo) -> tuple[int, ...]:
         """Positions of the live-ins the window donates, as the step does: training state
@@ -250,6 +255,14 @@ class WindowProgram:
                 p = g.values[v].producer if v in g.values else None
                 if p in owner and owner[p] != owner.get(i):
                     excused |= {p, i}
+        held, untagged = held_state(self.analysis, self.window), frozenset()
+        if held:  # the state returned as it came in: gathered there, with no operator's tag
+            untagged = frozenset({"all-gather"})
+        if held and state_layout(self.analysis, self.window, combo) != "plan":
+            # split state: gathers and reduce-scatters at its update
+            from cfp.sharding import state_updates
+            pairs = set(held)
+            excused |= {g.values[u].producer for u, k in state_updates(g).items() if k in pairs}
         ins, _, _ = self.layouts(combo)
         arrives = dict(zip(self.sub.live_ins, ins))
         for b, st in zip(self.blocks, self.strategies(combo)):
@@ -259,7 +272,7 @@ class WindowProgram:
                     excused.add(m.op)
         out = []
         for c in unnamed_collectives(compiled.as_text(), mesh_shape, self.sub.ops,
-                                     allreduce_axes, frozenset(excused)):
+                                     allreduce_axes, frozenset(excused), untagged):
             out.append(f"{c.kind} over axes {c.axes} "
                        + ("with no operator's tag" if c.op is None
                           else f"at op {c.op} ({g.ops[c.op].primitive})"))

@@ -12,7 +12,8 @@ analysed (for a loss that takes a key, the batch is ``(batch, key)``). The file 
   on its members (every contraction's operands and result, every other member's labelled
   results; operator index -> operand and result specs);
 - ``step``: the fingerprint of the traced step, so ``jit`` can check it is the analysed one;
-- ``mesh`` (shape and axis names) and the format and its version.
+- ``mesh`` (shape and axis names: the user's, ``m0``, ``m1``, ... when none were given) and the
+  format and its version.
 
 A plan of a forward step (``--step forward``: ``forward(params, batch) -> loss``, for
 inference or evaluation) has ``step.kind`` ``forward``, no ``opt_state`` and no ``outputs``:
@@ -21,7 +22,13 @@ nothing comes back to feed a next step, and nothing is donated.
 Two ways to use it: ``step_shardings`` gives ``in_shardings``/``out_shardings`` for
 ``jax.jit(train_step, ..., donate_argnums=DONATE_ARGNUMS)`` (the interior left to XLA's
 sharding propagation); ``jit`` also puts the block constraints inside, so the program is the
-plan cfp measured. Both donate ``params`` and ``opt_state``, as cfp measured them: the new
+plan cfp measured. Either takes the user's mesh as it is, Auto or Explicit axes, with the
+plan's axis names and sizes (and any other axes of one device); on Explicit axes ``jit`` runs
+the body with them Auto (``jax.sharding.auto_axes``), so the constraints and XLA place the
+interior as cfp measured it, and the outputs come back typed on the user's mesh. A user's
+own ``jax.jit`` on Explicit axes traces the step with sharded types: a step whose
+contractions JAX cannot type from them alone (``ShardingTypeError``) is wrapped in
+``jax.sharding.auto_axes(train_step, out_sharding=out_shardings)``. Both donate ``params`` and ``opt_state``, as cfp measured them: the new
 state takes their place, so pass each step the state the last one returned.
 
 Example:
@@ -59,19 +66,35 @@ def _from_json(entries) -> tuple:
     return tuple(tuple(e) if isinstance(e, list) else e for e in entries)
 
 
-def make_plan(analysis, strategies, *, in_specs=None, out_specs=None, source: str = "") -> dict:
+def _renamed(spec, names: dict):
+    """A spec (None, or per dim None, an axis, or a tuple of axes) with its axes renamed."""
+    if spec is None:
+        return None
+    return tuple(e if e is None else tuple(names[a] for a in e) if isinstance(e, tuple)
+                 else names[e] for e in spec)
+
+
+def make_plan(analysis, strategies, *, in_specs=None, out_specs=None, source: str = "",
+              storage=None) -> dict:
     """The plan of ``strategies`` (a strategy index per block) for the analysed step.
     ``in_specs``/``out_specs`` (per step input and output, in order) default to the layouts
     the strategies give; a search record passes its own (a baseline may store parameters
-    its own way)."""
+    its own way); ``storage`` (``cfp.execute.Storage``) is where it keeps the state, whose
+    update it constrains to the split layout it names."""
     import jax
     from cfp.execute import plan_specs
     from cfp.workloads import AXIS_NAMES
     g, blocks = analysis.graph, analysis.blocks.blocks
-    axis_names = AXIS_NAMES[:len(analysis.mesh_shape)]
-    ins, outs, op_constraints = plan_specs(analysis, strategies, axis_names)
+    ours = AXIS_NAMES[:len(analysis.mesh_shape)]  # the axes cfp measured on, m0, m1, ...
+    ins, outs, op_constraints = plan_specs(analysis, strategies, ours, storage)
     in_specs = list(in_specs) if in_specs is not None else [ins[v] for v in g.inputs]
     out_specs = list(out_specs) if out_specs is not None else [outs[v] for v in g.outputs]
+    axis_names = analysis.mesh_axes  # the user's: the plan speaks them
+    users = dict(zip(ours, axis_names))
+    in_specs, out_specs = ([_renamed(s, users) for s in specs] for specs in (in_specs, out_specs))
+    op_constraints = {op: ([_renamed(s, users) for s in operands],
+                           [_renamed(s, users) for s in results])
+                      for op, (operands, results) in op_constraints.items()}
     workload = analysis.spec.build()
     trees = {"params": workload.abstract_params(), "opt_state": workload.abstract_opt_state(),
              "batch": workload.abstract_batch()}
@@ -127,9 +150,26 @@ def load_plan(path) -> dict:
 
 
 def mesh_of(plan: dict):
-    """The plan's mesh over JAX's first devices (axes ``m0``, ``m1``, ...)."""
+    """The plan's mesh over JAX's first devices, with its axis names (Auto axis types)."""
     from cfp.workloads import make_mesh
-    return make_mesh(tuple(plan["mesh"]["shape"]))
+    return make_mesh(tuple(plan["mesh"]["shape"]), tuple(plan["mesh"]["axes"]))
+
+
+def check_mesh(plan: dict, mesh) -> None:
+    """Refuse a mesh the plan was not made for: each of the plan's axes must be one of the
+    mesh's, of the same size; the mesh's other axes must be of one device."""
+    sizes = dict(mesh.shape)
+    want = dict(zip(plan["mesh"]["axes"], plan["mesh"]["shape"]))
+    wrong = [f"{a}={n}" for a, n in want.items() if sizes.get(a) != n and n > 1]
+    extra = [f"{a}={n}" for a, n in sizes.items() if a not in want and n > 1]
+    if wrong or extra:
+        raise CfpError(f"the plan is for the mesh {_mesh_words(want)}, not "
+                       f"{_mesh_words(sizes)}: plan again for this mesh (cfp --mesh "
+                       f"{','.join(f'{a}={n}' for a, n in sizes.items() if n > 1)})")
+
+
+def _mesh_words(sizes: dict) -> str:
+    return ",".join(f"{a}={n}" for a, n in sizes.items())
 
 
 def shardings(tree, plan: dict, mesh, part: str = "params", *, specs: dict | None = None):
@@ -139,6 +179,7 @@ def shardings(tree, plan: dict, mesh, part: str = "params", *, specs: dict | Non
     params wrapped or renamed) is refused, naming the first paths that do not match."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
+    check_mesh(plan, mesh)
     specs = plan[part] if specs is None else specs
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     paths = [jax.tree_util.keystr(p) for p, _ in leaves]
@@ -196,7 +237,9 @@ def jit(train_step: Callable, plan: dict, mesh, *args) -> Callable:
     ``args`` are ``(params, batch)``, and nothing is donated."""
     import jax
     from cfp.graph import trace_program
+    from cfp.jax_compat import auto_inside, constraint_mesh
     from cfp.sharding import step_function
+    check_mesh(plan, mesh)
     in_shardings, out_shardings = step_shardings(plan, mesh, *args)  # checks the arguments
     program = trace_program(train_step, *args)
     g = program.graph()
@@ -206,11 +249,13 @@ def jit(train_step: Callable, plan: dict, mesh, *args) -> Callable:
     constraints = {int(op): ([None if s is None else _from_json(s) for s in operands],
                              [None if s is None else _from_json(s) for s in results])
                    for op, (operands, results) in plan["constraints"].items()}
-    flat_step, _ = step_function(program, constraints=constraints, mesh=mesh)
+    flat_step, _ = step_function(program, constraints=constraints,
+                                 mesh=constraint_mesh(mesh))
 
     def step(*step_args):
         outs = flat_step(*jax.tree_util.tree_leaves(step_args))
         return jax.tree_util.tree_unflatten(program.out_tree, outs)
 
+    step = auto_inside(step, mesh, out_shardings)
     return jax.jit(step, in_shardings=in_shardings, out_shardings=out_shardings,
                    donate_argnums=DONATE_ARGNUMS if len(args) == len(PARTS) else ())

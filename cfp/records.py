@@ -23,7 +23,7 @@ from typing import Any
 
 from cfp.errors import CfpError
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +40,7 @@ _ALLOWED_NUMPY = {("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiar
                   ("numpy._core.multiarray", "scalar"), ("numpy", "float64"), ("numpy", "float32"),
                   ("numpy", "int64"), ("numpy", "int32")}
 _ALLOWED_CFP_MODULES = {"cfp.records", "cfp.graph", "cfp.strategies", "cfp.blocks",
-                        "cfp.segments", "cfp.workloads", "cfp.measure", "cfp.windows",
+                        "cfp.segments", "cfp.workloads", "cfp.measure", "cfp.windows", "cfp.execute",
                         "cfp.passes.analysis", "cfp.passes.profile",
                         "cfp.passes.search"}
 
@@ -98,7 +98,7 @@ def read_record(path: Path, fmt: str, fingerprint: tuple | None, *, hint: str) -
                            f"{SCHEMA_VERSION}: {hint}")
         if fingerprint is not None and header.fingerprint != fingerprint:
             mine, theirs = dict(fingerprint), dict(header.fingerprint)
-            diff = [k for k in mine if mine.get(k) != theirs.get(k)]
+            diff = [k for k in dict.fromkeys([*mine, *theirs]) if mine.get(k) != theirs.get(k)]
             raise CfpError(f"{path} was made for another run ({', '.join(diff)} differ: "
                            f"{', '.join(f'{k}={theirs.get(k)}' for k in diff)}): {hint}")
         record = _RestrictedUnpickler(stream).load()

@@ -153,6 +153,8 @@ class ProfileProgress:
                 self._line(f"window type {f['k']} (blocks {w.start}..{w.end - 1}): search "
                            f"space {list(f['space'])}, {f['todo']} to measure"
                            + (f", {f['known']} measured before" if f["known"] else ""))
+            elif event == "state_variants":
+                self.total += f["count"]
             elif event == "result":
                 self.n += 1
                 if self.t_first is None:
@@ -328,10 +330,9 @@ def write_search_dumps(workdir, analysis, profile, rec) -> None:
     from cfp.dims import spec_axes
     from cfp.plan import make_plan, write_plan
     from cfp.sharding import collectives
-    from cfp.workloads import AXIS_NAMES
     out = Path(workdir) / "debug_search"
     out.mkdir(parents=True, exist_ok=True)
-    axis_names = AXIS_NAMES[:len(analysis.mesh_shape)]
+    axis_names = analysis.mesh_axes
     g, blocks = analysis.graph, analysis.blocks.blocks
     plan = rec.plan
     paths = input_paths(analysis.spec)
@@ -364,7 +365,7 @@ def write_search_dumps(workdir, analysis, profile, rec) -> None:
            f"({plan.composed_memory_bytes / 2**30:.4f} GB)"]) + "\n")
     write_plan(Path(workdir) / "plan.json",
                make_plan(analysis, plan.strategies, in_specs=rec.in_specs,
-                         out_specs=rec.out_specs, source=plan.source))
+                         out_specs=rec.out_specs, source=plan.source, storage=plan.storage))
     by_kind: dict = {}
     for c in collectives(rec.compiled_text, analysis.mesh_shape):
         k = by_kind.setdefault(c.kind, {"count": 0, "bytes": 0})
@@ -450,14 +451,12 @@ def prediction_console(rec, cluster) -> None:
         f"per device")
     budget = rec.memory_budget_bytes or cluster.memory_per_device_bytes
     say(f"memory per device: {rec.memory_bytes / 2**30:.3f} GB composed (budget "
-        f"{budget / 2**30:g} GB)")
-    if rec.baselines:
-        say("hand plans priced the same way:")
-    for b in rec.baselines:
-        say(f"  {b.name} ({b.title}): " + (
-            f"not a plan here: {b.note}" if b.predicted_s is None else
-            f"predicted {b.predicted_s * 1e3:.3f} ms, {b.memory_bytes / 2**30:.3f} GB per "
-            f"device{'' if b.memory_bytes <= budget else ', over the budget'}"))
+        f"{budget / 2**30:g} GB); state: {rec.storage.describe()}")
+    if rec.hand_plans:
+        say(f"hand plans priced the same way ({how}):")
+        for name, seconds, nbytes in sorted(rec.hand_plans, key=lambda h: h[1]):
+            say(f"  {name:<10} predicted {seconds * 1e3:10.3f} ms, {nbytes / 2**30:8.3f} GB "
+                f"per device, {'fits' if nbytes <= budget else 'does not fit'}")
 
 
 def meshes_console(ranked, cluster) -> None:

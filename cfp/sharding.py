@@ -155,6 +155,64 @@ def state_updates(graph: Graph) -> dict[int, int]:
     return out
 
 
+STATE_LAYOUTS = ("plan", "zero1", "fsdp")  # where a plan keeps a state leaf between steps
+
+
+def state_kinds(graph: Graph) -> list[str]:
+    """Per state pair (``Graph.state_pairs``), ``param`` when an operator outside the
+    optimizer update (``state_updates``) reads the leaf, as the forward pass reads a
+    parameter, else ``opt`` (optimizer state, which only the update reads)."""
+    update_ops = {graph.values[u].producer for u in state_updates(graph)}
+    return ["param" if any(r not in update_ops for r in graph.users.get(v, ())) else "opt"
+            for v, _ in graph.state_pairs()]
+
+
+def split_rest(spec, shape, mesh_shape, axis_names) -> tuple:
+    """``spec`` split further over the mesh axes it leaves replicated: each such axis (of
+    size > 1), in mesh order, on the first dim it leaves whole that the axis divides, else on
+    the first split dim it divides further; an axis that divides no dim leaves it whole."""
+    entries = [() if e is None else e if isinstance(e, tuple) else (e,) for e in spec]
+    size = dict(zip(axis_names, mesh_shape))
+    used = {a for e in entries for a in e}
+    for a in axis_names:
+        if size[a] == 1 or a in used:
+            continue
+        fits = [d for d in range(len(shape))
+                if (shape[d] // math.prod(size[b] for b in entries[d])) % size[a] == 0]
+        for d in sorted(fits, key=lambda d: bool(entries[d]))[:1]:
+            entries[d] = entries[d] + (a,)
+    return tuple(None if not e else e[0] if len(e) == 1 else e for e in entries)
+
+
+def state_specs(graph: Graph, pairs, layouts, ins: dict, constraints: dict, mesh_shape,
+                axis_names, ops=None) -> dict:
+    """Apply state layouts in place: ``layouts[k]`` (one of ``STATE_LAYOUTS``) for each state
+    pair index ``k`` in ``pairs``; ``ins`` maps a step input to the spec its first reader
+    wants, ``constraints`` an operator to its (operand, result) specs. ``zero1`` splits the
+    optimizer state over the mesh axes that spec leaves replicated (``split_rest``), ``fsdp``
+    the parameters too; under either the optimizer update (``state_updates``) is constrained
+    to the split layout, so the gradient is reduced into it and the update runs on shards
+    (the operators in ``ops``, all when None). Returns the stored spec of every pair in ``pairs``: the new state leaves in it."""
+    state, kinds = graph.state_pairs(), state_kinds(graph)
+    stored, split = {}, {}
+    for k in pairs:
+        v = state[k][0]
+        split[k] = split_rest(ins[v], graph.values[v].shape, mesh_shape, axis_names)
+        if layouts[k] == "fsdp" or (layouts[k] == "zero1" and kinds[k] == "opt"):
+            ins[v] = split[k]
+        stored[k] = ins[v]
+    for u, k in state_updates(graph).items():  # the update on shards
+        op = graph.producer_op(u)
+        if k not in stored or layouts[k] == "plan" or (ops is not None and op.index not in ops):
+            continue
+        operands, results = constraints.get(op.index, ([None] * len(op.inputs),
+                                                       [None] * len(op.outputs)))
+        results = list(results)
+        results[op.outputs.index(u)] = split[k]
+        constraints[op.index] = (list(operands), results)
+    return stored
+
+
 def member_layouts(members, graph: Graph, sub: SubProgram, strategy, axis_names
                    ) -> tuple[list, list]:
     """PartitionSpec entries for a sub-program's live-ins (as their readers want them; a dim
@@ -330,20 +388,24 @@ def tagged_op(line: str, ops: Sequence[int]) -> int | None:
 
 def unnamed_collectives(hlo_text: str, mesh_shape, ops: Sequence[int],
                         allreduce_axes: dict[int, tuple],
-                        excused: frozenset[int] = frozenset()) -> list[Collective]:
+                        excused: frozenset[int] = frozenset(),
+                        untagged: frozenset[str] = frozenset()) -> list[Collective]:
     """The collectives of a compiled sub-program of operators ``ops``, traced with every
     operator in its own named scope (``sub_function(tagged=True)``), that are not named: an
     all-reduce tagged with operator ``i`` over a subset of ``allreduce_axes[i]``, and any
-    collective tagged with an operator in ``excused``, are named; one without a tag never is.
+    collective tagged with an operator in ``excused``, are named; one without a tag is named
+    only when its kind is in ``untagged`` (XLA's gather of split state into the layout the
+    program returns it in carries none).
     XLA combines several collectives into one over a tuple, carrying the first one's tag:
     each of its operands is then checked by the operator it serves (``served_ops``)."""
     out = []
     defs = _definitions(hlo_text)
     for c in collectives(hlo_text, mesh_shape):
         for i in served_ops(c, defs, ops):
-            if i is None or not (i in excused or (
-                    c.kind == "all-reduce" and c.axes is not None
-                    and set(c.axes) <= set(allreduce_axes.get(i, ())))):
+            named = c.kind in untagged if i is None else i in excused or (
+                c.kind == "all-reduce" and c.axes is not None
+                and set(c.axes) <= set(allreduce_axes.get(i, ())))
+            if not named:
                 out.append(dataclasses.replace(c, op=i))
                 break
     return out

@@ -45,7 +45,7 @@ LP_MAX_VARIABLES = 200_000  # above this the search runs without its LP relaxati
 
 @dataclasses.dataclass(frozen=True)
 class Option:
-    strategies: tuple[int, ...]  # one per block of the group
+    strategies: tuple[int, ...]  # one per block of the group (then its state layout, if any)
     cost: int
     memory: int = 0  # persistent + held-for-backward bytes: these add up over groups
     transient: int = 0  # bytes alive only while the group runs
@@ -347,10 +347,10 @@ def solve_alike(problem: Problem, *, time_limit_s: float = 60.0, exclude=()
 
     excluded_q = []
     for prev in exclude:  # a plan whose layers are alike excludes its quotient choice
-        strat = evaluate(problem, prev)[2]
+        picked = [problem.groups[gs[0]].options[prev[gs[0]]].strategies for gs in origin]
         excluded_q.append(tuple(next((o for o, opt in enumerate(grp.options)
-                                      if opt.strategies == tuple(strat[b] for b in grp.blocks)),
-                                     -1) for grp in groups))
+                                      if opt.strategies == st), -1)
+                                for grp, st in zip(groups, picked)))
     sol = solve(quotient, time_limit_s=time_limit_s,
                 exclude=[c for c in excluded_q if -1 not in c and lift(c) in set(exclude)])
     if sol is None:

@@ -17,8 +17,16 @@ reads, the layout it leaves in under the producer's strategy and the layout the 
 under its strategy; search adds the measured resharding time of every such pair
 (``Boundary``). Step inputs read by several blocks (tied weights) enter in the layout their first
 reader wants; other readers pay a resharding from it. The new training state leaves the step
-in the layout its input came in (the plan is a fixed point, so a loop can feed it back): the
-resharding from the layout its producer makes to that one is a boundary too.
+in the layout its input came in (the plan is a fixed point, so a loop can feed it back). A
+window that reads a state leaf first and computes its new value returns it so itself, and its
+measured time holds that resharding (``held_state``); where the two are in different windows,
+the resharding from the layout its producer makes to that one is a boundary.
+
+**State layouts.** A window that holds state is measured under each of ``STATE_LAYOUTS`` for it
+(the last entry of its combinations): as its blocks compute (``plan``), the optimizer state
+split over the mesh axes the blocks leave replicated (``zero1``), or the parameters split too
+(``fsdp``). Its program then holds the gathers and the reduce-scatter into the split layout
+where XLA puts them, both passes, and its memory the split state and the gathered weights.
 """
 from __future__ import annotations
 
@@ -26,7 +34,7 @@ import dataclasses
 import math
 
 from cfp import dims as dimrules
-from cfp.sharding import block_constraints, sub_program
+from cfp.sharding import STATE_LAYOUTS, block_constraints, state_specs, sub_program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +116,67 @@ def _cuts(analysis, seg, max_combinations: int) -> list[tuple[int, int]]:
 
 
 def window_space(analysis, window: Window) -> list[int]:
-    return [len(analysis.blocks.blocks[b].strategies) for b in range(window.start, window.end)]
+    """Strategies per block of ``window`` and, when it holds training state
+    (``held_state``), the state layouts last: a combination is a strategy per block and,
+    then, one of ``STATE_LAYOUTS`` for the state the window holds."""
+    blocks = [len(analysis.blocks.blocks[b].strategies) for b in range(window.start, window.end)]
+    return blocks + ([len(STATE_LAYOUTS)] if held_state(analysis, window) else [])
+
+
+def first_readers(analysis) -> dict[int, int]:
+    """Step input -> the block of its first reader in program order (the block whose strategy
+    sets the layout it enters in)."""
+    out: dict[int, int] = {}
+    for op in analysis.graph.ops:
+        b = analysis.blocks.owner.get(op.index)
+        if b is not None:
+            for v in op.inputs:
+                if analysis.graph.values[v].producer is None:
+                    out.setdefault(v, b)
+    return out
+
+
+def held_state(analysis, window: Window) -> tuple[int, ...]:
+    """Indices of the state pairs (``Graph.state_pairs``) the window holds whole: its blocks
+    read the leaf first and compute its new value. Its program takes them in the layout the
+    plan stores them in and returns them so (the step's fixed point, inside the window), under
+    the state layout its combination names; a pair split across windows stays as its first
+    reader computes, its return priced as a boundary."""
+    g, owner = analysis.graph, analysis.blocks.owner
+    first = first_readers(analysis)
+    inside = range(window.start, window.end)
+    return tuple(k for k, (v, new) in enumerate(g.state_pairs())
+                 if g.values[v].shape and first.get(v) in inside
+                 and owner.get(g.values[new].producer) in inside)
+
+
+def state_layout(analysis, window: Window, combo) -> str:
+    """The state layout a combination of ``window`` names (``plan`` when it holds none)."""
+    n = window.end - window.start
+    return STATE_LAYOUTS[combo[n]] if len(combo) > n else "plan"
+
+
+def apply_state(analysis, window: Window, combo, sub, ins: list, outs: list,
+                constraints: dict, axis_names) -> None:
+    """The window's live-in and live-out specs and constraints (``window_layouts``), changed
+    in place for the state it holds under ``combo``'s state layout (``held_state``,
+    ``cfp.sharding.state_specs``)."""
+    held = held_state(analysis, window)
+    if not held:
+        return
+    g = analysis.graph
+    pairs = g.state_pairs()
+    at_in = {v: i for i, v in enumerate(sub.live_ins)}
+    want = {pairs[k][0]: ins[at_in[pairs[k][0]]] for k in held}
+    layout = state_layout(analysis, window, combo)
+    stored = state_specs(g, held, {k: layout for k in held}, want, constraints,
+                         analysis.mesh_shape, axis_names, ops=set(sub.ops))
+    at_out = {v: i for i, v in enumerate(sub.live_outs)}
+    for k in held:
+        v, new = pairs[k]
+        ins[at_in[v]] = want[v]
+        if new in at_out:
+            outs[at_out[new]] = stored[k]
 
 
 def window_ops(analysis, window: Window) -> list[int]:
@@ -141,9 +209,10 @@ def boundaries(analysis, windows: list[Window]) -> list[Boundary]:
                 continue  # produced by an unclaimed operator: XLA decides
             if window_of[i] != window_of[j] or (val.producer is None and i != j):
                 out.append(Boundary(v, val.shape, val.dtype, i, made, j, want))
-    for v, new in g.state_pairs():  # the new state goes back to the layout it came in
+    held = {k for w in windows for k in held_state(analysis, w)}
+    for k, (v, new) in enumerate(g.state_pairs()):  # new state: back to the layout it came in
         val, producer = g.values[new], g.values[new].producer
-        if not val.shape or producer not in member:
+        if k in held or not val.shape or producer not in member:
             continue  # scalars have no layout; an unclaimed producer's layout is XLA's
         i = ba.owner[producer]
         made = member[producer].outs[g.ops[producer].outputs.index(new)]
@@ -243,13 +312,20 @@ def term_sizers(analysis, window: Window, combo, axis_names):
     """Bytes per device of a step input or output term (value, block position or None,
     labels), of a held activation term (``MemoryTerms.held``), and of a gathered residual
     term (``MemoryTerms.gathered``: 0 where no backward reader wants a larger layout)."""
+    from cfp.sharding import split_rest, state_kinds
     blocks = [analysis.blocks.blocks[b] for b in range(window.start, window.end)]
     axes = [b.strategies[k].axes for b, k in zip(blocks, combo)]
     g, mesh_shape = analysis.graph, analysis.mesh_shape
+    layout, split = state_layout(analysis, window, combo), set()
+    if layout != "plan":  # the state inputs stored split (``apply_state``)
+        kinds, pairs = state_kinds(g), g.state_pairs()
+        split = {pairs[k][0] for k in held_state(analysis, window)
+                 if layout == "fsdp" or kinds[k] == "opt"}
 
     def spec(v, k, labels):
-        return ((None,) * len(g.values[v].shape) if k is None
-                else dimrules.spec_axes(labels, axes[k], axis_names))
+        s = ((None,) * len(g.values[v].shape) if k is None
+             else dimrules.spec_axes(labels, axes[k], axis_names))
+        return split_rest(s, g.values[v].shape, mesh_shape, axis_names) if v in split else s
 
     def nbytes(v, s):
         return shard_bytes(g.values[v].shape, _itemsize(g.values[v].dtype), s, mesh_shape,

@@ -68,16 +68,19 @@ def planned_loop(planned_step, workload, steps: int = 3):
 def assert_users_loop(train_step, plan, mesh, params, opt_state, batch):
     """Three steps of the user's loop, each fed the state the last returned and donating it,
     under ``plan.jit`` and under ``jax.jit`` with ``step_shardings``, match three on one
-    device; the new state comes out in the layout it went in. Returns the last params."""
+    device; the new state comes out in the layout it went in. Returns the last params. On
+    Explicit axes the user's ``jax.jit`` takes the step with the axes Auto inside
+    (``jax.sharding.auto_axes``), as a step that does not type its shardings needs."""
     import jax
     import numpy as np
+    from cfp.jax_compat import auto_inside
     from cfp.plan import DONATE_ARGNUMS, step_shardings
     from cfp.plan import jit as plan_jit
     ref = run_loop(jax.jit(train_step), params, opt_state, batch)  # one device
     in_sh, out_sh = step_shardings(plan, mesh, params, opt_state, batch)
     steps = (plan_jit(train_step, plan, mesh, params, opt_state, batch),
-             jax.jit(train_step, in_shardings=in_sh, out_shardings=out_sh,
-                     donate_argnums=DONATE_ARGNUMS))
+             jax.jit(auto_inside(train_step, mesh, out_sh), in_shardings=in_sh,
+                     out_shardings=out_sh, donate_argnums=DONATE_ARGNUMS))
     for step in steps:
         placed = jax.device_put(jax.tree_util.tree_map(np.asarray, (params, opt_state, batch)),
                                 in_sh)

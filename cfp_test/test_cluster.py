@@ -175,6 +175,39 @@ def test_mesh_auto_without_a_cluster_is_one_line(capsys):
     assert err.count("\n") == 1 and "cluster alpa-50x4 has 200" in err
 
 
+def test_a_cluster_plan_is_printed_beside_the_hand_plans_priced_the_same_way(tmp_path, capsys):
+    """Under a budget dp's priced memory is over, cfp's prediction is at most the fastest hand
+    plan that fits, and each hand plan is marked as fitting or not (the control: without a
+    budget every one fits)."""
+    from cfp.passes.search import predict_plan
+    from cfp.workdir import WorkDir
+    from cfp.workloads import run_fingerprint
+    args = ["--model", "gpt", "--cluster", "a100-8", "--mesh", "8", "--workdir", str(tmp_path),
+            "--max-combinations", "8"]
+    assert main(args + ["--mode", "analysis"]) == 0
+    assert main(args + ["--mode", "profile"]) == 0
+    spec = WorkloadSpec("gpt", "tiny", None, "float32", ()).resolved()
+    from cfp.cluster import load_cluster
+    wd = WorkDir(tmp_path, run_fingerprint(spec, (8,))
+                 + (("cluster", repr(load_cluster("a100-8"))),))
+    analysis = wd.read_analysis()
+    profile = wd.read_profile(analysis, "analytic", 8, False)
+    free = predict_plan(analysis, profile, None, 30.0)
+    hand = {name: (s, mem) for name, s, mem in free.hand_plans}
+    assert {"dp", "zero1", "fsdp"} <= set(hand)
+    assert hand["fsdp"][1] < hand["zero1"][1] < hand["dp"][1]
+    budget = (hand["fsdp"][1] + hand["zero1"][1]) // 2
+    bound = predict_plan(analysis, profile, budget, 30.0)
+    fitting = [s for _, s, mem in bound.hand_plans if mem <= budget]
+    assert fitting and bound.predicted_s <= min(fitting) * (1 + 1e-6)
+    assert bound.memory_bytes <= budget
+    capsys.readouterr()
+    assert main(args + ["--mode", "search", "--memory-budget", str(budget / 2**30)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"fsdp +predicted .* fits", out) and re.search(r"dp +predicted .* does not "
+                                                                     r"fit", out)
+
+
 def test_a_forward_step_planned_for_a_cluster_beside_the_hand_plans(tmp_path, capsys):
     """--step forward plans the loss alone: the hand plans are priced from the same profile
     and printed beside the plan, which is no slower; data parallel's memory holds no
@@ -187,7 +220,7 @@ def test_a_forward_step_planned_for_a_cluster_beside_the_hand_plans(tmp_path, ca
                      "--workdir", str(tmp_path / step), "--max-combinations", "8"]) == 0
         out = capsys.readouterr().out
         hand = {name: (float(ms), float(gb)) for name, ms, gb in re.findall(
-            r"^  (\w+) \(.*\): predicted ([\d.]+) ms, ([\d.]+) GB per device", out, re.M)}
+            r"^  (\w+) +predicted +([\d.]+) ms, +([\d.]+) GB per device", out, re.M)}
         assert {"dp", "dp_tp"} <= set(hand)
         plan_ms = float(re.search(r"predicted step time: ([\d.]+) ms", out)[1])
         assert plan_ms <= min(ms for ms, _ in hand.values()) * 1.001  # the solver's optimum

@@ -89,7 +89,7 @@ def test_reshaped_heads_through_three_passes(tmp_path, capsys, mesh):
     w = zoo_extra.reshape_attention()
     params, batch = example_inputs(w)
     assert_users_loop(w.train_step(), load_plan(tmp_path / "plan.json"),
-                      make_mesh(parse_mesh(mesh)), params, jax.jit(w.opt_init or adam_init)(params),
+                      make_mesh(*parse_mesh(mesh)), params, jax.jit(w.opt_init or adam_init)(params),
                       batch)
 
 

@@ -352,3 +352,47 @@ def nnx_optimizer(batch_size: int = 4, dtype: str = "float32", num_layers: int =
 
     return user_workload(train_step=nnx_step, init_state=init_state, make_batch=make_batch,
                          dtype=dtype)
+
+
+def flax_logical_model(hidden: int = 16, mlp: int = 64):
+    """A Flax MLP whose kernels name their dims with logical axes (``embed``, ``mlp``,
+    ``vocab``), as Flax and MaxText models do: ``model.init`` returns them boxed."""
+    import flax.linen as nn
+
+    def dense(features, names, name):
+        return nn.Dense(features, name=name, kernel_init=nn.with_logical_partitioning(
+            nn.initializers.normal(0.1), names), use_bias=False)
+
+    class Mlp(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = dense(hidden, ("vocab", "embed"), "embed")(x)
+            h = nn.relu(dense(mlp, ("embed", "mlp"), "up")(h))
+            return dense(VOCAB, ("mlp", "vocab"), "out")(h)
+    return Mlp()
+
+
+def flax_logical(batch_size: int = 16, dtype: str = "float32") -> Workload:
+    """``flax_logical_model`` trained on one-hot inputs, its params unboxed (``nn.unbox``)."""
+    import flax.linen as nn
+    model = flax_logical_model()
+
+    def init(key):
+        return nn.unbox(model.init(key, jnp.zeros((1, VOCAB)))["params"])
+
+    def batch(key):
+        labels = jax.random.randint(key, (batch_size,), 0, VOCAB)
+        return {"x": jax.nn.one_hot(labels, VOCAB, dtype=dtype), "y": labels}
+
+    def loss(params, b):
+        return _ce(model.apply({"params": params}, b["x"]), b["y"])
+    return Workload("flax_logical", "test", None, batch_size, dtype, init, batch, loss)
+
+
+def flax_logical_boxed(batch_size: int = 16, dtype: str = "float32") -> Workload:
+    """``flax_logical`` with its params as ``model.init`` returns them: boxed with their
+    logical names."""
+    base = flax_logical(batch_size, dtype)
+    model = flax_logical_model()
+    return dataclasses.replace(base, model="flax_logical_boxed", init_params=lambda key: model.init(
+        key, jnp.zeros((1, VOCAB)))["params"])

@@ -15,7 +15,7 @@ from cfp.blocks import BlockAnalysis, build_blocks, with_strategies
 from cfp.errors import CfpError
 from cfp.graph import Graph
 from cfp.segments import SegmentAnalysis, find_segments
-from cfp.workloads import WorkloadSpec, trace_step
+from cfp.workloads import AXIS_NAMES, WorkloadSpec, trace_step
 
 @dataclasses.dataclass(frozen=True)
 class AnalysisStats:
@@ -39,6 +39,7 @@ class AnalysisRecord:
     blocks: BlockAnalysis
     segments: SegmentAnalysis
     stats: AnalysisStats
+    mesh_axes: tuple[str, ...]  # the user's names of the mesh axes, m0, m1, ... if none given
 
     def segment_space(self, seg_type: int) -> list[int]:
         """Strategies per block of a unique segment (its representative instance)."""
@@ -51,10 +52,13 @@ class AnalysisRecord:
 
 
 def run_analysis(spec: WorkloadSpec, mesh_shape: tuple[int, ...], graph: Graph | None = None,
-                 grouping: BlockAnalysis | None = None) -> AnalysisRecord:
+                 grouping: BlockAnalysis | None = None, *,
+                 axis_names: tuple[str, ...] | None = None) -> AnalysisRecord:
     """Analyse ``spec``'s training step for a mesh of ``mesh_shape``. ``graph`` and
     ``grouping``: the step's graph and blocks found earlier (for another mesh: comparing
-    meshes), so only the strategies and segments are found again."""
+    meshes), so only the strategies and segments are found again. ``axis_names``: the
+    user's names of the mesh axes, which the plan speaks (None: m0, m1, ...); cfp itself
+    measures on axes m0, m1, ... of the same shape."""
     start = time.perf_counter()
     workload = spec.build()
     graph = graph or trace_step(workload).graph()
@@ -70,4 +74,7 @@ def run_analysis(spec: WorkloadSpec, mesh_shape: tuple[int, ...], graph: Graph |
     inside = sum(graph.ops[i].flops for i in blocks.owner)
     stats = AnalysisStats(time.perf_counter() - start, total, inside,
                           getattr(workload.config, "num_layers", None))
-    return AnalysisRecord(spec, tuple(mesh_shape), graph, blocks, segments, stats)
+    names = AXIS_NAMES[:len(mesh_shape)] if axis_names is None else tuple(axis_names)
+    if len(names) != len(mesh_shape):
+        raise CfpError(f"axis names {names} for a mesh of {len(mesh_shape)} axes")
+    return AnalysisRecord(spec, tuple(mesh_shape), graph, blocks, segments, stats, names)

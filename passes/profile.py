@@ -29,6 +29,7 @@ from typing import Callable, Literal
 
 from cfp.measure import CostModel, Measurement
 from cfp.phases import Phases
+from cfp.sharding import STATE_LAYOUTS
 from cfp.windows import Boundary, Window, boundaries, layouts, split_windows, window_space
 from cfp.worker import Worker, WorkerOptions
 
@@ -147,7 +148,8 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
                known=sum(len(results) for _, results, _ in known))
         for k, rep in enumerate(reps):
             window_profiles[k], n = _profile_window(k, windows[rep], *known[k],
-                                                    worker, options, checkpoint, start, notify)
+                                                    worker, options, checkpoint, start, notify,
+                                                    analysis, windows)
             compiled += n
         bounds = boundaries(analysis, windows)
         timed = _profile_reshards(analysis, bounds, worker, checkpoint, options, start,
@@ -197,10 +199,10 @@ def _known(k, window: Window, analysis, checkpoint, chosen=None) -> tuple[tuple,
     """(strategies per block, results an earlier run measured, combinations still to
     measure: ``chosen`` or every one) of window type k; what a budget cut off is measured
     now."""
-    space = tuple(len(analysis.blocks.blocks[b].strategies)
-                  for b in range(window.start, window.end))
+    space = tuple(window_space(analysis, window))
     results = {c: m for c, m in checkpoint.load_window(k).items() if m.status != "not_measured"}
-    every = chosen if chosen is not None else itertools.product(*map(range, space))
+    every = chosen if chosen is not None else with_state_layouts(
+        analysis, window, itertools.product(*map(range, space[:window.end - window.start])))
     return space, results, [c for c in every if c not in results]
 
 
@@ -232,36 +234,77 @@ def _chosen(analysis, windows, reps, options: ProfileOptions, worker, notify,
     for k in large:
         w = windows[reps[k]]
         also = ranking.baseline_combinations(analysis, w, windows)
-        out[k] = ranking.ranked_combinations(analysis, w, options.max_combinations, cost,
+        ranked = ranking.ranked_combinations(analysis, w, options.max_combinations, cost,
                                              names, also)
+        out[k] = with_state_layouts(analysis, w, ranked)
         notify("ranked", k=k, space=ranking.space_size(analysis, w),
-               cheapest=options.max_combinations, baselines=len(out[k]) - options.max_combinations)
+               cheapest=options.max_combinations, baselines=len(ranked) - options.max_combinations)
     checkpoint.save_chosen(out)
     return out
 
 
+def with_state_layouts(analysis, window: Window, combos, layouts=(0,)) -> list[tuple[int, ...]]:
+    """``combos`` (a strategy per block) under each of the state layouts ``layouts`` (indices
+    into ``STATE_LAYOUTS``) when the window holds state (``cfp.windows.held_state``), else as
+    they are."""
+    if len(window_space(analysis, window)) == window.end - window.start:
+        return list(combos)
+    return [tuple(c) + (z,) for c in combos for z in layouts]
+
+
+STATE_VARIANTS = 4  # per window type, the fastest combinations also measured with split state
+
+
+def state_variants(analysis, window: Window, results: dict, windows) -> list[tuple[int, ...]]:
+    """The combinations to measure under the split state layouts (``zero1``, ``fsdp``): those
+    of the ``STATE_VARIANTS`` fastest measured with the state as the blocks compute it, and
+    those of the plans people write (``ranking.baseline_combinations``). Measuring every
+    combination three times would triple the profile; the split layouts change the state's
+    gathers and memory, not the blocks' programs, so the fastest block combinations carry
+    them."""
+    from cfp import ranking
+    n = window.end - window.start
+    if len(window_space(analysis, window)) == n:
+        return []
+    plain = sorted((m.time_s, c[:n]) for c, m in results.items()
+                   if m.status == "ok" and c[n] == 0)
+    picked = [c for _, c in plain[:STATE_VARIANTS]]
+    picked += ranking.baseline_combinations(analysis, window, windows)
+    return [c for c in with_state_layouts(analysis, window, dict.fromkeys(picked),
+                                          range(1, len(STATE_LAYOUTS)))
+            if c not in results]
+
+
 def _profile_window(k, window: Window, space, results, todo, worker: Worker,
-                    options, checkpoint, start, notify) -> tuple[WindowProfile, int]:
+                    options, checkpoint, start, notify, analysis=None, windows=()
+                    ) -> tuple[WindowProfile, int]:
+    """Measure ``todo`` of window type ``k``, then its state variants (``state_variants``)."""
     blocks = tuple(range(window.start, window.end))
     notify("window", k=k, window=window, space=space, todo=len(todo), known=len(results))
     log.info("window type %d (blocks %d..%d): %d combinations to measure, %d known", k,
              window.start, window.end - 1, len(todo), len(results))
     best = min((m.time_s for m in results.values() if m.status == "ok"), default=None)
     done = 0
-    for i, batch in even_batches(todo, options.batch):
-        if worker.share(_spent(options, start)):
-            for c in todo[i:]:
-                results[c] = Measurement("not_measured", note="--profile-budget spent")
-            notify("not_measured", k=k, count=len(todo) - i)
-            break
-        for combo, m in worker.measure_window(window, batch, best):
-            results[combo] = m
-            done += 1
-            if m.status == "ok":
-                best = m.time_s if best is None else min(best, m.time_s)
-            # Saved after every result: an interruption loses nothing already measured.
-            checkpoint.save_window(k, WindowProfile(k, blocks, space, dict(results)))
-            notify("result", k=k, combo=combo, measurement=m)
+    for phase in ("blocks", "state"):
+        if phase == "state":
+            todo = state_variants(analysis, window, results, windows)
+            if not todo:
+                break
+            notify("state_variants", k=k, count=len(todo))
+        for i, batch in even_batches(todo, options.batch):
+            if worker.share(_spent(options, start)):
+                for c in todo[i:]:
+                    results[c] = Measurement("not_measured", note="--profile-budget spent")
+                notify("not_measured", k=k, count=len(todo) - i)
+                break
+            for combo, m in worker.measure_window(window, batch, best):
+                results[combo] = m
+                done += 1
+                if m.status == "ok":
+                    best = m.time_s if best is None else min(best, m.time_s)
+                # Saved after every result: an interruption loses nothing already measured.
+                checkpoint.save_window(k, WindowProfile(k, blocks, space, dict(results)))
+                notify("result", k=k, combo=combo, measurement=m)
     profile = WindowProfile(k, blocks, space, dict(results))
     checkpoint.save_window(k, profile)
     return profile, done
@@ -295,8 +338,11 @@ def _priced(analysis, options: ProfileOptions, windows, reps, start,
     for k, rep in enumerate(reps):
         w = windows[rep]
         space = tuple(window_space(analysis, w))
-        results = {c: analytic.window_measurement(analysis, w, c, cost, names)
-                   for c in chosen.get(k, itertools.product(*map(range, space)))}
+        every = chosen.get(k)
+        every = (itertools.product(*map(range, space)) if every is None else with_state_layouts(
+            analysis, w, dict.fromkeys(c[:w.end - w.start] for c in every),
+            range(len(STATE_LAYOUTS))))
+        results = {c: analytic.window_measurement(analysis, w, c, cost, names) for c in every}
         window_profiles[k] = WindowProfile(k, tuple(range(w.start, w.end)), space, results)
     bounds = boundaries(analysis, windows)
     reshard = _priced_reshards(analysis, bounds, cost)

@@ -25,8 +25,10 @@ from cfp.measure import slower
 from cfp.phases import Phases
 from cfp.solver import (Group, Option, Problem, Solution, evaluate, least_memory,
                         penalizing_reshardings, solve, solve_alike)
-from cfp.windows import (held_for_backward, inputs_read_earlier, layouts, memory_terms,
-                         option_memory)
+from cfp.execute import Storage
+from cfp.sharding import STATE_LAYOUTS
+from cfp.windows import (held_for_backward, held_state, inputs_read_earlier, layouts,
+                         memory_terms, option_memory, state_layout)
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ class Candidate:
     measured_s: tuple[float, ...]  # seconds per step, one per round
     compile_s: float
     compiled_peak_bytes: int  # per device, from the compiled step's memory analysis
+    storage: Storage = Storage()  # where the plan keeps the training state
 
     @property
     def median_s(self) -> float:
@@ -117,27 +120,30 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
         status = sols[0].status
         if options.validate_baselines:
             sols += [sol for _, sol in baseline_candidates(analysis, problem,
-                                                           [s.strategies for s in sols])]
+                                                           [s.choices for s in sols])]
         sols = share(sols)  # the solver's time limit makes its answer one process's to give
     with phases("tracing"):
         workload = analysis.spec.build()
         mesh = make_mesh(analysis.mesh_shape)
         program = trace_step(workload)
         args_host = real_inputs(workload)
-    steps, times = measure_plans(program, analysis, [s.strategies for s in sols], mesh,
-                                 args_host, options, phases)
+    storages = [plan_storage(analysis, problem, profile.windows, s.choices) for s in sols]
+    steps, times = measure_plans(program, analysis, list(zip([s.strategies for s in sols],
+                                                             storages)),
+                                 mesh, args_host, options, phases)
     candidates = tuple(Candidate(
         s.status if s.status.startswith(("baseline", "predicted")) else "predicted",
         tuple(s.strategies),
         tuple(s.choices), predicted_seconds(problem, s.choices, profile.launch_overhead_s),
-        s.memory, tuple(t), ps.compile_s, memory_of(ps.compiled)["peak_bytes"])
-        for s, t, ps in zip(sols, times, steps))
+        s.memory, tuple(t), ps.compile_s, memory_of(ps.compiled)["peak_bytes"], st)
+        for s, t, ps, st in zip(sols, times, steps, storages))
     kept = fastest_within_budget(candidates, options.memory_budget_bytes)
     numerics = None
     if options.check_numerics and _small(analysis):
         with phases("numerical check"):
             loss_err, grad_excess = check_numerics(workload, analysis,
-                                                   candidates[kept].strategies, mesh)
+                                                   candidates[kept].strategies, mesh,
+                                                   candidates[kept].storage)
         numerics = {"loss_rel_err": loss_err, "grad_excess_over_tol": grad_excess}
         if loss_err > 1e-4 or grad_excess > 0:
             raise RuntimeError(f"the sharded step does not match the single-device step "
@@ -152,6 +158,16 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
                        ("rolled" if step.rolled else "unrolled") if program.scans else "")
     log.info("search pass: %.1f s, phases %s", rec.time_s, rec.phase_s)
     return rec
+
+
+def plan_storage(analysis, problem: Problem, windows, choices) -> Storage:
+    """Where the plan of ``choices`` (one option per window instance) keeps each state leaf:
+    the state layout each window's combination names for the state it holds."""
+    leaves = []
+    for w, grp, c in zip(windows, problem.groups, choices):
+        layout = state_layout(analysis, w, grp.options[c].strategies)
+        leaves += [(k, layout) for k in held_state(analysis, w)]
+    return Storage(leaves=tuple(sorted(leaves)))
 
 
 def fastest_within_budget(candidates, memory_budget_bytes: int | None) -> int:
@@ -329,7 +345,8 @@ def resharded(problem: Problem, strategies) -> bool:
                for (i, j), moved in problem.reshards.items())
 
 
-def baseline_candidates(analysis, problem: Problem, known) -> list[tuple[str, Solution]]:
+def baseline_candidates(analysis, problem: Problem, known, *, within_budget: bool = True
+                        ) -> list[tuple[str, Solution]]:
     """The rule-file baselines (``cfp.baselines``) that are plans of this problem: every block
     on a profiled strategy, every window on a feasible measured combination, parameters kept as
     the plan keeps them, one strategy per scan body, and within the memory budget. Search
@@ -337,65 +354,27 @@ def baseline_candidates(analysis, problem: Problem, known) -> list[tuple[str, So
     not only predicted."""
     from cfp.baselines import baseline_strategy_indices
     out, seen = [], set(known)
-    for name, idx in baseline_strategy_indices(analysis).items():
-        if tuple(idx) in seen:
+    for name, (idx, layout) in baseline_strategy_indices(analysis, storage=True).items():
+        if None in idx:
             continue
-        choices, _ = _baseline_choices(problem, idx)
-        if choices is None:
+        choices = []
+        for g in problem.groups:
+            want = tuple(idx[b] for b in g.blocks)
+            choices.append(next((i for i, o in enumerate(g.options)
+                                 if o.strategies[:len(want)] == want
+                                 and (len(o.strategies) == len(want)
+                                      or STATE_LAYOUTS[o.strategies[-1]] == layout)), None))
+        if None in choices or tuple(choices) in seen:
             continue
         cost, mem, strategies = evaluate(problem, choices)
-        if problem.memory_budget is not None and mem > problem.memory_budget:
+        if within_budget and problem.memory_budget is not None and mem > problem.memory_budget:
             continue
-        seen.add(strategies)
+        if any(strategies[i] != strategies[j] for i, j in problem.ties):
+            continue  # layers of one scan on different strategies: not a plan of a scan
+        seen.add(tuple(choices))
         out.append((name, Solution(tuple(choices), strategies, cost, mem, f"baseline {name}",
                                    0.0)))
     return out
-
-
-def _baseline_choices(problem: Problem, idx) -> tuple[list[int] | None, str]:
-    """(the option per group of the baseline whose strategy per block is ``idx``, or None
-    with why it is not a plan of ``problem``)."""
-    if None in idx:
-        return None, "a strategy it needs was pruned by the analysis"
-    choices = []
-    for g in problem.groups:
-        want = tuple(idx[b] for b in g.blocks)
-        choices.append(next((i for i, o in enumerate(g.options) if o.strategies == want),
-                            None))
-    if None in choices:
-        return None, "a combination it needs was not profiled"
-    strategies = evaluate(problem, choices)[2]
-    if any(strategies[i] != strategies[j] for i, j in problem.ties):
-        return None, "its layers of one scan differ"  # not a plan of a scan
-    return choices, ""
-
-
-@dataclasses.dataclass(frozen=True)
-class PricedBaseline:
-    """A rule-file baseline (``cfp.baselines``) priced as the plan beside it is."""
-
-    name: str  # the rule file's name (dp, dp_tp, ...)
-    title: str
-    predicted_s: float | None  # None: not a plan of the problem (see note)
-    memory_bytes: int | None  # per device, composed
-    note: str = ""
-
-
-def priced_baselines(analysis, problem: Problem, launch_overhead_s: float
-                     ) -> tuple[PricedBaseline, ...]:
-    """Every rule-file baseline that applies here, priced from the same profile as the
-    searched plan (whatever the memory budget), or why it cannot be."""
-    from cfp.baselines import baseline_strategy_indices, load_rules
-    rules, out = load_rules(), []
-    for name, idx in baseline_strategy_indices(analysis).items():
-        choices, why = _baseline_choices(problem, idx)
-        if choices is None:
-            out.append(PricedBaseline(name, rules[name].title, None, None, why))
-            continue
-        out.append(PricedBaseline(name, rules[name].title,
-                                  predicted_seconds(problem, choices, launch_overhead_s),
-                                  evaluate(problem, choices)[1]))
-    return tuple(out)
 
 
 def predicted_seconds(problem: Problem, choices, launch_overhead_s: float) -> float:
@@ -405,15 +384,17 @@ def predicted_seconds(problem: Problem, choices, launch_overhead_s: float) -> fl
 
 def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOptions,
                   phases: Phases | None = None):
-    """Compile every plan, then time them in interleaved rounds; per plan the compiled step
-    and the measured seconds per step of each round. Rounds stop after ``min_rounds`` once
+    """Compile every plan (a strategy per block, or (strategies, ``Storage``)), then time
+    them in interleaved rounds; per plan the compiled step and the measured seconds per step
+    of each round. Rounds stop after ``min_rounds`` once
     every other plan is ``slower`` than the fastest."""
     from cfp.execute import PlannedStep, time_steps
     phases = phases or Phases()
     steps = []
     with phases("compiling"):
-        for strategies in plans:
-            ps = PlannedStep(program, analysis, strategies, mesh)
+        for plan in plans:
+            strategies, storage = plan if isinstance(plan[-1], Storage) else (plan, None)
+            ps = PlannedStep(program, analysis, strategies, mesh, storage)
             t0 = time.perf_counter()
             ps.compile()
             ps.compile_s = time.perf_counter() - t0
@@ -459,19 +440,30 @@ class Prediction:
     step_flops: float
     pricing: str  # the profile's cost: "model" (compile-only) or "analytic"
     memory_budget_bytes: int | None = None
-    baselines: tuple[PricedBaseline, ...] = ()  # the hand plans, priced the same way
+    storage: Storage = Storage()  # where the plan keeps the training state
+    # the rule-file hand plans priced from the same profile: (name, seconds, bytes per device)
+    hand_plans: tuple = ()
 
 
 def predict_plan(analysis, profile, memory_budget_bytes: int | None,
                  time_limit_s: float, *, alike_only: bool = False) -> Prediction:
     """The best plan of the priced profile, with its predicted step time and memory."""
     problem, _ = build_problem(analysis, profile, memory_budget_bytes)
-    baselines = priced_baselines(analysis, problem, profile.launch_overhead_s)
-    sol = top_plans(problem, 1, time_limit_s, alike_only=alike_only)[0]
+    hand = tuple((name, predicted_seconds(problem, sol.choices, profile.launch_overhead_s),
+                  sol.memory) for name, sol in baseline_candidates(analysis, problem, [],
+                                                                   within_budget=False))
+    try:
+        sol = top_plans(problem, 1, time_limit_s, alike_only=alike_only)[0]
+    except CfpError as e:  # no plan fits: neither does any hand plan; say what they need
+        if not hand:
+            raise
+        raise CfpError(f"{e}; the hand plans need " + ", ".join(
+            f"{name} {mem / 2**30:.1f} GB" for name, _, mem in hand)) from None
     return Prediction(tuple(analysis.mesh_shape), tuple(sol.strategies),
                       predicted_seconds(problem, sol.choices, profile.launch_overhead_s),
                       sol.memory, sol.status, sol.solve_s, plan_flops(analysis), profile.cost,
-                      memory_budget_bytes, baselines)
+                      memory_budget_bytes,
+                      plan_storage(analysis, problem, profile.windows, sol.choices), hand)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,6 +59,10 @@ def workload_parser(doc: str, *, model: str, rounds: int, min_seconds: float,
         p.add_argument(f"--{name}", type=int, default=None)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--memory-budget", type=float, default=None, help="GB per device")
+    p.add_argument("--budget-of", default=None, metavar="PLAN",
+                   help="set the memory budget from this hand plan's compiled peak (its state "
+                        "donated), times --budget-factor: where memory binds")
+    p.add_argument("--budget-factor", type=float, default=1.1)
     p.add_argument("--rounds", type=int, default=rounds)
     p.add_argument("--min-seconds", type=float, default=min_seconds,
                    help="per plan and round: at least 5 steps and this long")
@@ -89,17 +93,40 @@ def start(a, modes=("analysis", "profile", "search")):
     from cfp.workloads import WorkloadSpec, run_fingerprint
     backend = jax.devices()[0].platform
     label = workload_label(a)
-    workdir = ROOT / "profiles" / f"bench-{label}-{a.mesh}"
+    workdir = ROOT / "profiles" / (f"bench-{label}-{a.mesh}"
+                                   + (f"-budget-{a.budget_of}" if a.budget_of else ""))
     flags = cfp_flags(a) + ["--workdir", str(workdir)]
     print(f"== {label} on mesh {a.mesh} ({backend}, {math.prod(mesh_shape)} devices)")
-    seconds = {mode: run_cfp(flags, mode) for mode in modes}
     spec = WorkloadSpec(a.model, a.config, a.batch_size, a.dtype, tuple(
         (k, getattr(a, k)) for k in ("num_layers", "seq_len", "hidden_size", "num_heads",
                                      "vocab_size", "num_experts") if getattr(a, k) is not None)
     ).resolved()
     run_fp = run_fingerprint(spec, mesh_shape)
+    seconds = {"analysis": run_cfp(flags, "analysis")}
     analysis = WorkDir(workdir, run_fp).read_analysis()
+    if getattr(a, "budget_of", None):
+        peak = hand_plan_peak(a.budget_of, analysis, spec, mesh_shape)
+        a.memory_budget = a.budget_factor * peak / 2**30
+        print(f"memory budget: {a.budget_factor} x {a.budget_of}'s compiled peak "
+              f"({peak / 2**20:.1f} MiB) = {a.memory_budget * 2**10:.1f} MiB per device")
+        flags = cfp_flags(a) + ["--workdir", str(workdir)]
+    seconds.update({mode: run_cfp(flags, mode) for mode in modes if mode != "analysis"})
     return mesh_shape, backend, label, workdir, spec, run_fp, analysis, seconds
+
+
+def hand_plan_peak(name: str, analysis, spec, mesh_shape) -> int:
+    """Compiled peak bytes per device of the rule-file plan ``name``, its state donated."""
+    from cfp.baselines import applies, baseline_plan, load_rules
+    from cfp.execute import PlannedStep
+    from cfp.measure import memory_of
+    from cfp.workloads import make_mesh, trace_step
+    rule = load_rules()[name]
+    if not applies(rule, analysis):
+        raise SystemExit(f"benchmark: the hand plan {name} does not apply to {spec.model}")
+    bp = baseline_plan(rule, analysis)
+    step = PlannedStep(trace_step(spec.build()), analysis, bp.strategies,
+                       make_mesh(mesh_shape), bp.storage)
+    return memory_of(step.compile())["peak_bytes"]
 
 
 def cfp_flags(a) -> list[str]:
@@ -192,7 +219,7 @@ def budget_bytes(a) -> int | None:
 
 
 def own_pick(workdir: Path, run_fp, budget) -> tuple[tuple, int]:
-    """(block strategies of ``cfp_own``'s pick: the measured fastest of search's own
+    """((block strategies, storage) of ``cfp_own``'s pick: the measured fastest of search's own
     predictions within the budget, how many top predictions search measured, not counting
     the best without reshardings)."""
     from cfp.passes.search import fastest_within_budget
@@ -201,22 +228,24 @@ def own_pick(workdir: Path, run_fp, budget) -> tuple[tuple, int]:
     rec = read_record(workdir / "search.pkl", SEARCH_FORMAT, run_fp, hint="run search first")
     own = [c for c in rec.candidates if c.source.startswith("predicted")]
     top = sum(c.source == "predicted" for c in own)
-    return tuple(own[fastest_within_budget(own, budget)].strategies), top
+    pick = own[fastest_within_budget(own, budget)]
+    return (tuple(pick.strategies), pick.storage), top
 
 
 def build_plans(a, workdir: Path, mesh, analysis, program, run_fp, host):
     """Plan name -> PlannedStep (see the module docstring for the names)."""
     from cfp.baselines import applies, baseline_plan, load_rules
     from cfp.execute import PlannedStep
-    blocks = json.loads((workdir / "plan.json").read_text())["blocks"]
+    from cfp.records import read_record
+    from cfp.workdir import SEARCH_FORMAT
+    kept = read_record(workdir / "search.pkl", SEARCH_FORMAT, run_fp, hint="run search").plan
     budget = budget_bytes(a)
     own, n_own = own_pick(workdir, run_fp, budget)
     analytic = analytic_plans(a, workdir, analysis, run_fp, n_own)
-    plans = {"cfp": PlannedStep(program, analysis, [b["strategy_index"] for b in blocks], mesh),
-             "cfp_own": PlannedStep(program, analysis, own, mesh),
-             "analytic": PlannedStep(program, analysis, fastest_measured(
-                 analytic, program, analysis, mesh, host, budget), mesh),
-             "analytic_top1": PlannedStep(program, analysis, analytic[0], mesh)}
+    step = lambda plan: PlannedStep(program, analysis, plan[0], mesh, plan[1])  # noqa: E731
+    plans = {"cfp": step((kept.strategies, kept.storage)), "cfp_own": step(own),
+             "analytic": step(fastest_measured(analytic, program, analysis, mesh, host, budget)),
+             "analytic_top1": step(analytic[0])}
     for name, rule in load_rules().items():
         if applies(rule, analysis):
             bp = baseline_plan(rule, analysis)
@@ -229,12 +258,13 @@ def analytic_plans(a, workdir: Path, analysis, run_fp, k: int) -> list:
     CP-SAT finds, best first, and the best without reshardings when all of those reshard
     (``predicted_plans``)."""
     from cfp.workdir import WorkDir
-    from cfp.passes.search import build_problem, predicted_plans
+    from cfp.passes.search import build_problem, plan_storage, predicted_plans
     profile = WorkDir(workdir, run_fp).read_profile(analysis, "model", a.max_combinations,
                                                       a.whole_segments)
     budget = budget_bytes(a)
     problem, _ = build_problem(analysis, profile, budget)
-    return [sol.strategies for sol in predicted_plans(problem, k, 60.0)]
+    return [(sol.strategies, plan_storage(analysis, problem, profile.windows, sol.choices))
+            for sol in predicted_plans(problem, k, 60.0)]
 
 
 def fastest_measured(plans: list, program, analysis, mesh, host, budget) -> list:
@@ -348,8 +378,11 @@ def benchmark(a) -> None:
                               devices=n_dev))
     append_rows(out / f"{stem}-plans.csv", PLAN_FIELDS, plan_rows)
 
-    print(f"\n{label} mesh {a.mesh}, {backend} x{n_dev}, {a.rounds} interleaved rounds")
-    print(f"{'plan':<14}{'median s':>12}{'peak MiB':>10}  {'cfp / plan (95% CI)':<26} collectives")
+    budget = budget_bytes(a)
+    fits = {row["plan"]: budget is None or row["peak_bytes"] <= budget for row in plan_rows}
+    print(f"\n{label} mesh {a.mesh}, {backend} x{n_dev}, {a.rounds} interleaved rounds"
+          + (f", budget {budget / 2**20:.1f} MiB per device (* over it)" if budget else ""))
+    print(f"{'plan':<14}{'median s':>12}{'peak MiB':>11}  {'cfp / plan (95% CI)':<26} collectives")
     for row, n in zip(plan_rows, names):
         med = float(np.median(times[n]))
         if n == "cfp":
@@ -359,12 +392,13 @@ def benchmark(a) -> None:
         else:
             m, lo, hi = bootstrap_ratio(times["cfp"], times[n])
             rel = f"{m:.3f} [{lo:.3f}, {hi:.3f}]"
-        print(f"{n:<14}{med:>12.6f}{row['peak_bytes'] / 2**20:>10.1f}  {rel:<26} "
-              f"{row['collectives']}")
-    manual = min((n for n in names if n not in NOT_MANUAL),
+        print(f"{n:<14}{med:>12.6f}{row['peak_bytes'] / 2**20:>10.1f}{' ' if fits[n] else '*'}"
+              f"  {rel:<26} {row['collectives']}")
+    manual = min((n for n in names if n not in NOT_MANUAL and fits[n]),
                  key=lambda n: float(np.median(times[n])))
     for question, other in (("profiling against the cost model", "analytic"),
-                            (f"profiling against the best manual plan ({manual})", manual)):
+                            (f"profiling against the best manual plan that fits ({manual})",
+                             manual)):
         if hlo["cfp_own"] == hlo[other]:
             print(f"{question}: cfp_own / {other} tie (same program)")
         else:

@@ -1,0 +1,109 @@
+"""The training state's layout as a decision of the search: a window that holds state (reads a
+leaf first and computes its new value) is measured with it as its blocks compute, with the
+optimizer state split (zero1) and with the parameters split too (fsdp); search picks one per
+window, and a split plan runs as a loop that matches one device."""
+import functools
+import math
+
+import pytest
+
+from cfp.errors import CfpError
+from cfp.execute import PlannedStep
+from cfp.measure import WindowProgram, memory_of
+from cfp.passes.analysis import run_analysis
+from cfp.sharding import STATE_LAYOUTS, state_kinds
+from cfp.windows import held_state, split_windows, window_space
+from cfp.workloads import WorkloadSpec, make_mesh, trace_step
+
+GPT = (("num_layers", 2), ("num_heads", 8))
+
+
+@functools.lru_cache(maxsize=None)
+def setup(mesh_shape):
+    spec = WorkloadSpec("gpt", "tiny", None, "float32", GPT).resolved()
+    analysis = run_analysis(spec, mesh_shape)
+    windows, reps = split_windows(analysis, 32)
+    return spec, analysis, windows, reps, trace_step(spec.build())
+
+
+def split_dims(spec) -> int:
+    return sum(e is not None for e in spec)
+
+
+def test_a_window_holding_state_takes_and_returns_it_in_each_layout():
+    spec, analysis, windows, reps, program = setup((8,))
+    g = analysis.graph
+    holding = [w for w in (windows[r] for r in reps) if held_state(analysis, w)]
+    bare = [w for w in (windows[r] for r in reps) if not held_state(analysis, w)]
+    assert holding
+    for w in bare:  # control: no state, no state dimension
+        assert len(window_space(analysis, w)) == w.end - w.start
+    w = max(holding, key=lambda w: len(held_state(analysis, w)))
+    assert window_space(analysis, w)[-1] == len(STATE_LAYOUTS)
+    wp = WindowProgram(program, analysis, w, make_mesh((8,)))
+    pairs, kinds = g.state_pairs(), state_kinds(g)
+    blocks = (0,) * (w.end - w.start)  # every block on its first strategy: data parallel here
+    peaks = {}
+    for z, layout in enumerate(STATE_LAYOUTS):
+        ins, outs, _ = wp.layouts(blocks + (z,))
+        at_in = dict(zip(wp.sub.live_ins, ins))
+        at_out = dict(zip(wp.sub.live_outs, outs))
+        for k in held_state(analysis, w):
+            v, new = pairs[k]
+            assert at_out[new] == at_in[v]  # the fixed point, inside the window
+            split = layout == "fsdp" or (layout == "zero1" and kinds[k] == "opt")
+            assert (split_dims(at_in[v]) > 0) == split, (layout, kinds[k], at_in[v])
+        compiled, _ = wp.compile(blocks + (z,))
+        assert wp.unnamed_collectives(compiled, blocks + (z,)) == []
+        assert wp.check_compiled(compiled, blocks + (z,)) == ""
+        peaks[layout] = memory_of(compiled)["argument_bytes"]
+    assert peaks["fsdp"] < peaks["zero1"] < peaks["plan"], peaks
+
+
+@pytest.fixture(scope="module")
+def analytic_problem():
+    """gpt on mesh 8 priced by the analytic model (no compile): the search problem and the
+    windows, with the memory of dp's plan and of the smallest plan."""
+    from cfp.measure import fit_cost_model_for
+    from cfp.passes.profile import ProfileOptions, run_profile
+    from cfp.passes.search import build_problem
+    spec, analysis, *_ = setup((8,))
+    profile = run_profile(analysis, ProfileOptions(
+        cost="analytic", cost_model=fit_cost_model_for((8,))))
+    return spec, analysis, profile, build_problem
+
+
+def test_where_memory_binds_search_splits_the_state_and_the_plan_runs_as_a_loop(
+        analytic_problem):
+    """A budget under every plan that keeps the state as its blocks compute: the search finds
+    one with split state, and three steps of it in a loop match one device; without the
+    split layouts (the control) no plan fits."""
+    import dataclasses
+    from helpers import assert_loop_matches, planned_loop
+    from cfp.passes.search import plan_storage, top_plans
+    from cfp.solver import least_memory
+    spec, analysis, profile, build_problem = analytic_problem
+    problem, _ = build_problem(analysis, profile, None)
+    unsplit = dataclasses.replace(problem, groups=[
+        dataclasses.replace(grp, options=[o for o in grp.options
+                                          if len(o.strategies) == len(grp.blocks)
+                                          or o.strategies[-1] == 0]) for grp in problem.groups])
+    budget = (least_memory(unsplit) + least_memory(problem)) // 2
+    assert least_memory(problem) < budget < least_memory(unsplit)
+    with pytest.raises(CfpError, match="no plan fits"):  # control
+        top_plans(dataclasses.replace(unsplit, memory_budget=budget), 1, 30.0)
+    problem.memory_budget = budget
+    sol = top_plans(problem, 1, 30.0)[0]
+    storage = plan_storage(analysis, problem, profile.windows, sol.choices)
+    assert {z for _, z in storage.leaves} & {"zero1", "fsdp"}, storage
+    step = PlannedStep(trace_step(spec.build()), analysis, sol.strategies, make_mesh((8,)),
+                       storage)
+    step.compile()
+    assert_loop_matches(*planned_loop(step, spec.build()))
+    kinds = state_kinds(analysis.graph)
+    split = [k for k, z in storage.leaves if z == "fsdp" or (z == "zero1"
+                                                             and kinds[k] == "opt")]
+    shapes = [math.prod(analysis.graph.values[analysis.graph.inputs[k]].shape) for k in split]
+    got = [math.prod(step.in_shardings[k].shard_shape(
+        analysis.graph.values[analysis.graph.inputs[k]].shape)) for k in split]
+    assert any(g < s for g, s in zip(got, shapes))  # stored split, not only described so
