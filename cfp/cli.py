@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"{what}, overriding the preset's")
     w.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="parameter and activation type")
+    w.add_argument("--step", default="train", choices=("train", "forward"),
+                   help="the step planned: train (value-and-grad plus the optimizer) or "
+                        "forward (the loss alone, for inference or evaluation: no gradients "
+                        "nor optimizer state)")
     m = p.add_argument_group("devices")
     m.add_argument("--num-devices", type=int, default=None,
                    help="devices to use; on CPU, this many virtual devices (the mesh's size, "
@@ -223,9 +227,13 @@ def _options(args) -> RunOptions:
     for k in _BOUNDS:
         if k not in _PER_AXIS and getattr(args, k) is not None:
             _check_number(k, getattr(args, k))
-    spec = WorkloadSpec(args.model, args.config, args.batch_size, args.dtype, overrides)
+    spec = WorkloadSpec(args.model, args.config, args.batch_size, args.dtype, overrides,
+                        args.step)
     workdir = Path(args.workdir) if args.workdir else None
     modes = (args.mode,) if args.mode else MODES
+    if args.mode == "stages" and args.step == "forward":
+        raise CfpError("--mode stages plans the pipeline of a training step (its 1F1B "
+                       "schedule): leave out --step forward")
     if args.cluster is not None and args.num_processes > 1:
         raise CfpError("--cluster plans without running anything: run it in one process "
                        "(without --num-processes)")

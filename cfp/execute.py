@@ -229,11 +229,10 @@ def example_inputs(workload, seed: int = 0):
 
 def real_inputs(workload, seed: int = 0) -> list:
     """Concrete (params, opt_state, batch) leaves for the workload, on the host (typed PRNG
-    keys, which have no NumPy form, stay JAX arrays)."""
+    keys, which have no NumPy form, stay JAX arrays; a forward step has no opt_state)."""
     import jax
-    from cfp.models import adam_init
     params, batch = example_inputs(workload, seed)
-    opt = jax.jit(workload.opt_init or adam_init)(params)
+    opt = jax.jit(workload.init_opt_state)(params)
     return [x if is_key(dtype_name(x.dtype)) else np.asarray(x)
             for x in jax.tree_util.tree_leaves((params, opt, batch))]
 

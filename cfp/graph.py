@@ -128,7 +128,8 @@ class Graph:
         """(input, output) value pairs of the training state: a step ``(params, opt_state,
         batch) -> (params, opt_state, loss)`` returns its new state first, leaf for leaf in
         its inputs' order, and the loss last. The state is what lives between steps: a plan
-        returns it in the layout it came in, and a loop donates it."""
+        returns it in the layout it came in, and a loop donates it. A forward step returns
+        the loss alone: it has no pairs, and nothing is donated."""
         from cfp.errors import CfpError
         pairs = tuple(zip(self.inputs, self.outputs[:-1]))
         for a, b in pairs:

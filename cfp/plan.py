@@ -15,6 +15,10 @@ analysed (for a loss that takes a key, the batch is ``(batch, key)``). The file 
 - ``mesh`` (shape and axis names: the user's, ``m0``, ``m1``, ... when none were given) and the
   format and its version.
 
+A plan of a forward step (``--step forward``: ``forward(params, batch) -> loss``, for
+inference or evaluation) has ``step.kind`` ``forward``, no ``opt_state`` and no ``outputs``:
+nothing comes back to feed a next step, and nothing is donated.
+
 Two ways to use it: ``step_shardings`` gives ``in_shardings``/``out_shardings`` for
 ``jax.jit(train_step, ..., donate_argnums=DONATE_ARGNUMS)`` (the interior left to XLA's
 sharding propagation); ``jit`` also puts the block constraints inside, so the program is the
@@ -46,6 +50,12 @@ from cfp.errors import CfpError
 PLAN_FORMAT, PLAN_VERSION = "cfp-plan", 3
 PARTS = ("params", "opt_state", "batch")
 DONATE_ARGNUMS = (0, 1)  # train_step(params, opt_state, batch): the state a loop feeds back
+
+
+def step_parts(plan: dict) -> tuple[str, ...]:
+    """The arguments of the plan's step: ``PARTS``, or ``(params, batch)`` for a forward
+    step (plans written before steps had kinds are training steps)."""
+    return ("params", "batch") if plan["step"].get("kind") == "forward" else PARTS
 
 
 def _to_json(spec) -> list:
@@ -86,23 +96,25 @@ def make_plan(analysis, strategies, *, in_specs=None, out_specs=None, source: st
                            [_renamed(s, users) for s in results])
                       for op, (operands, results) in op_constraints.items()}
     workload = analysis.spec.build()
-    trees = (workload.abstract_params(), workload.abstract_opt_state(), workload.abstract_batch())
+    trees = {"params": workload.abstract_params(), "opt_state": workload.abstract_opt_state(),
+             "batch": workload.abstract_batch()}
     plan: dict[str, Any] = {"format": PLAN_FORMAT, "version": PLAN_VERSION,
                             "mesh": {"shape": list(analysis.mesh_shape),
                                      "axes": list(axis_names)},
                             "source": source,
-                            "step": {"fingerprint": g.fingerprint(),
+                            "step": {"fingerprint": g.fingerprint(), "kind": workload.step,
                                      "loss_takes_key": workload.loss_takes_key}}
     start, outputs = 0, {}
-    for part, tree in zip(PARTS, trees):
-        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    for part in step_parts(plan):
+        leaves = jax.tree_util.tree_flatten_with_path(trees[part])[0]
         specs = in_specs[start:start + len(leaves)]
         plan[part] = {jax.tree_util.keystr(p): _to_json(s) for (p, _), s in zip(leaves, specs)}
-        if part != "batch":  # the step returns new params and optimizer state, in this order
+        if part != "batch" and workload.step == "train":  # new params and opt_state, in order
             outputs[part] = {jax.tree_util.keystr(p): _to_json(s) for (p, _), s in
                              zip(leaves, out_specs[start:start + len(leaves)])}
         start += len(leaves)
-    plan["outputs"] = outputs
+    if outputs:
+        plan["outputs"] = outputs
     plan["blocks"] = [{"block": b.index, "strategy_index": int(strategies[b.index]),
                        "strategy": b.strategies[strategies[b.index]].name,
                        "seed": g.ops[b.seed].hlo} for b in blocks]
@@ -192,32 +204,44 @@ def shardings(tree, plan: dict, mesh, part: str = "params", *, specs: dict | Non
     return jax.tree_util.tree_map_with_path(one, tree)
 
 
-def step_shardings(plan: dict, mesh, params, opt_state, batch) -> tuple[tuple, tuple]:
+def step_shardings(plan: dict, mesh, *args) -> tuple[tuple, Any]:
     """``(in_shardings, out_shardings)`` for ``jax.jit(train_step, in_shardings,
     out_shardings, donate_argnums=DONATE_ARGNUMS)`` with ``train_step(params, opt_state,
-    batch) -> (params, opt_state, loss)``. The new state comes out as it went in, so a loop
-    passes each step's ``(params, opt_state)`` to the next."""
+    batch) -> (params, opt_state, loss)``; ``args`` are its ``(params, opt_state, batch)``. The
+    new state comes out as it went in, so a loop passes each step's ``(params, opt_state)`` to
+    the next. For a forward plan ``args`` are ``(params, batch)`` and the out sharding is the
+    loss's (replicated); a forward step that returns something else (logits) may leave its
+    out shardings to XLA."""
     from jax.sharding import NamedSharding, PartitionSpec
-    ins = (shardings(params, plan, mesh, "params"), shardings(opt_state, plan, mesh, "opt_state"),
-           shardings(batch, plan, mesh, "batch"))
-    outs = (shardings(params, plan, mesh, "params", specs=plan["outputs"]["params"]),
-            shardings(opt_state, plan, mesh, "opt_state", specs=plan["outputs"]["opt_state"]),
-            NamedSharding(mesh, PartitionSpec()))
-    return ins, outs
+    parts = step_parts(plan)
+    if len(args) != len(parts):
+        raise CfpError(f"the plan's step takes ({', '.join(parts)}), {len(parts)} arguments; "
+                       f"got {len(args)}"
+                       + (": a forward plan has no opt_state" if len(parts) == 2 else ""))
+    ins = tuple(shardings(a, plan, mesh, part) for a, part in zip(args, parts))
+    loss = NamedSharding(mesh, PartitionSpec())
+    if "opt_state" not in parts:
+        return ins, loss
+    params, opt_state, _ = args
+    return ins, (shardings(params, plan, mesh, "params", specs=plan["outputs"]["params"]),
+                 shardings(opt_state, plan, mesh, "opt_state",
+                           specs=plan["outputs"]["opt_state"]), loss)
 
 
-def jit(train_step: Callable, plan: dict, mesh, params, opt_state, batch) -> Callable:
+def jit(train_step: Callable, plan: dict, mesh, *args) -> Callable:
     """``train_step`` jitted with the plan: its layouts at the edges and each block's
     constraints inside, so it compiles to the program cfp measured; ``params`` and
-    ``opt_state`` are donated (``DONATE_ARGNUMS``). ``params``,
-    ``opt_state`` and ``batch`` (arrays or ``jax.ShapeDtypeStruct``s) fix the shapes; the step
-    traced with them must be the analysed one (same fingerprint)."""
+    ``opt_state`` are donated (``DONATE_ARGNUMS``). ``args``, ``(params, opt_state, batch)``
+    (arrays or ``jax.ShapeDtypeStruct``s), fix the shapes; the step traced with them must be
+    the analysed one (same fingerprint). A forward plan's step is ``forward(params, batch)``,
+    ``args`` are ``(params, batch)``, and nothing is donated."""
     import jax
     from cfp.graph import trace_program
     from cfp.jax_compat import auto_inside, constraint_mesh
     from cfp.sharding import step_function
     check_mesh(plan, mesh)
-    program = trace_program(train_step, params, opt_state, batch)
+    in_shardings, out_shardings = step_shardings(plan, mesh, *args)  # checks the arguments
+    program = trace_program(train_step, *args)
     g = program.graph()
     if g.fingerprint() != plan["step"]["fingerprint"]:
         raise CfpError("this train_step is not the step the plan was made for (its traced "
@@ -228,11 +252,10 @@ def jit(train_step: Callable, plan: dict, mesh, params, opt_state, batch) -> Cal
     flat_step, _ = step_function(program, constraints=constraints,
                                  mesh=constraint_mesh(mesh))
 
-    def step(*args):
-        outs = flat_step(*jax.tree_util.tree_leaves(args))
+    def step(*step_args):
+        outs = flat_step(*jax.tree_util.tree_leaves(step_args))
         return jax.tree_util.tree_unflatten(program.out_tree, outs)
 
-    in_shardings, out_shardings = step_shardings(plan, mesh, params, opt_state, batch)
     step = auto_inside(step, mesh, out_shardings)
     return jax.jit(step, in_shardings=in_shardings, out_shardings=out_shardings,
-                   donate_argnums=DONATE_ARGNUMS)
+                   donate_argnums=DONATE_ARGNUMS if len(args) == len(PARTS) else ())

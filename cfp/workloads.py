@@ -36,14 +36,20 @@ class WorkloadSpec:
     batch_size: int | None = None  # None: the preset's default
     dtype: str = "float32"  # "float32" | "bfloat16"
     overrides: tuple[tuple[str, int], ...] = ()  # (field, value) size overrides
+    step: str = "train"  # "train": value-and-grad plus the optimizer; "forward": the loss alone
 
     def build(self):
         """The ``cfp.models.Workload`` this spec names."""
+        from cfp.models.workload import STEPS
+        if self.step not in STEPS:
+            raise CfpError(f"--step {self.step!r} is not one of {', '.join(STEPS)}")
         if ":" in self.model:
-            return _user_workload(self)
-        from cfp.models import get_workload
-        return get_workload(self.model, self.config, batch_size=self.batch_size,
-                            dtype=self.dtype, **dict(self.overrides))
+            workload = _user_workload(self)
+        else:
+            from cfp.models import get_workload
+            workload = get_workload(self.model, self.config, batch_size=self.batch_size,
+                                    dtype=self.dtype, **dict(self.overrides))
+        return dataclasses.replace(workload, step=self.step)
 
     def resolved(self) -> "WorkloadSpec":
         """The same spec with the preset and batch size filled in (checks them, too)."""
@@ -59,7 +65,7 @@ class WorkloadSpec:
         name = self.model.rsplit(":", 1)[-1].replace(".", "_")
         parts = [name] + ([self.config] if self.config else [])
         parts += [f"{short.get(k, k)}{v}" for k, v in self.overrides]
-        return "-".join(parts)
+        return "-".join(parts + (["forward"] if self.step == "forward" else []))
 
 
 def _user_workload(spec: WorkloadSpec):
@@ -220,7 +226,8 @@ def host_memory_bytes() -> int:
 
 
 def trace_step(workload):
-    """Trace a workload's full training step with abstract inputs (nothing allocated)."""
+    """Trace the step a workload plans (``Workload.step_fn``: its full training step, or its
+    forward computation) with abstract inputs (nothing allocated)."""
     import jax
     import jax.numpy as jnp
     from cfp.graph import trace_program
@@ -230,7 +237,7 @@ def trace_step(workload):
         not_float = [jax.tree_util.keystr(path) for path, x in
                      jax.tree_util.tree_flatten_with_path(args[0])[0]
                      if not jnp.issubdtype(x.dtype, jnp.inexact)]  # bfloat16 is inexact
-        if not_float:
+        if not_float and workload.step == "train":
             raise CfpError(f"the parameters of {workload.model} are differentiated, but "
                            f"{', '.join(not_float[:3])} {'is' if len(not_float) == 1 else 'are'}"
                            f" not floating point: keep integer arrays out of the params")
@@ -238,7 +245,7 @@ def trace_step(workload):
         if not isinstance(loss, jax.ShapeDtypeStruct) or loss.shape != ():
             raise CfpError(f"the loss of {workload.model} returns "
                            f"{getattr(loss, 'shape', type(loss).__name__)}, not a scalar")
-        return trace_program(workload.train_step(), *args)
+        return trace_program(workload.step_fn(), *args)
 
 
 @contextlib.contextmanager
@@ -310,7 +317,7 @@ def _dirs() -> tuple[tuple[str, ...], tuple[str, ...], str, tuple[str, ...]]:
 def spec_fingerprint(spec: WorkloadSpec) -> tuple:
     """The workload's part of a run's fingerprint: every field of its spec."""
     return (("model", spec.model), ("config", spec.config), ("batch", spec.batch_size),
-            ("dtype", spec.dtype), ("overrides", spec.overrides))
+            ("dtype", spec.dtype), ("overrides", spec.overrides), ("step", spec.step))
 
 
 def run_fingerprint(spec: WorkloadSpec, mesh_shape: tuple[int, ...],

@@ -35,6 +35,7 @@ def _run(capsys, *argv):
     (["--num-processes", "3", "--coordinator", "hostA:1234"], "do not split evenly"),
     (["--num-processes", "2", "--coordinator", "hostA:1234", "--cluster", "a100-8"],
      "run it in one process"),
+    (["--mode", "stages", "--step", "forward"], "leave out --step forward"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     rc, out, err = _run(capsys, "--mode", "analysis", *argv)

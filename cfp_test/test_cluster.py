@@ -206,3 +206,25 @@ def test_a_cluster_plan_is_printed_beside_the_hand_plans_priced_the_same_way(tmp
     out = capsys.readouterr().out
     assert re.search(r"fsdp +predicted .* fits", out) and re.search(r"dp +predicted .* does not "
                                                                      r"fit", out)
+
+
+def test_a_forward_step_planned_for_a_cluster_beside_the_hand_plans(tmp_path, capsys):
+    """--step forward plans the loss alone: the hand plans are priced from the same profile
+    and printed beside the plan, which is no slower; data parallel's memory holds no
+    gradients nor Adam moments, so it is under half the training step's (the
+    control: the same plan of the training step)."""
+    dp_gb = {}
+    for step in ("forward", "train"):
+        assert main(["--model", "gpt", "--num-layers", "2", "--hidden-size", "1024",
+                     "--cluster", "a100-8", "--mesh", "2x4", "--step", step,
+                     "--workdir", str(tmp_path / step), "--max-combinations", "8"]) == 0
+        out = capsys.readouterr().out
+        hand = {name: (float(ms), float(gb)) for name, ms, gb in re.findall(
+            r"^  (\w+) +predicted +([\d.]+) ms, +([\d.]+) GB per device", out, re.M)}
+        assert {"dp", "dp_tp"} <= set(hand)
+        plan_ms = float(re.search(r"predicted step time: ([\d.]+) ms", out)[1])
+        assert plan_ms <= min(ms for ms, _ in hand.values()) * 1.001  # the solver's optimum
+        dp_gb[step] = hand["dp"][1]
+    plan = json.loads((tmp_path / "forward" / "plan.json").read_text())
+    assert plan["step"]["kind"] == "forward" and "opt_state" not in plan
+    assert 0 < dp_gb["forward"] < dp_gb["train"] / 2

@@ -8,7 +8,7 @@ import pytest
 
 import users_models
 from cfp.errors import CfpError
-from cfp.execute import PlannedStep, example_inputs
+from cfp.execute import PlannedStep, check_numerics, example_inputs
 from cfp.passes.analysis import run_analysis
 from cfp.plan import jit as plan_jit
 from cfp.plan import make_plan, shardings
@@ -122,3 +122,43 @@ def test_a_plan_for_another_tree_or_step_is_refused():
     doubled = users_models.optax_train_step(lambda p, b: 2 * w.loss_fn(p, b), tx)
     with pytest.raises(CfpError, match="not the step the plan was made for"):
         plan_jit(doubled, plan, mesh, params, tx.init(params), batch)
+
+
+def test_a_forward_plan_in_the_users_own_jit():
+    """A plan of the forward step (``--step forward``) used for evaluation in the user's own
+    jit: over several batches its loss matches one device's, the parameters it splits stay
+    split and are not donated; a training step's arguments are refused."""
+    from cfp.plan import step_shardings
+    spec = WorkloadSpec("gpt", "tiny", 8, overrides=(("num_layers", 2),), step="forward")
+    a = run_analysis(spec, (2, 4))
+    w = spec.build()
+    strategies = [len(b.strategies) - 1 for b in a.blocks.blocks]  # the most split
+    plan = make_plan(a, strategies)
+    assert plan["step"]["kind"] == "forward" and "opt_state" not in plan
+    assert any(any(e is not None for e in s) for s in plan["params"].values())
+    params, _ = example_inputs(w)
+    batches = [jax.jit(w.make_batch)(jax.random.key(k)) for k in (1, 2, 3)]
+    mesh = make_mesh((2, 4))
+
+    def evaluate(params, batch):  # the user's own inference step
+        return w.loss_fn(params, batch)
+
+    want = [jax.jit(evaluate)(params, b) for b in batches]  # one device
+    in_sh, out_sh = step_shardings(plan, mesh, params, batches[0])
+    for step in (plan_jit(evaluate, plan, mesh, params, batches[0]),
+                 jax.jit(evaluate, in_shardings=in_sh, out_shardings=out_sh)):
+        placed = jax.device_put(params, in_sh[0])
+        got = [step(placed, jax.device_put(b, in_sh[1])) for b in batches]
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5)
+        assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(placed))
+        assert any(any(e is not None for e in x.sharding.spec)
+                   for x in jax.tree_util.tree_leaves(placed))
+    loss_err, grad_excess = check_numerics(w, a, strategies, mesh)  # the search pass's check
+    assert loss_err < 1e-5 and grad_excess == 0
+    # controls: the comparison tells other parameters apart; a training step's arguments
+    # (with an optimizer state) are refused by a forward plan
+    other = jax.tree_util.tree_map(lambda x: x * 1.01, params)
+    assert not np.allclose(np.asarray(jax.jit(evaluate)(other, batches[0])), np.asarray(want[0]),
+                           rtol=1e-5)
+    with pytest.raises(CfpError, match="forward plan has no opt_state"):
+        step_shardings(plan, mesh, params, jax.jit(adam_init)(params), batches[0])

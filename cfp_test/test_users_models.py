@@ -124,3 +124,131 @@ def test_dropout_keys_are_step_data(model):
             for v, lab in list(zip(op.inputs, m.ins)) + list(zip(op.outputs, m.outs)):
                 if v in keys:
                     assert all(label is None for label in lab), (m.op, op.primitive)
+
+
+# With the slow tests: each kind runs in a loop in the user's own jit among the fast ones.
+STATE_STEPS = [pytest.param(m, marks=pytest.mark.slow)
+               for m in ("users_models:flax_train_state", "users_models:nnx_optimizer")]
+
+
+@pytest.mark.parametrize("model", STATE_STEPS)
+def test_the_step_as_users_write_it_plans_and_matches_one_device(model):
+    """A Flax TrainState step and an NNX (model, optimizer) step, through user_workload: the
+    state's parameters are cfp's params, its other arrays (the step counter, Adam's moments)
+    the optimizer state; under the most split plan, three steps in a loop, the state donated
+    and fed back, match three on one device."""
+    from cfp.execute import PlannedStep
+    from cfp.workloads import trace_step
+    from helpers import assert_loop_matches, planned_loop
+    spec = WorkloadSpec(model).resolved()
+    a = run_analysis(spec, (2, 4))
+    w = spec.build()
+    assert len(jax.tree_util.tree_leaves(w.abstract_opt_state())) > 2 * len(
+        jax.tree_util.tree_leaves(w.abstract_params()))  # both moments and the counters
+    strategies = [len(b.strategies) - 1 for b in a.blocks.blocks]  # the most split
+    ps = PlannedStep(trace_step(w), a, strategies, make_mesh((2, 4)))
+    ps.compile()
+    assert ps.state_count == len(a.graph.inputs) - len(jax.tree_util.tree_leaves(
+        w.abstract_batch()))  # the whole state is donated
+    got, want = planned_loop(ps, w)
+    assert_loop_matches(got, want)
+    counters = [int(x) for x in jax.tree_util.tree_leaves(got[2]) if x.ndim == 0]
+    assert 3 in counters  # the step counter went round the loop
+    with pytest.raises(AssertionError):  # the control: a state off by one update
+        assert_loop_matches((got[0], *jax.tree_util.tree_map(lambda x: x + 1e-3, got[1:2]),
+                             got[2]), want)
+
+
+def test_a_train_state_step_in_the_users_own_jit():
+    """The plan of a TrainState step mapped back onto the user's TrainState
+    (``state_shardings``): ``jax.jit(train_step, in_shardings=(state, batch))``, the state
+    donated, runs three steps that match one device, the state coming out as it went in."""
+    import numpy as np
+    import users_models
+    from cfp.models.state_step import state_shardings
+    from cfp.plan import make_plan, shardings
+    spec = WorkloadSpec("users_models:flax_train_state").resolved()
+    a = run_analysis(spec, (2, 4))
+    plan = make_plan(a, [len(b.strategies) - 1 for b in a.blocks.blocks])
+    init_state, make_batch = users_models.train_state_parts()
+    state, batch = jax.jit(init_state)(jax.random.key(0)), make_batch(jax.random.key(1))
+    mesh = make_mesh((2, 4))
+    state_sh, batch_sh = state_shardings(state, plan, mesh), shardings(batch, plan, mesh, "batch")
+    assert any(any(e is not None for e in s.spec) for s in jax.tree_util.tree_leaves(
+        state_sh.params))
+
+    def loop(step, state):
+        losses = []
+        for _ in range(3):
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+        return losses, state
+
+    want = loop(jax.jit(users_models.train_state_step), state)
+    placed = jax.device_put(state, state_sh)
+    got = loop(jax.jit(users_models.train_state_step, in_shardings=(state_sh, batch_sh),
+                       out_shardings=(state_sh, None), donate_argnums=0), placed)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-4)
+    for x, y in zip(jax.tree_util.tree_leaves(got[1]), jax.tree_util.tree_leaves(want[1])):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-4)
+    assert int(got[1].step) == 3
+    assert all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(
+        jax.tree_util.tree_leaves(got[1]), jax.tree_util.tree_leaves(state_sh)))
+    assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(placed.params))
+
+
+def test_an_nnx_step_in_the_users_own_jit():
+    """The plan of an NNX (model, optimizer) step in the user's own jit: the state split as
+    ``nnx.split(..., nnx.Param, ...)`` splits it is the plan's (params, opt_state), so
+    ``step_shardings`` and ``plan.jit`` take it; three steps, donated and fed back, match one
+    device (``assert_users_loop``)."""
+    import optax
+    import users_models
+    from flax import nnx
+    from cfp.plan import make_plan
+    spec = WorkloadSpec("users_models:nnx_optimizer").resolved()
+    a = run_analysis(spec, (2, 4))
+    plan = make_plan(a, [len(b.strategies) - 1 for b in a.blocks.blocks])
+    model = users_models._nnx_model(32, 4, 2, nnx.Rngs(jax.random.key(0)))
+    graphdef, params, rest = nnx.split(
+        (model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)), nnx.Param, ...)
+    batch = spec.build().make_batch(jax.random.key(1))
+
+    def train_step(params, rest, batch):  # the user's: merge, step in place, split
+        model, optimizer = nnx.merge(graphdef, params, rest)
+        loss = users_models.nnx_step(model, optimizer, batch)
+        _, params, rest = nnx.split((model, optimizer), nnx.Param, ...)
+        return params, rest, loss
+
+    new_params = assert_users_loop(train_step, plan, make_mesh((2, 4)), params, rest, batch)
+    assert any(any(e is not None for e in x.sharding.spec)
+               for x in jax.tree_util.tree_leaves(new_params))
+
+
+def test_a_state_step_given_wrong_is_one_clear_error():
+    """A state that is neither a TrainState-like record nor an NNX (model, optimizer), metrics
+    without the loss, or loss_fn next to train_step: each a CfpError saying what to give."""
+    import jax.numpy as jnp
+    import users_models
+    from cfp.errors import CfpError
+    from cfp.models import user_workload
+    from cfp.workloads import trace_step
+    init_state, make_batch = users_models.train_state_parts()
+    bad = user_workload(train_step=users_models.train_state_step,
+                        init_state=lambda key: {"w": jnp.ones(2)}, make_batch=make_batch)
+    with pytest.raises(CfpError, match="give a Flax TrainState"):
+        bad.abstract_params()
+
+    def metrics_without_loss(state, batch):
+        new, metrics = users_models.train_state_step(state, batch)
+        return new, {"ce": metrics["loss"]}
+
+    with pytest.raises(CfpError, match="under 'loss'"):
+        trace_step(user_workload(train_step=metrics_without_loss, init_state=init_state,
+                                 make_batch=make_batch))
+    with pytest.raises(CfpError, match="instead of loss_fn"):
+        user_workload(lambda p, b: 0.0, train_step=users_models.train_state_step,
+                      init_state=init_state, make_batch=make_batch)
+    good = user_workload(train_step=users_models.train_state_step, init_state=init_state,
+                         make_batch=make_batch)  # the control
+    assert trace_step(good).graph().state_pairs()

@@ -6,6 +6,10 @@ cfp's zoo: heads split off by reshape, dropout driven by keys.
 - ``flax_dropout_rng``: the same model taking the key as the loss's third argument
   (``loss_fn(params, batch, rng)``), trained with Optax's AdamW.
 - ``equinox_attention``: an Equinox transformer whose attention splits 4 heads by reshape.
+- ``flax_train_state``: the Flax linen transformer in a ``TrainState``, stepped by
+  ``train_step(state, batch) -> (state, metrics)``.
+- ``nnx_optimizer``: an NNX transformer with ``nnx.Optimizer``, stepped in place by
+  ``train_step(model, optimizer, batch) -> loss``.
 """
 from __future__ import annotations
 
@@ -244,6 +248,110 @@ def equinox_module(num_layers: int = 2):
         return _ce(jax.vmap(model)(b["x"]), b["y"])
 
     return user_workload(loss, Model, batch, optimizer=optax.adam(1e-3), name="equinox_module")
+
+
+def train_state_parts(batch_size: int = 4, num_layers: int = 2, seq_len: int = 16,
+                      hidden: int = 32, num_heads: int = 4):
+    """(init_state, make_batch) of a Flax linen transformer in a ``TrainState`` with Adam."""
+    import optax
+    from flax.training import train_state
+    model = _flax_model(hidden, num_heads, num_layers, 0.0)
+
+    def init_state(key):
+        params = model.init(key, jnp.zeros((batch_size, seq_len), jnp.int32), train=False)
+        return train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                             tx=optax.adam(1e-3))
+
+    def make_batch(key):
+        x, y = _tokens(key, batch_size, seq_len)
+        return {"x": x, "y": y}
+
+    return init_state, make_batch
+
+
+def train_state_step(state, batch):
+    """``train_step(state, batch) -> (state, metrics)`` as Flax's examples write it."""
+    def loss(params):
+        return _ce(state.apply_fn(params, batch["x"], train=False), batch["y"])
+
+    value, grads = jax.value_and_grad(loss)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": value}
+
+
+def flax_train_state(batch_size: int = 4, dtype: str = "float32", **kw) -> Workload:
+    from cfp.models import user_workload
+    init_state, make_batch = train_state_parts(batch_size, **kw)
+    return user_workload(train_step=train_state_step, init_state=init_state,
+                         make_batch=make_batch, dtype=dtype)
+
+
+def _nnx_model(hidden: int, num_heads: int, num_layers: int, rngs):
+    """An NNX pre-norm transformer (heads split by reshape)."""
+    from flax import nnx
+
+    class Layer(nnx.Module):
+        def __init__(self):
+            self.norm1, self.norm2 = nnx.LayerNorm(hidden, rngs=rngs), nnx.LayerNorm(hidden,
+                                                                                 rngs=rngs)
+            self.qkv = nnx.Linear(hidden, 3 * hidden, use_bias=False, rngs=rngs)
+            self.out = nnx.Linear(hidden, hidden, rngs=rngs)
+            self.up = nnx.Linear(hidden, 4 * hidden, rngs=rngs)
+            self.down = nnx.Linear(4 * hidden, hidden, rngs=rngs)
+
+        def __call__(self, h):
+            b, s, _ = h.shape
+            hd = hidden // num_heads
+            q, k, v = (t.reshape(b, s, num_heads, hd)
+                       for t in jnp.split(self.qkv(self.norm1(h)), 3, axis=-1))
+            w = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(hd), axis=-1)
+            h = h + self.out(jnp.einsum("bhqk,bkhd->bqhd", w, v).reshape(b, s, hidden))
+            return h + self.down(jax.nn.gelu(self.up(self.norm2(h))))
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.embed = nnx.Embed(VOCAB, hidden, rngs=rngs)
+            self.layers = nnx.List([Layer() for _ in range(num_layers)])
+            self.norm = nnx.LayerNorm(hidden, rngs=rngs)
+            self.head = nnx.Linear(hidden, VOCAB, rngs=rngs)
+
+        def __call__(self, x):
+            h = self.embed(x)
+            for layer in self.layers:
+                h = layer(h)
+            return self.head(self.norm(h))
+
+    return Model()
+
+
+def nnx_step(model, optimizer, batch):
+    """``train_step(model, optimizer, batch) -> loss`` as NNX's examples write it."""
+    from flax import nnx
+
+    def loss(model):
+        return _ce(model(batch["x"]), batch["y"])
+
+    value, grads = nnx.value_and_grad(loss)(model)
+    optimizer.update(model, grads)
+    return value
+
+
+def nnx_optimizer(batch_size: int = 4, dtype: str = "float32", num_layers: int = 2,
+                  seq_len: int = 16, hidden: int = 32, num_heads: int = 4, **_) -> Workload:
+    """An NNX model with ``nnx.Optimizer`` (Adam), through ``user_workload``."""
+    import optax
+    from flax import nnx
+    from cfp.models import user_workload
+
+    def init_state(key):
+        model = _nnx_model(hidden, num_heads, num_layers, nnx.Rngs(key))
+        return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+    def make_batch(key):
+        x, y = _tokens(key, batch_size, seq_len)
+        return {"x": x, "y": y}
+
+    return user_workload(train_step=nnx_step, init_state=init_state, make_batch=make_batch,
+                         dtype=dtype)
 
 
 def flax_logical_model(hidden: int = 16, mlp: int = 64):

@@ -3,8 +3,12 @@
 # LLaMA-2-13B on alpa-50x4 and GPT-39B (Alpa's benchmark size) on 8 nodes of 8 A100s (within
 # 32 GB, and within the preset's 80 GB), in
 # bfloat16, analysis + profile + search on this machine; wall time and peak memory per case.
-# The last case chooses LLaMA-2-13B's logical mesh (--mesh auto) and plans on it.
-# Usage: bash scripts/cluster_cases.sh [OUT]  (default scripts/results/<date>-cluster-cpu.txt)
+# The last training case chooses LLaMA-2-13B's logical mesh (--mesh auto) and plans on it.
+# The forward cases plan LLaMA-2-13B's forward computation alone (--step forward, the case of
+# Alpa's simulation) on alpa-50x4 within its 32 GB, at batch 8 and at batch 200 (which the
+# 50 nodes and the 200 devices divide, so that data parallelism over nodes is a plan too).
+# Usage: bash scripts/cluster_cases.sh [OUT [train|forward]]  (both kinds when left out;
+# default OUT scripts/results/<date>-cluster-cpu.txt)
 set -uo pipefail  # a case that has no plan says so and the next one runs
 cd "$(dirname "$0")/.."
 out=${1:-scripts/results/$(date +%F)-cluster-cpu.txt}
@@ -14,6 +18,8 @@ run() {
   /usr/bin/time -f "wall %e s, peak RSS %M KB" python -m cfp "$@" --workdir "$(mktemp -d)" 2>&1 \
     | grep -Ev "^\[|^  ParallelBlock|ParallelBlocks sequence|^window type|^wrote" | tee -a "$out"
 }
+cases=${2:-all}
+if [ "$cases" != forward ]; then
 run --model llama --config 13b --dtype bfloat16 --batch-size 8 --seq-len 1024 --cluster alpa-50x4
 run --model llama --config 13b --dtype bfloat16 --batch-size 8 --seq-len 1024 --cluster alpa-50x4 \
   --mesh 5x10x4 --time-limit 60
@@ -21,4 +27,11 @@ run --model gpt --config 39b --dtype bfloat16 --batch-size 64 --cluster a100-64 
 run --model gpt --config 39b --dtype bfloat16 --batch-size 64 --cluster a100-64
 run --model llama --config 13b --dtype bfloat16 --batch-size 8 --seq-len 1024 --cluster alpa-50x4 \
   --mesh auto
+fi
+if [ "$cases" != train ]; then
+for batch in 8 200; do
+  run --model llama --config 13b --dtype bfloat16 --batch-size $batch --seq-len 1024 \
+    --cluster alpa-50x4 --step forward
+done
+fi
 echo "wrote $out"

@@ -7,6 +7,8 @@ import numpy as np
 
 from cfp.models.optim import AdamState, adam_init, adam_update
 
+STEPS = ("train", "forward")
+
 
 def make_train_step(loss_fn: Callable[[Any, Any], jax.Array], *, lr: float = 1e-3, b1: float = 0.9,
                     b2: float = 0.999, eps: float = 1e-8) -> Callable[[Any, AdamState, Any], tuple]:
@@ -40,8 +42,18 @@ class Workload:
     opt_init: Callable[[Any], Any] | None = None
     opt_update: Callable[[Any, Any, Any], tuple] | None = None
     loss_takes_key: bool = False  # set when loss_fn is (params, batch, rng); see below
+    # The step cfp plans (``STEPS``): "train", value-and-grad plus the optimizer's update;
+    # "forward", the loss alone (inference or evaluation): no gradients, no optimizer state,
+    # nothing returned to feed back.
+    step: str = "train"
+    # The user's own step on one state (a Flax TrainState, an NNX (model, optimizer)), adapted
+    # to (params, opt_state, batch) -> (params, opt_state, loss) (cfp.models.state_step).
+    state_step: Callable[[Any, Any, Any], tuple] | None = None
 
     def __post_init__(self):
+        if self.step not in STEPS:
+            from cfp.errors import CfpError
+            raise CfpError(f"step {self.step!r} is not one of {', '.join(STEPS)}")
         # A loss that takes a PRNG key, loss_fn(params, batch, rng), gets a fresh one with
         # every batch: cfp carries it in the batch, as (batch, key), so the step keeps its
         # (params, opt_state, batch) form and the key is step data like any other.
@@ -65,12 +77,28 @@ class Workload:
         return jax.eval_shape(lambda: self.make_batch(jax.random.key(0)))
 
     def abstract_opt_state(self) -> Any:
-        """Optimizer state of ShapeDtypeStructs (nothing allocated)."""
-        return jax.eval_shape(self.opt_init or adam_init, self.abstract_params())
+        """Optimizer state of ShapeDtypeStructs (nothing allocated); ``()`` for a forward
+        step, which has none."""
+        return jax.eval_shape(self.init_opt_state, self.abstract_params())
+
+    def init_opt_state(self, params) -> Any:
+        """The optimizer state of ``params`` (``()`` for a forward step)."""
+        return () if self.step == "forward" else (self.opt_init or adam_init)(params)
+
+    def step_fn(self) -> Callable[[Any, Any, Any], Any]:
+        """The step cfp plans, ``step(params, opt_state, batch)``: ``train_step()``, or for
+        ``step="forward"`` the loss alone (``opt_state`` is ``()``), which returns no new
+        state."""
+        if self.step == "train":
+            return self.train_step()
+        loss_fn = self.loss_fn
+        return lambda params, opt_state, batch: loss_fn(params, batch)
 
     def train_step(self, *, lr: float = 1e-3, b1: float = 0.9, b2: float = 0.999,
                    eps: float = 1e-8) -> Callable[[Any, AdamState, Any], tuple]:
         """step(params, opt_state, batch) -> (new_params, new_opt_state, loss)."""
+        if self.state_step is not None:
+            return self.state_step
         if self.opt_update is not None:
             grad_fn, update = jax.value_and_grad(self.loss_fn), self.opt_update
 
@@ -83,7 +111,10 @@ class Workload:
         return make_train_step(self.loss_fn, lr=lr, b1=b1, b2=b2, eps=eps)
 
     def grad_fn(self) -> Callable[[Any, Any], tuple[jax.Array, Any]]:
-        """f(params, batch) -> (loss, grads)."""
+        """f(params, batch) -> (loss, grads); a forward step has no gradients: ``()``."""
+        if self.step == "forward":
+            loss_fn = self.loss_fn
+            return lambda params, batch: (loss_fn(params, batch), ())
         return jax.value_and_grad(self.loss_fn)
 
 
@@ -105,8 +136,10 @@ def _positional_arity(fn) -> int | None:
                for p in params)
 
 
-def user_workload(loss_fn: Callable, init_params: Callable, make_batch: Callable, *,
-                  optimizer=None, name: str = "user", dtype: str = "float32") -> Workload:
+def user_workload(loss_fn: Callable | None = None, init_params: Callable | None = None,
+                  make_batch: Callable | None = None, *, optimizer=None,
+                  train_step: Callable | None = None, init_state: Callable | None = None,
+                  name: str = "user", dtype: str = "float32") -> Workload:
     """A ``Workload`` from what a user has.
 
     ``loss_fn(params, batch)`` or ``loss_fn(params, batch, rng)`` returns a scalar;
@@ -114,7 +147,22 @@ def user_workload(loss_fn: Callable, init_params: Callable, make_batch: Callable
     arrays are the parameters cfp plans for; everything else, such as activation functions
     and sizes, is kept aside and put back before ``loss_fn`` sees it); ``make_batch(key)``
     returns a batch; ``optimizer`` is an Optax ``GradientTransformation`` (None: cfp's Adam).
+
+    Or the step as written, on one state, instead of ``loss_fn``, ``init_params`` and
+    ``optimizer``: ``init_state(key)`` returns a Flax ``TrainState`` and ``train_step(state,
+    batch)`` returns ``(state, metrics)``; or ``init_state(key)`` returns an NNX ``(model,
+    optimizer)`` and ``train_step(model, optimizer, batch)`` updates them in place (not under
+    ``nnx.jit``: cfp compiles it). ``metrics`` is the loss or a dict holding it under
+    ``loss``. The optimizer state cfp starts from is ``init_state(jax.random.key(0))``'s
+    (``cfp.models.state_step``).
     """
+    if train_step is not None or init_state is not None:
+        return _state_workload(train_step, init_state, make_batch, loss_fn, init_params,
+                               optimizer, name, dtype)
+    if loss_fn is None or init_params is None or make_batch is None:
+        from cfp.errors import CfpError
+        raise CfpError("user_workload needs loss_fn, init_params and make_batch (or "
+                       "train_step, init_state and make_batch)")
     if optimizer is not None and not (hasattr(optimizer, "init")
                                       and hasattr(optimizer, "update")):
         from cfp.errors import CfpError
@@ -143,6 +191,45 @@ def user_workload(loss_fn: Callable, init_params: Callable, make_batch: Callable
     return Workload(name, "user", None, batch_size, dtype, arrays_of, make_batch, loss,
                     opt_init=None if optimizer is None else optimizer.init,
                     opt_update=None if optimizer is None else opt_update)
+
+
+def _state_workload(train_step, init_state, make_batch, loss_fn, init_params, optimizer,
+                    name: str, dtype: str) -> Workload:
+    """``user_workload`` of a step on one state: the state split into params and the rest
+    (``StateLayout``), the step adapted to cfp's form, the loss that step computes."""
+    from cfp.errors import CfpError
+    from cfp.models.state_step import StateLayout, adapt
+    if train_step is None or init_state is None or make_batch is None:
+        raise CfpError("user_workload of a step on one state needs train_step, init_state "
+                       "and make_batch")
+    if loss_fn is not None or init_params is not None or optimizer is not None:
+        raise CfpError("user_workload takes train_step and init_state instead of loss_fn, "
+                       "init_params and optimizer: the state holds the optimizer")
+    known: dict = {}
+
+    def params_of(key):
+        state = init_state(key)
+        known.setdefault("layout", StateLayout.of(state))
+        return known["layout"].split(state)[0]
+
+    def layout_of() -> StateLayout:
+        if "layout" not in known:
+            jax.eval_shape(params_of, jax.random.key(0))
+        return known["layout"]
+
+    def opt_state_of(params):  # the optimizer state init_state starts from
+        return layout_of().split(init_state(jax.random.key(0)))[1]
+
+    step = adapt(train_step, layout_of)
+
+    def loss(params, batch):  # the loss the step computes (its update is dead code here)
+        return step(params, opt_state_of(params), batch)[2]
+
+    batch_shape = jax.eval_shape(make_batch, jax.random.key(0))
+    leaves = jax.tree_util.tree_leaves(batch_shape)
+    batch_size = leaves[0].shape[0] if leaves and leaves[0].shape else 1
+    return Workload(name, "user", None, batch_size, dtype, params_of, make_batch, loss,
+                    opt_init=opt_state_of, state_step=step)
 
 
 def _is_array(x) -> bool:  # tracers, too: init_params runs under eval_shape and jit
