@@ -308,8 +308,35 @@ def test_enumerated_spaces():
     assert plans["t0o1"] == (1, 1, 2) and plans["t1o0"] == (1, 0, 0)
 
 
-def test_cost_model_fitted_here():
+@pytest.mark.parametrize("law", ["alpha-beta", "shrinking"])
+def test_cost_model_fitted_here(monkeypatch, law):
+    """The fit recovers each axis's alpha and beta from all-reduce times that follow
+    ``alpha + beta * bytes moved`` (the timer replaced by that law, the programs compiled and
+    run here), and FLOP/s and bandwidth from the matmul's and the add's times. Control: times
+    that shrink as the size grows have no positive fit, and the fit says so with its floor
+    values (1e-7 s, 1e-13 s/B) rather than the law's."""
+    import cfp.measure
     from cfp.measure import fit_cost_model
+    law_alpha, law_beta = {2: 3e-5, 4: 7e-5}, {2: 2e-9, 4: 5e-9}
+    t_matmul, t_add, k = 4e-3, 1e-3, 512
+
+    def fake_time_runs(fn, args, **kwargs):
+        jax.block_until_ready(fn(*args))  # the program runs here
+        x = args[0]
+        if len(args) == 2:
+            return [t_matmul] * 3, False
+        if x.shape[0] > 4:
+            return [t_add] * 3, False
+        n, nbytes = x.shape[0], x.shape[1] * 4
+        moved = 2 * (n - 1) / n * nbytes
+        t = law_alpha[n] + law_beta[n] * moved if law == "alpha-beta" else 1.0 / moved
+        return [t] * 3, False
+    monkeypatch.setattr(cfp.measure, "time_runs", fake_time_runs)
     cm = fit_cost_model(make_mesh((2, 4)), sizes=(2**12, 2**16))
-    assert len(cm.alpha) == 2 and all(a > 0 for a in cm.alpha) and all(b > 0 for b in cm.beta)
-    assert cm.device_flops > 1e6 and cm.device_bandwidth > 1e6
+    if law == "alpha-beta":
+        assert cm.alpha == pytest.approx((3e-5, 7e-5), rel=1e-6)
+        assert cm.beta == pytest.approx((2e-9, 5e-9), rel=1e-6)
+    else:
+        assert cm.beta == (1e-13, 1e-13)
+    assert cm.device_flops == pytest.approx(2 * k**3 / t_matmul)
+    assert cm.device_bandwidth == pytest.approx(2 * 4 * k * k / t_add)

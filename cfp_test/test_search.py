@@ -88,7 +88,10 @@ def test_three_passes_plan_json_and_user_jit(tmp_path, capsys):
     placed = jax.device_put(params, sh)
     batch = w.make_batch(jax.random.key(1))
     loss = jax.jit(w.loss_fn, in_shardings=(sh, None))(placed, batch)
-    assert np.isfinite(float(loss))
+    one_device = jax.jit(w.loss_fn)(params, batch)
+    np.testing.assert_allclose(float(loss), float(one_device), rtol=1e-5)
+    other_batch = jax.jit(w.loss_fn)(params, w.make_batch(jax.random.key(2)))
+    assert abs(float(other_batch) - float(one_device)) > 1e-5 * abs(float(one_device))  # control
     for leaf, s in zip(jax.tree_util.tree_leaves(placed), jax.tree_util.tree_leaves(sh)):
         assert leaf.sharding.is_equivalent_to(s, leaf.ndim)
 
