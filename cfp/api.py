@@ -340,7 +340,8 @@ def _runtime(options, num_devices: int):
     if num_devices % options.num_processes:
         raise CfpError(f"{num_devices} devices do not split evenly over "
                        f"{options.num_processes} processes")
-    return Runtime(options.coordinator, options.num_processes, options.process_id, options.join_timeout)
+    return Runtime(options.coordinator, options.num_processes, options.process_id,
+                   options.join_timeout)
 
 
 def _check_devices(opts: RunOptions, options) -> None:
@@ -408,6 +409,17 @@ def _kept(workdir: Path) -> str:
     return ", ".join(rest + counted) or "nothing"
 
 
+def workdir_of(options: Options):
+    """The ``cfp.workdir.WorkDir`` that ``run(options)`` reads and writes (its records are
+    read with ``read_analysis``, ``read_profile`` and ``read_search``)."""
+    opts = _options(options)
+    if opts.mesh_shape is None:
+        raise CfpError("--mesh auto chooses the mesh while it runs: give the mesh it chose")
+    if not options.workdir:
+        opts = dataclasses.replace(opts, workdir=_default_workdir(opts))
+    return _workdir(dataclasses.replace(opts, spec=opts.spec.resolved()))
+
+
 def _workdir(opts: RunOptions):
     from cfp.workdir import WorkDir
     from cfp.workloads import run_fingerprint
@@ -441,16 +453,18 @@ def _run_analysis(opts: RunOptions, options) -> None:
     from cfp import report
     from cfp.passes.analysis import run_analysis
 
-    report.say("***********Analysis Pass****************")
+    if options.verbose:
+        report.say("***********Analysis Pass****************")
     rec = run_analysis(opts.spec, opts.mesh_shape)
     _check_fits_host(opts, options, rec)
-    report.analysis_console(rec)
+    report.analysis_console(rec, options.verbose)
     if not opts.reports:  # each process analyses for itself; process 0 keeps the record
         return
     wd = _workdir(opts)
     path = wd.write_analysis(rec)
     report.write_analysis_dumps(rec, wd.path / "debug_analysis_global")
-    report.say(f"wrote {path} and {wd.path / 'debug_analysis_global'}/")
+    if options.verbose or opts.modes == ("analysis",):
+        report.say(f"wrote {path} and {wd.path / 'debug_analysis_global'}/")
 
 
 def _memory_budget_bytes(options, opts: RunOptions, *, required: bool = False) -> int:
@@ -531,8 +545,10 @@ def _run_profile(opts: RunOptions, options) -> None:
     from cfp.passes.profile import MemoryCheckpoint, run_profile
     wd = _workdir(opts)
     analysis = _analysis(opts, options, wd)
+    verbose = options.verbose
     options = dataclasses.replace(_profile_options(opts, options), runtime=opts.runtime)
-    report.say("***********Profiling Pass****************")
+    if verbose:
+        report.say("***********Profiling Pass****************")
     if opts.cluster is not None:
         from cfp.passes.profile import cluster_pricing
         cost, why = cluster_pricing(analysis, options.max_combinations)
@@ -542,7 +558,7 @@ def _run_profile(opts: RunOptions, options) -> None:
     checkpoint = (wd.profile_checkpoint(analysis, options.cost, options.max_combinations,
                                         options.whole_segments)
                   if opts.reports else MemoryCheckpoint())
-    progress = report.ProfileProgress()
+    progress = report.ProfileProgress(verbose=verbose)
     try:
         rec = run_profile(analysis, options, checkpoint, progress)
     finally:
@@ -550,8 +566,9 @@ def _run_profile(opts: RunOptions, options) -> None:
     if not opts.reports:
         return
     out = wd.write_profile(rec, analysis)
-    report.profile_console(rec, analysis.plan_space_log10())
-    report.say(f"wrote {out / 'profile.pkl'} and {out / 'profile.csv'}")
+    report.profile_console(rec, analysis.plan_space_log10(), verbose)
+    if verbose or opts.modes == ("profile",):
+        report.say(f"wrote {out / 'profile.pkl'} and {out / 'profile.csv'}")
 
 
 def _run_search(opts: RunOptions, options) -> None:
@@ -562,21 +579,22 @@ def _run_search(opts: RunOptions, options) -> None:
     if opts.cluster is not None:
         return _predict(opts, options, wd, analysis)
     # Across processes the search runs on process 0's profile.
-    profile = (wd.read_profile(analysis, options.cost, options.max_combinations, options.whole_segments)
+    profile = (wd.read_profile(analysis, options.cost, options.max_combinations,
+                               options.whole_segments)
                if opts.reports else None)
     budget = _memory_budget_bytes(options, opts, required=True)
-    options = SearchOptions(budget, options.time_limit, options.validate_top,
-                            options.validate_baselines, options.iters, runtime=opts.runtime,
-                            compilation_cache=_cache_dir(options))
-    report.say("***********Search Pass****************")
-    rec = run_search(analysis, profile, options)
+    search_options = SearchOptions(budget, options.time_limit, options.validate_top,
+                                   options.validate_baselines, options.iters,
+                                   runtime=opts.runtime, compilation_cache=_cache_dir(options))
+    if options.verbose:
+        report.say("***********Search Pass****************")
+    rec = run_search(analysis, profile, search_options)
     if not opts.reports:
         return
     wd.write_search(rec)
-    report.search_console(rec, opts.num_devices)
+    report.search_console(rec, analysis, opts.num_devices, budget, options.verbose)
     report.write_search_dumps(wd.path, analysis, profile, rec)
-    report.say(f"wrote {wd.path / 'plan.json'}, {wd.path / 'search.pkl'} and "
-               f"{wd.path / 'debug_search'}/")
+    report.usage_console(wd.path)
 
 
 def _predict(opts: RunOptions, options, wd, analysis) -> None:
