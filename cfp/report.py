@@ -484,7 +484,9 @@ def plan_figure_data(analysis, rec):
     for seg in analysis.segments.instances:
         cells = ["; ".join(f"{axis}: {', '.join(roles)}" for axis, roles in splits[b].items())
                  or "replicated" for b in range(seg.start, seg.end)]
-        rows.append((f"blocks {seg.start}-{seg.end - 1} (type {seg.type})", cells))
+        where = (f"block {seg.start}" if seg.end == seg.start + 1
+                 else f"blocks {seg.start}-{seg.end - 1}")
+        rows.append((f"{where} (type {seg.type})", cells))
     candidates = []
     for i, c in enumerate(rec.candidates):
         if c.source.startswith("baseline "):
@@ -510,9 +512,9 @@ def plan_figure(rows, candidates, *, title: str = ""):
               for i, k in enumerate(kinds)}
     width = max(len(cells) for _, cells in rows)
     fig, (grid, bars) = plt.subplots(
-        1, 2, figsize=(6 + 0.35 * width, 1.6 + max(0.45 * len(rows), 0.3 * len(candidates))
+        1, 2, figsize=(6 + 0.35 * width, 1.8 + max(0.45 * len(rows), 0.3 * len(candidates))
                        + 0.22 * len(kinds)),
-        gridspec_kw={"width_ratios": [max(width, 4), 5]})
+        gridspec_kw={"width_ratios": [max(width, 4), 5]}, layout="constrained")
     for r, (_, cells) in enumerate(rows):
         for b, cell in enumerate(cells):
             grid.add_patch(plt.Rectangle((b, r), 0.95, 0.9, color=colour[cell]))
@@ -526,9 +528,9 @@ def plan_figure(rows, candidates, *, title: str = ""):
     grid.tick_params(length=0)
     for side in grid.spines.values():
         side.set_visible(False)
-    grid.legend(handles=[Patch(color=colour[k], label=k) for k in kinds], loc="upper left",
-                bbox_to_anchor=(0, -0.12 - 0.5 / max(1, len(rows))), fontsize=7, frameon=False,
-                title="what each mesh axis splits", title_fontsize=8)
+    fig.legend(handles=[Patch(color=colour[k], label=k) for k in kinds],
+               loc="outside lower left", fontsize=7, frameon=False,
+               title="what each mesh axis splits", title_fontsize=8, alignment="left")
     grid.set_title("kept plan, block by block", fontsize=9)
     y = range(len(candidates))
     bars.barh(y, [c[1] * 1e3 for c in candidates],
@@ -547,7 +549,6 @@ def plan_figure(rows, candidates, *, title: str = ""):
     bars.tick_params(labelsize=7)
     if title:
         fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
     return fig
 
 

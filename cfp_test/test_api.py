@@ -1,5 +1,4 @@
 import jax
-import numpy as np
 import pytest
 
 import zoo_extra

@@ -14,7 +14,7 @@ compiled here and each timed back to back (``step_vs_windows.py``'s way), with t
 collectives of the step and of its windows counted by kind: where a step runs faster than
 its windows add up to, this shows which collectives the whole program merged.
 
-    python scripts/window_pairs.py --model gpt --config tiny --num-layers 2 --num-heads 8 \
+    python scripts/diagnostics/window_pairs.py --model gpt --config tiny --num-layers 2 --num-heads 8 \
       --hidden-size 256 --seq-len 128 --memory-budget 2 --mesh 8 --max-combinations 32 \
       --out scripts/results/compute-bound
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_predictions import compared_plans  # noqa: E402

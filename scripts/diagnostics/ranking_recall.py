@@ -9,7 +9,7 @@ profile would (the additive analytic price, a cost model fitted on these devices
 type, whether the measured best is among the ranked (recall@1) and how many of the measured
 ``--top`` are (recall@top).
 
-    python scripts/ranking_recall.py --model gpt --num-layers 2 --hidden-size 256 \\
+    python scripts/diagnostics/ranking_recall.py --model gpt --num-layers 2 --hidden-size 256 \\
         --seq-len 128 --num-heads 8 --mesh 2x4 --ranked 128
 
 Appends to ``scripts/results/<date>-ranking-recall-<backend>.csv``.
@@ -20,8 +20,9 @@ import datetime
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ accuracy on pairs outside [0.9, 1.1] and Spearman, profile 0 being the row's own
 row's flags; reads ``<date>-enum-<backend>.csv`` and appends to
 ``<date>-enum-<backend>-profiles.csv``.
 
-    python scripts/enum_and_benchmark/reprofile.py --model gpt --config tiny --num-layers 2 \\
+    python scripts/diagnostics/reprofile.py --model gpt --config tiny --num-layers 2 \\
         --num-heads 8 --hidden-size 256 --seq-len 128 --mesh 2x4 --whole-segments \\
         --space around --memory-budget 2 --max-combinations 32 --profiles 3
 """
@@ -23,12 +23,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "scripts" / "enum_and_benchmark"))
 
 from benchmark import append_rows, budget_bytes, cfp_flags, own_pick, start  # noqa: E402
 from composition_check import predictions_from_profiles  # noqa: E402
-from enumerate_plans import (_choices_of, distinct_plans, ordering_accuracy,  # noqa: E402
-                             parse_args, plan_space, spearman)
+from cfp.bench import distinct_plans, ordering_accuracy, plan_space, spearman  # noqa: E402
+from enumerate_plans import _choices_of, parse_args  # noqa: E402
 
 
 def main(argv=None) -> None:

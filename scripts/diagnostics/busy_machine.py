@@ -5,7 +5,7 @@ the share of the machine's CPU time that other processes took while it was timed
 processes, each JAX on 8 virtual devices running that matmul in a loop (two cfp runs at once,
 say), in interleaved rounds, and reports the share ``CpuShare`` saw and the slowdown.
 
-    python scripts/busy_machine.py      # about a minute
+    python scripts/diagnostics/busy_machine.py      # about a minute
 
 Writes ``scripts/results/<date>-busy-machine-<backend>.txt``.
 """
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -59,7 +59,7 @@ def main() -> None:
     idle_s = statistics.median(rows[0][1])
     lines = [f"# {len(os.sched_getaffinity(0))} cores; jax {jax.__version__}; backend "
              f"{jax.devices()[0].platform}, 8 devices; 3 interleaved rounds of 20 runs, medians",
-             f"# python scripts/busy_machine.py; BUSY_SHARE = {BUSY_SHARE}",
+             f"# python scripts/diagnostics/busy_machine.py; BUSY_SHARE = {BUSY_SHARE}",
              "other JAX processes | others' share of the cores (each round) | matmul ms | "
              "x idle | marked busy"]
     for n, (shares, times) in rows.items():

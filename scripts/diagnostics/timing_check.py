@@ -8,7 +8,7 @@ rounds, in sequence, in rounds. Prints the median per combination (ms), what the
 profile recorded, and per way of timing how far its two passes differ (per combination,
 relative to their mean) and how long a pass took.
 
-    python scripts/timing_check.py profiles/bench-gpt-tiny-s128-h256-nh8-8 3
+    python scripts/diagnostics/timing_check.py profiles/bench-gpt-tiny-s128-h256-nh8-8 3
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

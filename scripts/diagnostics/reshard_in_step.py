@@ -15,8 +15,8 @@ in interleaved rounds, and takes the in-program price of one round trip as
 ``(chain_ab - chain_a - chain_b + launch) / K`` per round (median and 95% bootstrap
 interval), against the profile's prices of A -> B plus B -> A.
 
-    python scripts/reshard_in_step.py --mesh 8
-    python scripts/reshard_in_step.py --mesh 2x4
+    python scripts/diagnostics/reshard_in_step.py --mesh 8
+    python scripts/diagnostics/reshard_in_step.py --mesh 2x4
 
 An op whose cost depends on the layout (a contraction) does not fit this subtraction: in
 ``chain_ab`` XLA may run it in either layout, so it is left out.
@@ -34,9 +34,10 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # (mesh, A, B): specs over the value's dims (batch, sequence, hidden); mesh axes m0, m1.
 CASES = {

@@ -10,7 +10,7 @@ ran differ, with each side's composed time and strategies. Where the cost model'
 faster than ``cfp_own``, this tells whether the profile priced it higher (the composition
 ranked the two the other way) or did not price it (a combination outside the measured set).
 
-    python scripts/bench_predictions.py --model moe --config tiny --num-layers 2 \
+    python scripts/diagnostics/bench_predictions.py --model moe --config tiny --num-layers 2 \
       --num-heads 8 --hidden-size 256 --seq-len 128 --memory-budget 2 --mesh 2x4 \
       --whole-segments --max-combinations 128 --out scripts/results/compute-bound
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchmark import (analytic_plans, budget_bytes, own_pick, parse_args,  # noqa: E402

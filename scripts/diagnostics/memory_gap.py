@@ -24,7 +24,7 @@ windows compiled alone do (the held set, sized from the graph, can pass it). For
 ``--peak-plan``, the largest temporaries live at the compiled peak, read from XLA's buffer dump
 (``--xla_dump_to``; the files are XLA's debug output, not a stable interface).
 
-    python scripts/memory_gap.py --model gpt --num-layers 2 --hidden-size 256 --seq-len 128 \\
+    python scripts/diagnostics/memory_gap.py --model gpt --num-layers 2 --hidden-size 256 --seq-len 128 \\
         --num-heads 8 --mesh 2x4 --plans 8 --peak-plan 6
 """
 from __future__ import annotations
@@ -38,9 +38,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 RULES = ("producer layout", "largest reader layout",

@@ -20,7 +20,7 @@ with each of these.
 
     python scripts/composition_check.py --model gpt --num-layers 2 --hidden-size 256 \\
         --seq-len 128 --num-heads 8 --mesh 8          # profiles, and the plans' gaps
-    python scripts/step_vs_windows.py --model gpt --num-layers 2 --hidden-size 256 \\
+    python scripts/diagnostics/step_vs_windows.py --model gpt --num-layers 2 --hidden-size 256 \\
         --seq-len 128 --num-heads 8 --mesh 8
 
 ``--heap-as-is`` runs without the pooled host allocator settings (``cfp.host_memory``), as
@@ -37,9 +37,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 COLUMNS = ("step_s", "composed_s", "windows_s", "reshards_s", "step_cpu_s", "windows_cpu_s",
            "step_system_s", "windows_system_s", "step_bytes", "windows_bytes", "step_flops",

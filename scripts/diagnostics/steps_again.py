@@ -6,7 +6,7 @@ the median over the plans of the ratio of their measured step times (later over 
 both runs' median |time error|; then the medians of the two errors over the pairs. A pair
 whose rows do not compose the same predictions is refused: it is not the same plans.
 
-    python scripts/steps_again.py \\
+    python scripts/diagnostics/steps_again.py \\
         scripts/results/2026-11-25-composition-cpu.csv:21-40 \\
         scripts/results/2026-11-25-composition-anchor-cpu.csv:61-80
 """
