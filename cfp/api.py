@@ -92,15 +92,14 @@ class Options:
 
 
 def _check_choices(options: Options) -> None:
+    """Every ``Literal`` field holds one of its values (the flags' ``choices``)."""
     import typing
-    for f in dataclasses.fields(Options):
-        hint = typing.get_type_hints(Options)[f.name]
-        allowed = [a for arg in typing.get_args(hint) for a in (typing.get_args(arg) or (arg,))
-                   if isinstance(a, str)] if "Literal" in str(hint) else None
-        value = getattr(options, f.name)
+    for name, hint in typing.get_type_hints(Options).items():
+        allowed = [a for arg in (typing.get_args(hint) if "Literal" in str(hint) else ())
+                   for a in (typing.get_args(arg) or (arg,)) if isinstance(a, str)]
+        value = getattr(options, name)
         if allowed and value is not None and value not in allowed:
-            raise CfpError(f"{_flag(f.name)} must be one of {', '.join(allowed)}, "
-                           f"got {value!r}")
+            raise CfpError(f"{_flag(name)} must be one of {', '.join(allowed)}, got {value!r}")
 
 
 def _flag(field: str) -> str:

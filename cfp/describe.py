@@ -106,7 +106,7 @@ def plan_words(analysis, strategies) -> list[str]:
         types = sorted({s.type for s in segs})
         whole = all(s.type not in types or s in segs for s in analysis.segments.instances)
         if len(groups) == 1:
-            where = "every block"
+            where = "every segment"
         elif whole:  # every instance of these types
             where = (f"segment type{'s' if len(types) > 1 else ''} "
                      f"{', '.join(map(str, types))} ({len(segs)} "

@@ -332,7 +332,8 @@ def search_console(rec, analysis, devices: int, memory_budget_bytes: int | None,
     same = [n for n in (words.pop(0).removeprefix("same program as ").split(" and ")
                         if words[0].startswith("same program as") else [])
             if own or n != plan.source.split()[-1]]
-    say(f"plan on mesh {mesh}: {source}"
+    kept = source if own else f"the {plan.source.split()[-1]} hand plan"
+    say(f"plan on mesh {mesh}: {kept}"
         + (f", the same program as {' and '.join(same)}" if same
            else ", no hand plan's program" if own else ""))
     for line in words:

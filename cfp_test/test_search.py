@@ -177,7 +177,7 @@ def test_plan_in_words(mesh_shape):
     hand = baseline_strategy_indices(a)
     dp = plan_words(a, hand["dp"])
     axes = "; ".join(f"{name} splits batch" for name in ("m0", "m1")[:len(mesh_shape)])
-    assert dp == ["same program as dp", f"every block: {axes}"]
+    assert dp == ["same program as dp", f"every segment: {axes}"]
     if mesh_shape == (8,):
         return
     tp = plan_words(a, hand["dp_tp"])
