@@ -336,7 +336,9 @@ def search_console(rec, analysis, devices: int, memory_budget_bytes: int | None,
     say(f"plan on mesh {mesh}: {kept}"
         + (f", the same program as {' and '.join(same)}" if same
            else ", no hand plan's program" if own else ""))
-    for line in words:
+    shown = words if len(words) <= 3 else words[:2] + [
+        f"and {len(words) - 2} more groups of segments (debug_search/plan.png draws them all)"]
+    for line in shown:
         say(f"  {line}")
     hand = hand_plan_times(analysis, rec)
     if hand:
@@ -363,12 +365,11 @@ def search_console(rec, analysis, devices: int, memory_budget_bytes: int | None,
 
 
 def usage_console(workdir: Path) -> None:
-    """Where the plan is and the Python line that uses it."""
+    """The Python line that uses ``plan.json``, and where the plan is drawn."""
     path = Path(workdir) / "plan.json"
     say(f"use it: plan = cfp.Plan.load({str(path)!r}); "
-        f"step = plan.jit(train_step, params, opt_state, batch)")
-    say(f"wrote {path}, {Path(workdir) / 'debug_search' / 'plan.png'} and the records "
-        f"in {workdir}/")
+        f"step = plan.jit(train_step, params, opt_state, batch); drawn in "
+        f"{Path(workdir) / 'debug_search' / 'plan.png'}")
 
 
 def input_paths(spec) -> list[str]:
