@@ -216,6 +216,8 @@ def run(options: Options, *, own_process: bool = False) -> Path:
     return opts.workdir
 
 
+# The most each numeric option may be, checked (positive and finite, too) before any work and
+# stated in --help; alpha and beta may be zero.
 MAX_LAYERS, MAX_VIRTUAL_DEVICES = 1024, 512
 _BOUNDS = {
     "num_layers": MAX_LAYERS, "batch_size": MAX_ARRAY_ELEMENTS,
@@ -257,8 +259,11 @@ def _per_axis(flag: str, text: str, num_axes: int) -> tuple[float, ...]:
         _check_number(flag, v)
     return values
 
+
 @dataclasses.dataclass(frozen=True)
 class RunOptions:
+    """``Options`` checked and resolved: the workload spec, the mesh and the devices."""
+
     spec: object  # WorkloadSpec
     mesh_shape: tuple[int, ...]
     num_devices: int
