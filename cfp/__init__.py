@@ -1,5 +1,13 @@
 """cfp: profiling-driven intra-operator auto-sharding for JAX training steps.
 
+    >>> import cfp  # doctest: +SKIP
+    >>> plan = cfp.autoshard("gpt", mesh="2x4", memory_budget_gb=2)  # doctest: +SKIP
+    >>> print(plan.describe())  # doctest: +SKIP
+
+``autoshard`` runs the three passes (analysis, profile, search) and returns a ``Plan``; ``run``
+runs the passes ``Options`` asks for, as ``python -m cfp`` does; a user's mistake raises
+``CfpError``. Importing cfp imports neither JAX nor a pass.
+
 The passes live in the top-level ``passes/`` folder of the source tree and are installed as
 ``cfp.passes`` (setuptools' package-dir mapping), so an install adds no top-level module of
 that name. A source checkout run without installing (``PYTHONPATH=.``) gets the same name here.
@@ -7,6 +15,11 @@ that name. A source checkout run without installing (``PYTHONPATH=.``) gets the 
 import importlib.util as _util
 import sys as _sys
 from pathlib import Path as _Path
+
+from cfp.api import Options, Plan, autoshard, run
+from cfp.errors import CfpError
+
+__all__ = ["CfpError", "Options", "Plan", "autoshard", "run"]
 
 if "cfp.passes" not in _sys.modules and _util.find_spec("cfp.passes") is None:
     _dir = _Path(__file__).resolve().parent.parent / "passes"

@@ -77,7 +77,7 @@ class Measurement:
 
 # Over this share of the cores taken by others while a batch is timed, its times read high:
 # one other JAX process on 8 virtual devices takes about half of 2 cores and slows a program
-# 1.5x; an idle machine leaves a few percent to daemons (scripts/busy_machine.py).
+# 1.5x; an idle machine leaves a few percent to daemons (scripts/diagnostics/busy_machine.py).
 BUSY_SHARE = 0.15
 
 

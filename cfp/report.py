@@ -5,11 +5,14 @@ Library code logs; the lines users read come from here.
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import sys
 from pathlib import Path
 
 from cfp.jax_compat import is_key
+
+_log = logging.getLogger(__name__)
 
 
 def say(line: str = "") -> None:
@@ -26,7 +29,17 @@ def silence() -> None:
 # analysis
 
 
-def analysis_console(rec) -> None:
+def analysis_console(rec, verbose: bool = False) -> None:
+    """One line (``verbose``: blocks, segments and their spaces first)."""
+    g, ba, sa, st = rec.graph, rec.blocks, rec.segments, rec.stats
+    if verbose:
+        _analysis_details(rec)
+    say(f"analysis: {len(g.ops)} operators in {len(ba.blocks)} ParallelBlocks, "
+        f"{sa.num_types} segment type{'s' if sa.num_types > 1 else ''}, "
+        f"10^{rec.plan_space_log10():.1f} plans ({st.time_s:.1f} s)")
+
+
+def _analysis_details(rec) -> None:
     g, ba, sa, st = rec.graph, rec.blocks, rec.segments, rec.stats
     keys = sum(bool(g.ops[i].outputs) and all(is_key(g.values[v].dtype) for v in g.ops[i].outputs)
                for i in ba.unclaimed)
@@ -41,29 +54,23 @@ def analysis_console(rec) -> None:
         roles = collections.Counter(m.role for m in b.members)
         say(f"  ParallelBlock {b.index}: {len(b.members)} ops "
             f"({roles['seed'] + roles['input-grad'] + roles['weight-grad']} contractions), "
-            f"{len(b.strategies)} strategies  {_short(g.ops[b.seed].hlo)}")
+            f"{len(b.strategies)} strategies  {g.ops[b.seed].hlo}")
     for seg in sa.instances:
         rep = sa.instances[sa.representatives[seg.type]]
-        say(f"ParallelBlocks sequence: ({seg.start}, {seg.end}) mapped to "
-            f"({rep.start}, {rep.end})")
+        say(f"segment instance: blocks {seg.start}..{seg.end - 1}, type {seg.type} "
+            f"(profiled as blocks {rep.start}..{rep.end - 1})")
     for t in range(sa.num_types):
-        say(f"unique segment {t}: search space {rec.segment_space(t)}")
+        say(f"segment type {t}: search space {rec.segment_space(t)}")
     say(f"FLOPs inside blocks: {100 * st.flops_share:.2f}% of {st.flops_total:.3e}")
     if st.num_layers:
         say(f"blocks per layer: {len(ba.blocks) / st.num_layers:.2f}; "
             f"operators per layer: {len(g.ops) / st.num_layers:.0f}; "
             f"operators in segment type 0: {segment_op_count(rec, 0)}")
-    say(f"whole-model plan space: 10^{rec.plan_space_log10():.1f} plans")
-    say(f"global analysis time: {st.time_s:.3f}")
 
 
 def segment_op_count(rec, seg_type: int) -> int:
     seg = rec.segments.instances[rec.segments.representatives[seg_type]]
     return sum(len(rec.blocks.blocks[b].members) for b in range(seg.start, seg.end))
-
-
-def _short(text: str, width: int = 110) -> str:
-    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def write_analysis_dumps(rec, directory: Path) -> None:
@@ -121,20 +128,22 @@ def _reqs_text(reqs) -> str:
 
 class ProfileProgress:
     """The profile pass's ``on_result``: one progress line for the whole pass (combinations
-    done of all window types, the current one, an ETA from the measured rate), redrawn at
-    least every 5 s on a terminal; elsewhere one line per combination, and a line every 5 s
-    while none comes. ``close()`` when the pass ends."""
+    done of all window types, the current one, an ETA from the measured rate), redrawn in
+    place at least every ``interval_s`` on a terminal; elsewhere a line every ``interval_s``.
+    Each combination's result goes to the log (and to ``profile.csv``); ``verbose`` prints
+    each window type's and the reshardings' lines too. ``close()`` when the pass ends."""
 
-    def __init__(self, interval_s: float = 5.0):
+    def __init__(self, interval_s: float | None = None, verbose: bool = False):
         import sys
         import threading
         self.tty = sys.stdout.isatty()
+        self.verbose = verbose
         self.total = self.n = 0
         self.unit = "combinations"
         self.where = "starting the worker"
         self.t0 = self.t_first = None
         self.last_line_s = 0.0
-        self.interval_s = interval_s
+        self.interval_s = interval_s or (5.0 if self.tty else 10.0)
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._tick, daemon=True)
@@ -145,14 +154,14 @@ class ProfileProgress:
         with self.lock:
             if event == "start":
                 self.total, self.t0 = f["total"], time.perf_counter()
-                self._line(f"window types to profile: {f['num_types']}; combinations to "
-                           f"measure: {f['total']} ({f['known']} measured before)")
+                self._detail(f"window types to profile: {f['num_types']}; combinations to "
+                             f"measure: {f['total']} ({f['known']} measured before)")
             elif event == "window":
                 w = f["window"]
                 self.where = f"window type {f['k']}"
-                self._line(f"window type {f['k']} (blocks {w.start}..{w.end - 1}): search "
-                           f"space {list(f['space'])}, {f['todo']} to measure"
-                           + (f", {f['known']} measured before" if f["known"] else ""))
+                self._detail(f"window type {f['k']} (blocks {w.start}..{w.end - 1}): search "
+                             f"space {list(f['space'])}, {f['todo']} to measure"
+                             + (f", {f['known']} measured before" if f["known"] else ""))
             elif event == "state_variants":
                 self.total += f["count"]
             elif event == "result":
@@ -160,27 +169,26 @@ class ProfileProgress:
                 if self.t_first is None:
                     self.t_first = time.perf_counter()
                 m = f["measurement"]
-                text = (f"window type {f['k']} combination {list(f['combo'])}: "
-                        + (f"{m.time_s * 1e3:.4g} ms, {m.peak_bytes / 2**30:.4g} GB"
-                           if m.status == "ok" else f"{m.status} {m.note}"))
+                _log.debug("window type %s combination %s: %s", f["k"], list(f["combo"]),
+                           f"{m.time_s * 1e3:.4g} ms, {m.peak_bytes / 2**30:.4g} GB"
+                           if m.status == "ok" else f"{m.status} {m.note}")
                 if self.tty:
                     self._bar()
-                else:
-                    self._line(f"[{self.n}/{self.total}] {text}")
             elif event == "not_measured":
                 what = ("reshardings" if f["k"] is None
                         else f"combinations of window type {f['k']}")
                 self._line(f"profile budget spent: {f['count']} {what} not measured "
                            f"(profile again to measure them)")
             elif event == "ranked":
-                self._line(f"window type {f['k']}: {f['space']} combinations; measuring the "
-                           f"{f['cheapest']} cheapest by the additive analytic price"
-                           + (f" and {f['baselines']} more that baselines use"
-                              if f["baselines"] else ""))
+                self._detail(f"window type {f['k']}: {f['space']} combinations; measuring "
+                             f"the {f['cheapest']} cheapest by the additive analytic price"
+                             + (f" and {f['baselines']} more that baselines use"
+                                if f["baselines"] else ""))
             elif event == "reshards":
                 self.where = "timing reshardings"
-                self._line(f"boundaries between window instances: {f['boundaries']}; distinct "
-                           f"reshardings to time: {f['needed']} ({f['known']} known)")
+                self._detail(f"boundaries between window instances: {f['boundaries']}; "
+                             f"distinct reshardings to time: {f['needed']} ({f['known']} "
+                             f"known)")
                 if f["needed"] > f["known"]:  # the progress counts reshardings from here
                     self.unit, self.n, self.t_first = "reshardings", 0, time.perf_counter()
                     self.total = f["needed"] - f["known"]
@@ -188,6 +196,13 @@ class ProfileProgress:
                 self.n = f["done"]
                 if self.tty:
                     self._bar()
+
+    def _detail(self, text: str) -> None:
+        """A line of ``-v``; otherwise the log's."""
+        if self.verbose:
+            self._line(text)
+        else:
+            _log.info("%s", text)
 
     def close(self) -> None:
         self.stop.set()
@@ -229,13 +244,25 @@ class ProfileProgress:
                                f"{self._eta()}")
 
 
-def profile_console(rec, model_space_log10: float) -> None:
+def profile_console(rec, model_space_log10: float, verbose: bool = False) -> None:
+    """One line, and a warning when the machine was busy (``verbose``: the launch overhead,
+    the reshardings, the windows and the phases too)."""
     counts = collections.Counter(m.status for seg in rec.window_profiles.values()
                                  for m in seg.results.values())
-    say(f"combinations: {sum(counts.values())} ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}); "
-        f"compiled in this run: {rec.compiled}")
-    if rec.cost != "analytic":
-        say(f"launch overhead subtracted: {rec.launch_overhead_s * 1e3:.3f} ms per program")
+    if verbose:
+        if rec.cost != "analytic":
+            say(f"launch overhead subtracted: {rec.launch_overhead_s * 1e3:.3f} ms per program")
+        if rec.reshard_interval_s:
+            say(f"reshardings timed after the op producing their value: "
+                f"{len(rec.reshard_interval_s)}; {rec.reshards_counted_zero()} of them add "
+                f"nothing measurable (95% interval not above 0) and count as 0")
+        say(f"whole-model plan space: 10^{model_space_log10:.1f} plans, covered by "
+            f"{len(rec.windows)} window instances of {len(rec.window_profiles)} types")
+        phases_console("profile", rec.time_s, rec.phase_s)
+    by_status = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+    say(f"profile: {sum(counts.values())} combinations of {len(rec.window_profiles)} window "
+        f"types ({by_status}), {len(rec.reshard_interval_s)} reshardings; compiled in this "
+        f"run: {rec.compiled} ({rec.time_s:.1f} s)")
     busy = rec.busy_window_types()
     if busy:
         marked = [m for seg in rec.window_profiles.values() for m in seg.results.values()
@@ -248,13 +275,6 @@ def profile_console(rec, model_space_log10: float) -> None:
             f"{', '.join(map(str, sorted(busy)))} were timed on a busy machine (other work "
             f"took up to {worst:.0%} of its cores{by_host}): their times read high; delete those "
             f"window_<type>.pkl files from the work dir and profile again on an idle machine")
-    if rec.reshard_interval_s:
-        say(f"reshardings timed after the op producing their value: "
-            f"{len(rec.reshard_interval_s)}; {rec.reshards_counted_zero()} of them add "
-            f"nothing measurable (95% interval not above 0) and count as 0")
-    say(f"whole-model plan space: 10^{model_space_log10:.1f} plans, covered by "
-        f"{len(rec.windows)} window instances of {len(rec.window_profiles)} types")
-    phases_console("profile", rec.time_s, rec.phase_s)
 
 
 def phases_console(name: str, total_s: float, phase_s: dict) -> None:
@@ -266,38 +286,92 @@ def phases_console(name: str, total_s: float, phase_s: dict) -> None:
 # search
 
 
-def search_console(rec, devices: int) -> None:
-    say(f"solver: {rec.solver_status} in {rec.solve_s:.2f} s; {len(rec.candidates)} "
-        f"candidate plans run end to end")
-    for i, c in enumerate(rec.candidates):
-        say(f"candidate {i} ({c.source}): predicted {c.predicted_s:.6f} s, "
-            f"measured {c.median_s:.6f} s; memory {c.composed_memory_bytes / 2**30:.4f} GB "
-            f"composed, {c.compiled_peak_bytes / 2**30:.4f} GB compiled"
-            + ("  <- kept" if i == rec.kept else ""))
-    if rec.numerics is not None:
-        say(f"numerical check against one device: loss rel. error "
-            f"{rec.numerics['loss_rel_err']:.2e}, gradients match")
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def _gb(nbytes: float) -> str:
+    """Bytes in GB, or in MB under a tenth of a GB."""
+    return (f"{nbytes / 2**30:.3g} GB" if nbytes >= 2**30 / 10 else
+            f"{nbytes / 2**20:.3g} MB")
+
+
+def hand_plan_times(analysis, rec) -> dict[str, float]:
+    """Median seconds per step of every hand plan search ran: a baseline candidate, or a
+    candidate of cfp's that is the same program as a hand plan."""
+    from cfp.describe import same_programs
+    out: dict[str, float] = {}
+    for c in rec.candidates:
+        names = ([c.source.removeprefix("baseline ")] if c.source.startswith("baseline ")
+                 else same_programs(analysis, c.strategies, c.storage))
+        for name in names:
+            out[name] = min(out.get(name, math.inf), c.median_s)
+    return out
+
+
+def search_console(rec, analysis, devices: int, memory_budget_bytes: int | None,
+                   verbose: bool = False) -> None:
+    """The answer: the plan in words, its step time against the best hand plan run, its
+    memory and the numerical check; then the lines drivers read
+    (``searched ParallelBlock Strategies solution``, ``searched training cost``,
+    ``TFLOP_COUNT``). ``verbose``: every candidate and the phases first."""
+    from cfp.describe import plan_words
     plan = rec.plan
+    if verbose:
+        say(f"solver: {rec.solver_status} in {rec.solve_s:.2f} s")
+        for i, c in enumerate(rec.candidates):
+            say(f"candidate {i} ({c.source}): predicted {_ms(c.predicted_s)}, measured "
+                f"{_ms(c.median_s)}; memory {_gb(c.composed_memory_bytes)} composed, "
+                f"{_gb(c.compiled_peak_bytes)} compiled" + ("  <- kept" if i == rec.kept else ""))
+        phases_console("search", rec.time_s, rec.phase_s)
+    say(f"search: {len(rec.candidates)} candidate plans run end to end; solver "
+        f"{rec.solver_status} in {rec.solve_s:.1f} s ({rec.time_s:.1f} s)")
     own = plan.source.startswith("predicted")  # "predicted" or "predicted without reshardings"
     source = ("cfp's own prediction" + plan.source.removeprefix("predicted") if own
               else f"the {plan.source.split()[-1]} baseline")
+    words = plan_words(analysis, plan.strategies, plan.storage)
+    mesh = "x".join(map(str, analysis.mesh_shape))
+    same = [n for n in (words.pop(0).removeprefix("same program as ").split(" and ")
+                        if words[0].startswith("same program as") else [])
+            if own or n != plan.source.split()[-1]]
+    kept = source if own else f"the {plan.source.split()[-1]} hand plan"
+    say(f"plan on mesh {mesh}: {kept}"
+        + (f", the same program as {' and '.join(same)}" if same
+           else ", no hand plan's program" if own else ""))
+    shown = words if len(words) <= 3 else words[:2] + [
+        f"and {len(words) - 2} more groups of segments (debug_search/plan.png draws them all)"]
+    for line in shown:
+        say(f"  {line}")
+    hand = hand_plan_times(analysis, rec)
+    if hand:
+        best = min(hand, key=hand.get)
+        vs = f"; best hand plan run: {best} {_ms(hand[best])}"
+    else:
+        vs = "; no hand plan was run"
+    say(f"step time: {_ms(plan.median_s)} (predicted {_ms(plan.predicted_s)}){vs}")
+    budget = f", budget {_gb(memory_budget_bytes)}" if memory_budget_bytes else ""
+    say(f"memory per device: {_gb(rec.memory['peak_bytes'])} compiled "
+        f"({_gb(plan.composed_memory_bytes)} composed from the profiles{budget})")
+    if rec.numerics is not None:
+        say(f"numerical check against one device: loss and gradients match (loss rel. error "
+            f"{rec.numerics['loss_rel_err']:.1e})")
+    if rec.scans == "rolled":
+        say("scans run as lax.scan: one strategy per scan body")
+    elif rec.scans == "unrolled":
+        say("scans run unrolled: this plan gives a scan's iterations different strategies")
     say(f"searched ParallelBlock Strategies solution ({source}): {list(plan.strategies)}")
     say(f"searched training cost (s per step, one per round): "
         f"{[round(t, 6) for t in plan.measured_s]}, memory_cost (GB per device): "
         f"{rec.memory['peak_bytes'] / 2**30:.4f}")
     say(f"TFLOP_COUNT: {rec.step_flops / 1e12:.6g}")
-    phases_console("search", rec.time_s, rec.phase_s)
-    say(f"plan kept: {source}, the measured fastest of {len(rec.candidates)} candidates")
-    say(f"step time: median {plan.median_s * 1e3:.3f} ms (min {min(plan.measured_s) * 1e3:.3f},"
-        f" max {max(plan.measured_s) * 1e3:.3f}) over {len(plan.measured_s)} rounds; "
-        f"predicted {plan.predicted_s * 1e3:.3f} ms; "
-        f"{rec.step_flops / plan.median_s / devices / 1e12:.4g} TFLOP/s per device")
-    say(f"memory per device: {rec.memory['peak_bytes'] / 2**30:.4f} GB compiled, "
-        f"{plan.composed_memory_bytes / 2**30:.4f} GB composed from the profiles")
-    if rec.scans == "rolled":
-        say("scans run as lax.scan: one strategy per scan body")
-    elif rec.scans == "unrolled":
-        say("scans run unrolled: this plan gives a scan's iterations different strategies")
+
+
+def usage_console(workdir: Path) -> None:
+    """The Python line that uses ``plan.json``, and where the plan is drawn."""
+    path = Path(workdir) / "plan.json"
+    say(f"use it: plan = cfp.Plan.load({str(path)!r}); "
+        f"step = plan.jit(train_step, params, opt_state, batch); drawn in "
+        f"{Path(workdir) / 'debug_search' / 'plan.png'}")
 
 
 def input_paths(spec) -> list[str]:
@@ -323,7 +397,8 @@ def _with_paths(hlo: str, paths: list[str]) -> str:
 
 def write_search_dumps(workdir, analysis, profile, rec) -> None:
     """debug_search/: after_ir.txt, input/output_placement_specs.txt, mem_usage.txt,
-    report.json, strategy.png, predicted_vs_measured.png; and plan.json in the work dir."""
+    report.json, plan.png, predicted_vs_measured.png; and plan.json (with the plan in words)
+    in the work dir."""
     import json
     import math
     import jax
@@ -363,9 +438,11 @@ def write_search_dumps(workdir, analysis, profile, rec) -> None:
         [f"{k}: {v} B ({v / 2**30:.4f} GB)" for k, v in mem.items()]
         + [f"composed from the profiles: {plan.composed_memory_bytes} B "
            f"({plan.composed_memory_bytes / 2**30:.4f} GB)"]) + "\n")
-    write_plan(Path(workdir) / "plan.json",
-               make_plan(analysis, plan.strategies, in_specs=rec.in_specs,
-                         out_specs=rec.out_specs, source=plan.source, storage=plan.storage))
+    from cfp.describe import plan_words
+    plan_json = make_plan(analysis, plan.strategies, in_specs=rec.in_specs,
+                          out_specs=rec.out_specs, source=plan.source, storage=plan.storage)
+    plan_json["description"] = plan_words(analysis, plan.strategies, plan.storage)
+    write_plan(Path(workdir) / "plan.json", plan_json)
     by_kind: dict = {}
     for c in collectives(rec.compiled_text, analysis.mesh_shape):
         k = by_kind.setdefault(c.kind, {"count": 0, "bytes": 0})
@@ -393,28 +470,88 @@ def write_search_dumps(workdir, analysis, profile, rec) -> None:
         "phase_times_s": {"profile": profile.phase_s, "search": rec.phase_s},
     }
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
-    names = [b.strategies[i].name for b, i in zip(blocks, plan.strategies)]
-    strategy_figure(names, plan.source).savefig(out / "strategy.png", dpi=100)
+    fig = plan_figure(*plan_figure_data(analysis, rec), title=(
+        f"{analysis.spec.label} on mesh {'x'.join(map(str, analysis.mesh_shape))}: "
+        f"{plan.source}"))
+    fig.savefig(out / "plan.png", dpi=110)
     _plots(out, rec)
 
 
-def strategy_figure(names: list[str], source: str):
-    """One labelled row per block: its index and the name of its strategy under the plan
-    (a replicated block too), coloured by the mesh axes it splits."""
+def plan_figure_data(analysis, rec):
+    """What ``plan_figure`` draws: per segment instance its label and, per block, what each
+    mesh axis splits under the kept plan; per candidate its label, measured median seconds,
+    compiled peak bytes, whether it is a hand plan and whether it was kept."""
+    from cfp.describe import block_splits, same_programs
+    splits = block_splits(analysis, rec.plan.strategies)
+    rows = []
+    for seg in analysis.segments.instances:
+        cells = ["; ".join(f"{axis}: {', '.join(roles)}" for axis, roles in splits[b].items())
+                 or "replicated" for b in range(seg.start, seg.end)]
+        where = (f"block {seg.start}" if seg.end == seg.start + 1
+                 else f"blocks {seg.start}-{seg.end - 1}")
+        rows.append((f"{where} (type {seg.type})", cells))
+    candidates = []
+    for i, c in enumerate(rec.candidates):
+        if c.source.startswith("baseline "):
+            label, hand = c.source.removeprefix("baseline "), True
+        else:
+            same = same_programs(analysis, c.strategies, c.storage)
+            label = f"cfp {i}" + (f" (= {', '.join(same)})" if same else "")
+            hand = bool(same)
+        candidates.append((label, c.median_s, c.compiled_peak_bytes, hand, i == rec.kept))
+    return rows, candidates
+
+
+def plan_figure(rows, candidates, *, title: str = ""):
+    """Left: a grid of segment instances (rows) by their blocks (columns), each cell coloured
+    by which mesh axis splits which role there. Right: every candidate's measured step time
+    and compiled memory, the hand plans beside cfp's own, the kept one marked."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    kinds = sorted(set(names))
-    fig, ax = plt.subplots(figsize=(7, 0.8 + 0.28 * len(names)))
-    for i, name in enumerate(names):
-        ax.barh(i, 1, color=plt.cm.tab20(kinds.index(name) % 20), edgecolor="white")
-        ax.text(0.02, i, f"block {i}: {name}", va="center", fontsize=8)
-    ax.set_ylim(len(names) - 0.5, -0.5)
-    ax.set_xlim(0, 1)
-    ax.set_xticks([])
-    ax.set_yticks([])
-    ax.set_title(f"strategy per ParallelBlock ({source})", fontsize=9)
-    fig.tight_layout()
+    from matplotlib.patches import Patch
+    kinds = list(dict.fromkeys(c for _, cells in rows for c in cells))
+    colour = {k: ("#dddddd" if k == "replicated" else plt.cm.tab10(i % 10))
+              for i, k in enumerate(kinds)}
+    width = max(len(cells) for _, cells in rows)
+    fig, (grid, bars) = plt.subplots(
+        1, 2, figsize=(6 + 0.35 * width, 1.8 + max(0.45 * len(rows), 0.3 * len(candidates))
+                       + 0.22 * len(kinds)),
+        gridspec_kw={"width_ratios": [max(width, 4), 5]}, layout="constrained")
+    for r, (_, cells) in enumerate(rows):
+        for b, cell in enumerate(cells):
+            grid.add_patch(plt.Rectangle((b, r), 0.95, 0.9, color=colour[cell]))
+    grid.set_xlim(0, width)
+    grid.set_ylim(len(rows), 0)
+    grid.set_yticks([r + 0.45 for r in range(len(rows))], [label for label, _ in rows],
+                    fontsize=8)
+    grid.set_xticks([b + 0.475 for b in range(width)], [str(b) for b in range(width)],
+                    fontsize=7)
+    grid.set_xlabel("block within the segment instance", fontsize=8)
+    grid.tick_params(length=0)
+    for side in grid.spines.values():
+        side.set_visible(False)
+    fig.legend(handles=[Patch(color=colour[k], label=k) for k in kinds],
+               loc="outside lower left", fontsize=7, frameon=False,
+               title="what each mesh axis splits", title_fontsize=8, alignment="left")
+    grid.set_title("kept plan, block by block", fontsize=9)
+    y = range(len(candidates))
+    bars.barh(y, [c[1] * 1e3 for c in candidates],
+              color=["#999999" if c[3] else "#1f77b4" for c in candidates],
+              edgecolor=["black" if c[4] else "none" for c in candidates], linewidth=1.5)
+    bars.set_yticks(list(y), [c[0] + ("  (kept)" if c[4] else "") for c in candidates],
+                    fontsize=8)
+    bars.set_ylim(len(candidates) - 0.5, -0.5)
+    top = max(c[1] for c in candidates) * 1e3
+    for i, c in enumerate(candidates):
+        bars.text(c[1] * 1e3 + top * 0.02, i, f"{_ms(c[1])}, {_gb(c[2])}",
+                  va="center", fontsize=7)
+    bars.set_xlim(0, top * 1.6)
+    bars.set_xlabel("measured step time, ms (grey: a hand plan)", fontsize=8)
+    bars.set_title("candidates run end to end", fontsize=9)
+    bars.tick_params(labelsize=7)
+    if title:
+        fig.suptitle(title, fontsize=9)
     return fig
 
 

@@ -94,6 +94,10 @@ class WorkDir:
         write_record(self.path / "search.pkl", SEARCH_FORMAT, self.run_fp, rec)
         return self.path / "search.pkl"
 
+    def read_search(self):
+        return read_record(self.path / "search.pkl", SEARCH_FORMAT, self.run_fp,
+                           hint="run python -m cfp --mode search with the same flags first")
+
 
 def _digest(obj) -> str:
     import hashlib

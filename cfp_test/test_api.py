@@ -1,22 +1,41 @@
 import jax
-import numpy as np
 import pytest
 
 import zoo_extra
-from cfp.api import autoshard
 from cfp.cli import main
 from cfp.execute import check_numerics
 from cfp.passes.analysis import run_analysis
-from helpers import assert_users_loop
+from helpers import assert_loop_matches, assert_users_loop, run_loop
 from cfp.workloads import WorkloadSpec, make_mesh
 
 
 def test_users_own_step_and_optimizer_through_three_passes(tmp_path, capsys):
-    plan = autoshard("zoo_extra:einsum_net_momentum", mesh="4", workdir=tmp_path,
-                     memory_budget_gb=1, max_combinations=16, validate_top=1,
-                     extra_args=["--iters", "2", "--no-validate-baselines"])
-    assert "numerical check against one device" in capsys.readouterr().out
-    assert len(plan["blocks"]) == 4 and plan["mesh"]["axes"] == ["m0"]
+    """``cfp.autoshard`` on a user's step: a ``Plan`` whose ``jit`` and ``shardings`` run
+    the user's loop (three steps, state donated) matching one device; ``save``/``load``
+    round-trips it. Nothing global changes in the caller's process: JAX's settings, the
+    logging handlers, ``sys.stdout``, ``XLA_FLAGS`` and the SIGINT handler are as before."""
+    import logging
+    import os
+    import signal
+    import sys
+    import cfp
+
+    def snapshot():
+        return (dict(jax.config.values), list(logging.getLogger().handlers),
+                logging.getLogger().level, sys.stdout, os.environ.get("XLA_FLAGS"),
+                signal.getsignal(signal.SIGINT))
+    before = snapshot()
+    plan = cfp.autoshard("zoo_extra:einsum_net_momentum", mesh="4", workdir=tmp_path,
+                         memory_budget_gb=1, max_combinations=16, validate_top=1, iters=2,
+                         validate_baselines=False)
+    assert snapshot() == before
+    assert "numerical check" in capsys.readouterr().out
+    assert isinstance(plan, cfp.Plan) and plan.mesh.devices.shape == (4,)
+    assert len(plan.data["blocks"]) == 4 and plan.data["mesh"]["axes"] == ["m0"]
+    assert "m0" in plan.describe() or "replicated" in plan.describe()
+    plan.save(tmp_path / "copy.json")
+    again = cfp.Plan.load(tmp_path / "copy.json")
+    assert again.data == plan.data
     w = zoo_extra.einsum_net_momentum()
     params = w.init_params(jax.random.key(0))
     velocity, batch = w.opt_init(params), w.make_batch(jax.random.key(1))
@@ -24,7 +43,31 @@ def test_users_own_step_and_optimizer_through_three_passes(tmp_path, capsys):
     def train_step(p, v, b):
         loss, grads = jax.value_and_grad(w.loss_fn)(p, b)
         return (*w.opt_update(grads, v, p), loss)
-    assert_users_loop(train_step, plan, make_mesh((4,)), params, velocity, batch)
+    assert_users_loop(train_step, again.data, again.mesh, params, velocity, batch)
+    ref = run_loop(jax.jit(train_step), params, velocity, batch)
+    step = again.jit(train_step, params, velocity, batch)
+    placed = jax.device_put((params, velocity, batch), again.shardings(params, velocity,
+                                                                       batch)[0])
+    assert_loop_matches(run_loop(step, *placed), ref)
+
+
+def test_autoshard_raises_cfp_error_with_the_message(tmp_path, capsys):
+    """A mistake is a ``CfpError`` carrying the one-line reason, raised before any work;
+    the control: the same step on a valid mesh gets past the checks (analysis only)."""
+    import cfp
+    with pytest.raises(cfp.CfpError, match="has an axis of one device") as e:
+        cfp.autoshard("zoo_extra:convnet", mesh="1x4", workdir=tmp_path)
+    assert "\n" not in str(e.value) and not (tmp_path / "analysis.pkl").exists()
+    cache = jax.config.jax_compilation_cache_dir
+    try:  # the control of the snapshot above: the command line's run, which owns its
+        # process, turns JAX's compilation cache on in it
+        cfp.run(cfp.Options(model="zoo_extra:convnet", mesh="4", workdir=str(tmp_path),
+                            mode="analysis", compilation_cache=str(tmp_path / "cache")),
+                own_process=True)
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "cache")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", cache)
+    assert (tmp_path / "analysis.pkl").exists()
 
 
 @pytest.mark.slow  # the Equinox model is analysed in the suite by test_users_models

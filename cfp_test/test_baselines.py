@@ -183,11 +183,7 @@ def test_baselines_match_single_device(rule):
 
 
 def test_benchmark_statistics():
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
-    from benchmark import bootstrap_ratio
-    from enum_and_benchmark.enumerate_plans import ordering_accuracy
+    from cfp.bench import bootstrap_ratio, ordering_accuracy
     m, lo, hi = bootstrap_ratio([2.0, 2.1, 1.9, 2.0], [1.0, 1.0, 1.0, 1.0])
     assert lo <= m <= hi and 1.9 <= lo and hi <= 2.1
     acc, pairs = ordering_accuracy([1, 2, 3], [1.0, 1.05, 3.0])
@@ -195,14 +191,10 @@ def test_benchmark_statistics():
     assert ordering_accuracy([3, 2, 1], [1.0, 2.0, 3.0]) == (0.0, 3)
 
 
-def test_benchmark_table_and_chart(tmp_path, capsys):
+def test_benchmark_table_and_chart(tmp_path):
     """The benchmark's CSVs (one row per round) turn into the README's table and chart."""
     import csv
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
-    from benchmark import FIELDS, PLAN_FIELDS, append_rows, plot
-    from summarize import main as summarize
+    from cfp.bench import FIELDS, PLAN_FIELDS, append_rows, plot, summarize
     rows = [dict(workload="w", mesh="2x4", plan=p, round=r, step_s=1e-3 * t * (1 + 0.01 * r),
                  backend="cpu", devices=8)
             for p, t in (("cfp", 1.0), ("dp", 2.0), ("megatron", 1.0)) for r in range(5)]
@@ -214,22 +206,17 @@ def test_benchmark_table_and_chart(tmp_path, capsys):
     with open(tmp_path / "2026-01-01-cpu.csv") as f:
         assert len(list(csv.DictReader(f))) == 5
     append_rows(tmp_path / "2026-01-01-cpu.csv", FIELDS, rows)
-    summarize(str(tmp_path / "2026-01-01-cpu.csv"))
-    out = capsys.readouterr().out
+    out = summarize(str(tmp_path / "2026-01-01-cpu.csv"))
     assert "| w | 2x4 | 1.02 | 0.50 [0.50, 0.50] | tie | megatron: tie |" in out
     assert "| dp | 1 | 0 | 0 |" in out and "| megatron | 0 | 1 | 0 |" in out
-    plot(tmp_path, "2026-01-01")
+    assert plot(tmp_path, "2026-01-01") == [tmp_path / "2026-01-01-cpu.png"]
     assert (tmp_path / "2026-01-01-cpu.png").stat().st_size > 0
 
 
-def test_benchmark_questions(tmp_path, capsys):
+def test_benchmark_questions(tmp_path):
     """The method's questions: cfp_own against the cost model's measured pick and the best
     manual plan; a row where the cost model's pick is faster says so (the control)."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
-    from benchmark import FIELDS, OVERHEAD_FIELDS, PLAN_FIELDS, append_rows
-    from summarize import main as summarize
+    from cfp.bench import FIELDS, OVERHEAD_FIELDS, PLAN_FIELDS, append_rows, summarize
     times = {"a": {"cfp": 1.0, "cfp_own": 1.0, "analytic": 2.0, "analytic_top1": 3.0,
                    "dp": 1.5, "megatron": 4.0},
              "b": {"cfp": 1.0, "cfp_own": 2.0, "analytic": 1.0, "analytic_top1": 1.0,
@@ -244,8 +231,7 @@ def test_benchmark_questions(tmp_path, capsys):
         keys=("workload", "mesh", "plan"))
     append_rows(tmp_path / "2026-01-01-cpu-overheads.csv", OVERHEAD_FIELDS, [
         dict(workload=w, mesh="8", launch_s=0.01) for w in times])
-    summarize(str(tmp_path / "2026-01-01-cpu.csv"))
-    out = capsys.readouterr().out
+    out = summarize(str(tmp_path / "2026-01-01-cpu.csv"))
     assert "| a | 8 | 1.0% | 0.50 [0.50, 0.50] | 0.33 [0.33, 0.33] | dp | 0.67 [0.67, 0.67]: met |" in out
     assert "| b | 8 | 0.5% | 2.00 [2.00, 2.00] | 2.00 [2.00, 2.00] | dp | tie: tie |" in out
     assert "cfp_own faster than analytic (upper end below 1) on 1 of 2 rows" in out
@@ -256,10 +242,7 @@ def test_plans_in_chunks_compare_through_cfps_plan():
     second chunk. Times relative to cfp's plan in the same rounds keep the plans' true order,
     and at most three steps are compiled at once; the raw times (the control) would put the
     second chunk's plans above the first's."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
-    from enum_and_benchmark.enumerate_plans import time_in_chunks
+    from cfp.bench import time_in_chunks
     true_s = {"cfp": 1.0, "a": 0.8, "b": 1.2, "c": 0.9, "d": 1.1}
     loaded, most, slow = set(), [0], {"c", "d"}
     raw = {n: [] for n in true_s}
@@ -284,10 +267,7 @@ def test_plans_in_chunks_compare_through_cfps_plan():
 def test_enumerated_spaces():
     """The exhaustive check's two spaces on a toy problem: two instances of window type 0
     (blocks 0, 1) and one of type 1 (block 2), three options each."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
-    from enum_and_benchmark.enumerate_plans import distinct_plans, plan_space
+    from cfp.bench import distinct_plans, plan_space
     from cfp.solver import Group, Option, Problem
     from cfp.windows import Window
     opts = lambda: [Option((s,), 10 + s, memory=s) for s in range(3)]  # noqa: E731
@@ -308,8 +288,35 @@ def test_enumerated_spaces():
     assert plans["t0o1"] == (1, 1, 2) and plans["t1o0"] == (1, 0, 0)
 
 
-def test_cost_model_fitted_here():
+@pytest.mark.parametrize("law", ["alpha-beta", "shrinking"])
+def test_cost_model_fitted_here(monkeypatch, law):
+    """The fit recovers each axis's alpha and beta from all-reduce times that follow
+    ``alpha + beta * bytes moved`` (the timer replaced by that law, the programs compiled and
+    run here), and FLOP/s and bandwidth from the matmul's and the add's times. Control: times
+    that shrink as the size grows have no positive fit, and the fit says so with its floor
+    values (1e-7 s, 1e-13 s/B) rather than the law's."""
+    import cfp.measure
     from cfp.measure import fit_cost_model
+    law_alpha, law_beta = {2: 3e-5, 4: 7e-5}, {2: 2e-9, 4: 5e-9}
+    t_matmul, t_add, k = 4e-3, 1e-3, 512
+
+    def fake_time_runs(fn, args, **kwargs):
+        jax.block_until_ready(fn(*args))  # the program runs here
+        x = args[0]
+        if len(args) == 2:
+            return [t_matmul] * 3, False
+        if x.shape[0] > 4:
+            return [t_add] * 3, False
+        n, nbytes = x.shape[0], x.shape[1] * 4
+        moved = 2 * (n - 1) / n * nbytes
+        t = law_alpha[n] + law_beta[n] * moved if law == "alpha-beta" else 1.0 / moved
+        return [t] * 3, False
+    monkeypatch.setattr(cfp.measure, "time_runs", fake_time_runs)
     cm = fit_cost_model(make_mesh((2, 4)), sizes=(2**12, 2**16))
-    assert len(cm.alpha) == 2 and all(a > 0 for a in cm.alpha) and all(b > 0 for b in cm.beta)
-    assert cm.device_flops > 1e6 and cm.device_bandwidth > 1e6
+    if law == "alpha-beta":
+        assert cm.alpha == pytest.approx((3e-5, 7e-5), rel=1e-6)
+        assert cm.beta == pytest.approx((2e-9, 5e-9), rel=1e-6)
+    else:
+        assert cm.beta == (1e-13, 1e-13)
+    assert cm.device_flops == pytest.approx(2 * k**3 / t_matmul)
+    assert cm.device_bandwidth == pytest.approx(2 * 4 * k * k / t_add)

@@ -53,9 +53,12 @@ def test_analysis_writes_its_files(capsys, tmp_path):
     rc, out, err = _run(capsys, "--mode", "analysis", "--model", "gpt", "--mesh", "2x2",
                         "--workdir", str(tmp_path))
     assert rc == 0, err
-    assert "ParallelBlocks sequence: (0, 8) mapped to" in out
-    assert "global analysis time:" in out
-    assert "search space [" in out
+    assert out.startswith("analysis: ") and len(out.splitlines()) == 2  # and "wrote ..."
+    rc, out, err = _run(capsys, "--mode", "analysis", "--model", "gpt", "--mesh", "2x2",
+                        "--workdir", str(tmp_path), "-v")
+    assert "segment instance: blocks 0..7, type 0" in out
+    assert "segment type 0: search space [" in out
+    assert "  ParallelBlock 16: " in out
     dbg = tmp_path / "debug_analysis_global"
     strategy_map = (dbg / "strategy_map.txt").read_text()
     assert strategy_map.startswith("Instruction ") and "Strategy SSRR = " in strategy_map
@@ -80,7 +83,7 @@ def test_fresh_process_default_run(tmp_path):
                            str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert "global analysis time" in proc.stdout
+    assert proc.stdout.startswith("analysis: ")
 
 
 class _Evil:
@@ -127,3 +130,24 @@ def test_progress_counts_reshardings_while_they_are_timed(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert any("[16/32 reshardings] timing reshardings" in x for x in lines), lines
     assert not any("[0/3" in x or "combinations] timing" in x for x in lines), lines
+
+
+@pytest.mark.slow  # the whole default job, about 100 s on 2 cores
+def test_the_default_job_answers_in_at_most_15_lines(tmp_path):
+    """``python -m cfp --memory-budget 2`` in a fresh process: at most 15 lines besides the
+    progress lines, the answer among them; the same job with -v (the control) prints its
+    blocks, segments and candidates too, well over 15."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("XLA_FLAGS", None)
+    argv = [sys.executable, "-m", "cfp", "--memory-budget", "2", "--workdir", str(tmp_path)]
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    lines = [x for x in proc.stdout.splitlines() if not x.startswith("[")]
+    assert len(lines) <= 15, proc.stdout
+    assert lines[0].startswith("analysis: ") and lines[-1].startswith("use it: plan = cfp.Plan")
+    assert any(x.startswith("plan on mesh 8: ") for x in lines)
+    assert any(x.startswith("searched ParallelBlock Strategies solution") for x in lines)
+    verbose = subprocess.run(argv + ["--mode", "search", "-v"], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=900)
+    assert verbose.returncode == 0 and len(verbose.stdout.splitlines()) > 15
+    assert "candidate 0 (" in verbose.stdout

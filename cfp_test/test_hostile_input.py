@@ -126,12 +126,14 @@ def test_numbers_are_checked_as_numbers_before_any_work(tmp_path, capsys, compil
 
 def test_numbers_at_their_bounds_are_taken(capsys):
     """The control: the bounds themselves, and zero alpha and beta, pass the checks."""
-    from cfp.cli import _options, build_parser
+    from cfp.api import _options
+    from cfp.cli import parse
     argv = ["--num-layers", "1024", "--batch-size", str(2**31), "--iters", "10000",
             "--validate-top", "64", "--alpha", "0,0", "--beta", "0,1e-9", "--time-limit", "86400",
             "--memory-budget", "0.5", "--num-devices", "512", "--mesh", "2x256"]
-    opts = _options(build_parser().parse_args(argv))
+    opts = _options(parse(argv))
     assert opts.mesh_shape == (2, 256) and opts.num_devices == 512
+    from cfp.cli import build_parser
     help_text = " ".join(build_parser().format_help().split())  # the bounds are in --help
     assert "layers, overriding the preset's [positive, at most 1024]" in help_text
     assert "[positive, at most 512]" in help_text
@@ -181,7 +183,8 @@ def test_a_good_cluster_file_and_the_readme_cluster_cases_pass_the_checks(tmp_pa
     import json
     import shlex
     from pathlib import Path
-    from cfp.cli import _options, build_parser
+    from cfp.api import _options
+    from cfp.cli import parse
     from cfp.cluster import load_cluster
     path = tmp_path / "cluster.json"
     path.write_text(json.dumps(GOOD_CLUSTER))
@@ -191,7 +194,7 @@ def test_a_good_cluster_file_and_the_readme_cluster_cases_pass_the_checks(tmp_pa
              for line in script.replace("\\\n", " ").splitlines() if line.startswith("run ")]
     assert len(cases) == 5
     for argv in cases:
-        opts = _options(build_parser().parse_args(argv))
+        opts = _options(parse(argv))
         assert opts.cluster is not None and opts.num_devices in (64, 200)
 
 
@@ -224,8 +227,9 @@ def test_arrays_must_fit_the_host_only_where_the_step_runs_here(tmp_path, capsys
 
 
 API_REFUSALS = [
-    ({"dtype": "float16"}, "argument --dtype: invalid choice: 'float16'"),
-    ({"extra_args": ["--frobnicate"]}, "unrecognized arguments: --frobnicate"),
+    ({"dtype": "float16"}, "--dtype must be one of float32, bfloat16, got 'float16'"),
+    ({"frobnicate": True}, "autoshard() takes no option 'frobnicate'"),
+    ({"max_combinations": "32"}, "--max-combinations must be a number, got '32'"),
     ({"mesh": "1x4"}, "has an axis of one device"),
     ({"memory_budget_gb": float("nan")}, "--memory-budget must be positive"),
 ]
@@ -248,7 +252,7 @@ def test_the_api_without_a_workdir_uses_the_default_one(tmp_path, monkeypatch):
     from cfp.api import autoshard
     monkeypatch.chdir(tmp_path)
     with pytest.raises(CfpError, match="cannot read the plan profiles/convnet-4/plan.json"):
-        autoshard("zoo_extra:convnet", mesh="4", extra_args=["--mode", "analysis"])
+        autoshard("zoo_extra:convnet", mesh="4", mode="analysis")
     assert (tmp_path / "profiles" / "convnet-4" / "analysis.pkl").exists()
     assert not (tmp_path / "None").exists()
 
@@ -368,7 +372,7 @@ def test_an_interrupted_import_is_an_interrupt(tmp_path, monkeypatch, capsys, ca
     """A Ctrl-C while an extension module (OR-Tools') initializes surfaces as ImportError
     from the KeyboardInterrupt: one line and status 130, and KeyboardInterrupt from the API.
     Control: an ImportError that no Ctrl-C caused is a bug, raised with its traceback."""
-    import cfp.cli
+    import cfp.api
     from cfp.api import autoshard
 
     def interrupted_import(opts, args):
@@ -376,14 +380,14 @@ def test_an_interrupted_import_is_an_interrupt(tmp_path, monkeypatch, capsys, ca
             raise cause() if cause else ImportError("initialization failed")
         except BaseException as e:
             raise ImportError("initialization failed") from e
-    monkeypatch.setitem(cfp.cli._RUNNERS, "analysis", interrupted_import)
+    monkeypatch.setitem(cfp.api._RUNNERS, "analysis", interrupted_import)
     argv = ["--mode", "analysis", "--model", "mlp", "--mesh", "4", "--workdir", str(tmp_path)]
     if cause:
         assert main(argv) == 130
         assert capsys.readouterr().err.strip().splitlines() == [
             "cfp: interrupted; everything measured so far is kept in the work dir"]
         with pytest.raises(KeyboardInterrupt):
-            autoshard("mlp", mesh="4", workdir=tmp_path, extra_args=["--mode", "analysis"])
+            autoshard("mlp", mesh="4", workdir=tmp_path, mode="analysis")
     else:
         with pytest.raises(ImportError, match="initialization failed"):
             main(argv)
@@ -649,7 +653,7 @@ def test_a_ctrl_c_python_swallows_still_stops_the_run(tmp_path, capsys, monkeypa
     pass: one line, status 130. Control: the pass did run to its end, the interrupt lost
     inside it."""
     import signal
-    import cfp.cli
+    import cfp.api
     ran = []
 
     class Swallows:
@@ -659,7 +663,7 @@ def test_a_ctrl_c_python_swallows_still_stops_the_run(tmp_path, capsys, monkeypa
     def runner(opts, args):
         Swallows()
         ran.append("to its end")
-    monkeypatch.setitem(cfp.cli._RUNNERS, "analysis", runner)
+    monkeypatch.setitem(cfp.api._RUNNERS, "analysis", runner)
     assert main(["--mode", "analysis", "--model", "mlp", "--mesh", "4",
                  "--workdir", str(tmp_path)]) == 130
     assert ran == ["to its end"]
@@ -676,7 +680,7 @@ def test_a_ctrl_c_in_the_garbage_collector_stops_the_run_at_once(tmp_path, capsy
     import gc
     import signal
     import time
-    import cfp.cli
+    import cfp.api
     ran, interrupting = [], []
 
     def interrupt(phase, info):
@@ -693,7 +697,7 @@ def test_a_ctrl_c_in_the_garbage_collector_stops_the_run_at_once(tmp_path, capsy
                 gc.callbacks.remove(interrupt)
         time.sleep(1)
         ran.append("past the collection")
-    monkeypatch.setitem(cfp.cli._RUNNERS, "analysis", runner)
+    monkeypatch.setitem(cfp.api._RUNNERS, "analysis", runner)
     argv = ["--mode", "analysis", "--model", "mlp", "--mesh", "4", "--workdir", str(tmp_path)]
     assert main(argv) == 0 and ran == ["past the collection"]  # the control
     ran.clear()
@@ -706,7 +710,7 @@ def test_a_ctrl_c_in_the_garbage_collector_stops_the_run_at_once(tmp_path, capsy
 def test_the_readme_s_first_cluster_case_runs_every_pass_as_recorded(tmp_path, capsys):
     """LLaMA-2-13B on alpa-50x4 (scripts/cluster_cases.sh, the README's), whose arrays this
     host need not hold, is analysed, priced and searched as recorded in
-    scripts/results/2026-11-24-cluster-residuals-cpu.txt: its search finds that no plan fits
+    scripts/results/2026-11-24-cluster-cpu.txt: its search finds that no plan fits
     the 32 GB of a device, the verdict it had before these checks (its least memory, about
     72 GB then, moves as composed memory is refined)."""
     rc = main(["--model", "llama", "--config", "13b", "--dtype", "bfloat16", "--batch-size",

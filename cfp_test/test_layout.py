@@ -61,3 +61,45 @@ def test_install_adds_no_top_level_passes_module(tmp_path):
     assert run("import cfp.passes.search").returncode == 0
     missing = run("import passes")
     assert missing.returncode != 0 and "No module named 'passes'" in missing.stderr
+
+
+def reaches_into_scripts(source: str) -> bool:
+    """Whether test code puts ``scripts/`` on the import path or imports a script."""
+    scripts = {p.stem for p in (ROOT / "scripts").rglob("*.py")} | {"enum_and_benchmark",
+                                                                   "diagnostics", "scripts"}
+    return ('"scripts"' in source and "sys.path" in source) or any(
+        m.split(".")[0] in scripts for m in imported_modules(source))
+
+
+def test_no_test_imports_from_scripts():
+    """Logic a test needs lives in ``cfp/`` (``cfp.bench`` for the benchmarks' tables);
+    scripts only drive it. Control: the check finds a path insert and a script's import."""
+    offenders = [p.name for p in (ROOT / "cfp_test").glob("*.py")
+                 if p.name != "test_layout.py"  # this file: the check's planted examples
+                 and reaches_into_scripts(p.read_text())]
+    assert offenders == []
+    assert reaches_into_scripts('sys.path.insert(0, str(ROOT / "scripts"))\n')
+    assert reaches_into_scripts("def f():\n    from summarize import main\n")
+    assert not reaches_into_scripts("from cfp.bench import summarize\n")
+
+
+def unindexed_results(results: Path) -> tuple[list[str], list[str]]:
+    """(files under ``results`` its README.md does not name, names there with no file)."""
+    import re
+    index = (results / "README.md").read_text() if (results / "README.md").exists() else ""
+    named = set(re.findall(r"^\| `([^`]+)` \|", index, flags=re.M))
+    files = {str(p.relative_to(results)) for p in results.rglob("*")
+             if p.is_file() and p.name != "README.md"}
+    return sorted(files - named), sorted(named - files)
+
+
+def test_every_results_file_is_in_the_index(tmp_path):
+    """``scripts/results/README.md`` names every file there with its claim, command, date
+    and commit, and names no file that is gone. Control: a file added beside the index, and
+    an entry whose file is deleted, are both found."""
+    assert unindexed_results(ROOT / "scripts" / "results") == ([], [])
+    (tmp_path / "README.md").write_text("| `a.csv` | 2026-01-01 | abc |\n"
+                                        "| `gone.csv` | 2026-01-01 | abc |\n")
+    (tmp_path / "a.csv").write_text("x")
+    (tmp_path / "new.csv").write_text("x")
+    assert unindexed_results(tmp_path) == (["new.csv"], ["gone.csv"])

@@ -75,7 +75,8 @@ def runs(tmp_path_factory):
     survivor_err = procs[0].stderr.read()
     procs[1].wait()
     known = _measured(dirs[0] / "wd")
-    whole = _finish(_launch(dirs, port + 20, "--validate-top", "1", "--no-validate-baselines"))
+    whole = _finish(_launch(dirs, port + 20, "--validate-top", "1", "--no-validate-baselines",
+                            "-v"))
     return {"dirs": dirs, "analysis": analysis, "survivor": (survivor, survivor_err, stop_s),
             "known": known, "whole": whole}
 

@@ -174,7 +174,7 @@ def interrupted(solver, model):  # Ctrl-C as the search starts
 cfp.solver._solve_interruptibly = interrupted
 try:
     autoshard("mlp", mesh="4", workdir=sys.argv[1], memory_budget_gb=1, validate_top=1,
-              extra_args=["--mode", "search", "--compilation-cache", "none"])
+              mode="search", compilation_cache=None)
     print("autoshard returned a plan")
 except KeyboardInterrupt:
     print("autoshard raised KeyboardInterrupt")
@@ -407,9 +407,9 @@ except CfpError as e:
 def api(tmp: Path) -> list[Outcome]:
     out = []
     for kwargs in ({"dtype": "float16", "workdir": str(tmp / "api")},
-                   {"extra_args": ["--frobnicate"], "workdir": str(tmp / "api")},
+                   {"frobnicate": True, "workdir": str(tmp / "api")},
                    {"mesh": "4", "memory_budget_gb": float("nan"), "workdir": str(tmp / "api")},
-                   {"mesh": "4", "extra_args": ["--mode", "analysis"]}):
+                   {"mesh": "4", "mode": "analysis"}):
         status, text = run([json.dumps(kwargs)], python=API, cwd=tmp)
         out.append(outcome(f"autoshard({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})",
                            status, text))

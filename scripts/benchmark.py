@@ -38,13 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-FIELDS = ["workload", "mesh", "plan", "round", "step_s", "backend", "devices"]
-OVERHEAD_FIELDS = ["workload", "mesh", "analysis_s", "profile_s", "search_s", "compiled",
-                   "model_profile_s", "launch_s", "backend", "devices"]
-# Plans that are not a rule users write: what the manual baselines are compared against.
-NOT_MANUAL = ("cfp", "cfp_own", "analytic", "analytic_top1", "single_device")
-PLAN_FIELDS = ["workload", "mesh", "plan", "source", "collectives", "comm_bytes", "compile_s",
-               "peak_bytes", "same_program_as_cfp", "same_program_as_cfp_own", "backend", "devices"]
+from cfp.bench import (FIELDS, NOT_MANUAL, OVERHEAD_FIELDS, PLAN_FIELDS,  # noqa: E402
+                       append_rows, bootstrap_ratio, plot)
 
 
 def workload_parser(doc: str, *, model: str, rounds: int, min_seconds: float,
@@ -173,44 +168,6 @@ def normalized_hlo(compiled) -> str:
     from cfp.measure import normalized_hlo as normalize
     return normalize(compiled)
 
-
-def same_program_as_cfp(results_csv: Path, plan: str = "cfp") -> set:
-    """{(workload, mesh, plan)} whose compiled program is ``plan``'s (cfp's or cfp_own's), from
-    the ``-plans.csv`` beside a ``<date>-<backend>.csv``."""
-    import pandas as pd
-    path = Path(results_csv).with_name(Path(results_csv).stem + "-plans.csv")
-    column = f"same_program_as_{plan}"
-    if not path.exists():
-        return set()
-    p = pd.read_csv(path, dtype={"mesh": str})
-    if column not in p:
-        return set()
-    return {(r.workload, r.mesh, r.plan) for r in p.itertuples() if getattr(r, column) is True}
-
-
-def bootstrap_ratio(a, b, n=2000, seed=0):
-    """Median of per-round ratios a/b and its bootstrap 95% interval."""
-    import numpy as np
-    r = np.asarray(a) / np.asarray(b)
-    rng = np.random.default_rng(seed)
-    meds = np.median(r[rng.integers(0, len(r), (n, len(r)))], axis=1)
-    return float(np.median(r)), float(np.quantile(meds, 0.025)), float(np.quantile(meds, 0.975))
-
-
-def append_rows(path: Path, fields, rows, keys=("workload", "mesh")) -> None:
-    """Add ``rows``; rows of an earlier run with the same ``keys`` (workload and mesh) are
-    replaced."""
-    new = {tuple(r[k] for k in keys) for r in rows}
-    old = []
-    if path.exists():
-        with path.open(newline="") as f:
-            old = [r for r in csv.DictReader(f) if tuple(r.get(k) for k in keys) not in new]
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(old + rows)
-    tmp.replace(path)
 
 
 def budget_bytes(a) -> int | None:
@@ -417,64 +374,14 @@ def benchmark(a) -> None:
           f"search {t_se:.1f} s; analytic profile {t_model:.1f} s")
 
 
-def plot(out: Path, date: str) -> None:
-    """One chart per backend: per workload and mesh, each plan's time over cfp's (median of
-    per-round ratios, bootstrap 95% interval); hatched where the program is cfp's own."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import pandas as pd
-    from matplotlib.patches import Patch
-    from matplotlib.ticker import FuncFormatter
-    for path in sorted(out.glob(f"{date}-*.csv")):
-        if path.stem.count("-") != 3:  # <date>-<backend>.csv only
-            continue
-        df = pd.read_csv(path, dtype={"mesh": str})
-        same = same_program_as_cfp(path)
-        mesh_order = {m: i for i, m in enumerate(("8", "2x4", "4x2"))}
-        cases = sorted(dict.fromkeys(zip(df.workload, df.mesh)),
-                       key=lambda c: (c[0], mesh_order.get(c[1], 9), c[1]))
-        plans = [p for p in dict.fromkeys(df.plan) if p != "cfp"]
-        fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(cases)), 4.8))
-        width = 0.8 / len(plans)
-        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-        for j, p in enumerate(plans):
-            for i, (w, m) in enumerate(cases):
-                sub = df[(df.workload == w) & (df.mesh == m)]
-                c, b = sub[sub.plan == "cfp"].step_s.values, sub[sub.plan == p].step_s.values
-                if len(b) == 0:
-                    continue
-                med, lo, hi = bootstrap_ratio(b, c)
-                x = i + (j - len(plans) / 2 + 0.5) * width
-                ax.bar(x, med, width, yerr=[[med - lo], [hi - med]], capsize=2,
-                       color=colors[j % len(colors)],
-                       hatch="//" if (w, m, p) in same else None, edgecolor="white")
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xticks(range(len(cases)))
-        ax.set_xticklabels([f"{w}\n{m}" for w, m in cases], fontsize=7)
-        ax.set_ylabel("plan step time / cfp step time")
-        ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if v in (
-            0.2, 0.5, 2, 3) else ""))
-        backend = path.stem.split("-")[-1]
-        ax.set_title(f"cfp against baselines, {backend}, {int(df.devices.iloc[0])} devices, "
-                     f"{date}: above 1, cfp is faster; hatched, the same program as cfp's",
-                     fontsize=9)
-        handles = [Patch(color=colors[j % len(colors)], label=p) for j, p in enumerate(plans)]
-        ax.legend(handles=handles, fontsize=7, ncol=8, loc="upper center",
-                  bbox_to_anchor=(0.5, -0.13))
-        fig.tight_layout()
-        fig.savefig(path.with_suffix(".png"), dpi=120, bbox_inches="tight")
-        print(f"wrote {path.with_suffix('.png')}")
-
 
 if __name__ == "__main__":
     from cfp.host_memory import run_pooled
     run_pooled()  # timing measures programs, not the host allocator
     args = parse_args()
     if args.plot:
-        plot(Path(args.out), args.date)
+        for chart in plot(Path(args.out), args.date):
+            print(f"wrote {chart}")
     else:
         benchmark(args)
         plot(Path(args.out), args.date)

@@ -103,7 +103,7 @@ def main() -> None:
     if not (workdir / "analysis.pkl").exists():
         assert cli(base + ["--mode", "analysis"]) == 0
     if not (workdir / "profile.pkl").exists():
-        assert cli(base + ["--mode", "profile"]) == 0
+        assert cli(base + ["--mode", "profile", "-v"]) == 0
 
     import jax
     from cfp.measure import CpuShare, memory_of

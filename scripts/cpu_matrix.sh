@@ -5,6 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 for mesh in ${MESHES:-8 2x4 4x2}; do
   for m in ${MODELS:-gpt llama bert moe mlp}; do
-    MESHES="$mesh" "scripts/${m}_cpu_8dev.sh" "$@"
+    MESHES="$mesh" bash scripts/cpu_8dev.sh "$m" "$@"
   done
 done

@@ -12,7 +12,7 @@ for driver in gpt/gpt llama2/llama moe/moe bert/bert; do
   SECONDS=0
   sh "cfp_test/${driver}_test.sh" --num_layer 2 --workdir "$tmp/${driver%%/*}" \
     --compilation-cache none \
-    | grep -E "^solver|^candidate|numerical check|solution \(|plan kept|step time" | tee -a "$out"
+    | grep -E "^search:|^plan on mesh|^  |numerical check|solution \(|step time" | tee -a "$out"
   echo "wall $SECONDS s" | tee -a "$out"
 done
 rm -rf "$tmp"

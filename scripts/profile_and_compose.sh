@@ -17,10 +17,10 @@ for row in $rows; do
     workdir="profiles/$model-tiny-L4-$mesh"
     rm -rf "$workdir"
     echo "=== $model, 4 layers, mesh $mesh (cpu, 8 virtual devices on $(nproc) cores)" | tee -a "$out"
-    python -m cfp --model "$model" --num-layers 4 --mesh "$mesh" --mode analysis \
-      | grep -E "plan space|unique segment|analysis time" | tee -a "$out"
+    python -m cfp --model "$model" --num-layers 4 --mesh "$mesh" --mode analysis -v \
+      | grep -E "plan space|^segment type|^analysis:" | tee -a "$out"
     /usr/bin/time -f "profile wall: %e s" python -m cfp --model "$model" --num-layers 4 \
-      --mesh "$mesh" --mode profile --compilation-cache none 2>&1 \
+      --mesh "$mesh" --mode profile --compilation-cache none -v 2>&1 \
       | grep -E "window types|search space|combinations:|reshardings|profile pass|wall|plan space" \
       | tee -a "$out"
     python scripts/composition_check.py --model "$model" --num-layers 4 --mesh "$mesh" \

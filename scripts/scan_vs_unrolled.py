@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import json
 import os
 import re
 import subprocess
@@ -26,10 +27,9 @@ PATTERNS = {
     "profile_s": r"profile pass: ([\d.]+) s",
     "search_s": r"search pass: ([\d.]+) s",
     "plan_compile_s": r"search pass: [\d.]+ s \(.*?compiling ([\d.]+)",
-    "step_ms": r"step time: median ([\d.]+) ms",
-    "compiled_gb": r"memory per device: ([\d.]+) GB compiled",
-    "composed_gb": r"GB compiled, ([\d.]+) GB composed",
 }
+REPORT = {"step_ms": ("measured_median_s", 1e3), "compiled_gb": ("memory_gb", 1),
+          "composed_gb": ("composed_memory_gb", 1)}  # from debug_search/report.json
 
 
 def run(model: str, layers: int) -> dict:
@@ -40,12 +40,15 @@ def run(model: str, layers: int) -> dict:
         out = subprocess.run(
             [sys.executable, "-m", "cfp", "--model", f"scanned_models:{model}", "--num-layers",
              str(layers), "--mesh", "8", "--memory-budget", "1", "--validate-top", "1",
-             "--workdir", workdir, "--compilation-cache", "none"],
+             "--workdir", workdir, "--compilation-cache", "none", "-v"],
             env=env, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        report = json.loads((Path(workdir) / "debug_search" / "report.json").read_text())
     row = {"model": model, "layers": layers}
     for key, pattern in PATTERNS.items():
         m = re.search(pattern, out)
         row[key] = m.group(1) if m else ""
+    for key, (field, scale) in REPORT.items():
+        row[key] = f"{report[field] * scale:.6g}"
     row["scans"] = ("rolled" if "scans run as lax.scan" in out else
                     "unrolled" if "scans run unrolled" in out else "none")
     row["backend"], row["devices"] = "cpu", 8

@@ -37,7 +37,6 @@ Writes ``scripts/results/<date>-enum-<backend>.csv`` (one row per plan) and
 """
 from __future__ import annotations
 
-import itertools
 import math
 import sys
 import time
@@ -47,7 +46,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from benchmark import (append_rows, bootstrap_ratio, budget_bytes,  # noqa: E402
+from cfp.bench import (append_rows, bootstrap_ratio, distinct_plans,  # noqa: E402
+                       ordering_accuracy, plan_space, spearman, term_weights, time_in_chunks)
+from benchmark import (budget_bytes,  # noqa: E402
                        normalized_hlo, own_pick, start, workload_parser)
 
 
@@ -64,33 +65,6 @@ def parse_args(argv=None):
                         "steps at once (LLVM 'Cannot allocate memory', with RAM free)")
     return p.parse_args(argv)
 
-
-def ordering_accuracy(pred, meas, lo=0.9, hi=1.1) -> tuple[float, int]:
-    """Share of plan pairs, among those whose measured ratio is outside [lo, hi], that ``pred``
-    orders as measured; and how many such pairs there are."""
-    good = total = 0
-    for i, j in itertools.combinations(range(len(meas)), 2):
-        r = meas[i] / meas[j]
-        if lo <= r <= hi:
-            continue
-        total += 1
-        good += (pred[i] < pred[j]) == (meas[i] < meas[j])
-    return (good / total if total else float("nan")), total
-
-
-def term_weights(windows, reshards, measured) -> tuple[float, float]:
-    """Least-squares weights of the two terms of cfp's composed prediction (window times,
-    boundary reshardings) that best explain the measured step times, with an intercept. Both 1:
-    the composition adds the terms as they are; far from 1: that term is mispriced end to end."""
-    import numpy as np
-    x = np.c_[windows, reshards, np.ones(len(windows))]
-    coef, *_ = np.linalg.lstsq(x, np.asarray(measured), rcond=None)
-    return float(coef[0]), float(coef[1])
-
-
-def spearman(a, b) -> float:
-    import pandas as pd
-    return float(pd.Series(a).rank().corr(pd.Series(b).rank()))
 
 
 def main(a) -> None:
@@ -207,71 +181,6 @@ def own_pick_and_kept(workdir: Path, run_fp, budget) -> tuple[tuple, str]:
         return pick, "its own prediction"
     return pick, plan["source"]
 
-
-def time_in_chunks(names, chunk: int, rounds: int, load, unload, measure):
-    """({name: seconds per round}, {name: its chunk}) of the plans ``names`` (cfp's first),
-    timed in interleaved rounds, in chunks of at most ``chunk`` plans with cfp's in each:
-    ``load`` compiles a plan, ``unload`` drops it at its chunk's end, ``measure`` times one
-    run. A plan's time in a round counts relative to cfp's in the same round, scaled by cfp's
-    median over all rounds, so plans of different chunks compare through cfp's plan (a
-    machine slower during one chunk slows cfp's plan too). cfp's own times are that median,
-    every round: each plan's per-round ratio to cfp's is then its ratio in its own rounds."""
-    import numpy as np
-    anchor, others = names[0], names[1:]
-    size = max(1, chunk - 1)
-    chunks = [others[i:i + size] for i in range(0, len(others), size)] or [[]]
-    relative, anchor_s, chunk_of = {n: [] for n in others}, [], {anchor: 0}
-    load(anchor)
-    for c, members in enumerate(chunks, 1):
-        for n in members:
-            load(n)
-            chunk_of[n] = c
-        print(f"chunk {c} of {len(chunks)}: {len(members)} plans compiled", flush=True)
-        here = [anchor] + members
-        for r in range(rounds):
-            seconds = {n: measure(n) for n in here[r % len(here):] + here[:r % len(here)]}
-            anchor_s.append(seconds[anchor])
-            for n in members:
-                relative[n].append(seconds[n] / seconds[anchor])
-        for n in members:
-            unload(n)
-    scale = float(np.median(anchor_s))
-    times = {anchor: [scale] * rounds} | {n: [x * scale for x in relative[n]] for n in others}
-    return times, chunk_of
-
-
-def plan_space(problem, windows, cfp_choices, space: str):
-    """(its definition, feasible combinations per window type, its size, iterator of (name,
-    option index per window instance)) of ``space``; cfp's own plan comes first, named
-    ``cfp``."""
-    types = sorted({w.type for w in windows})
-    first = {t: next(i for i, w in enumerate(windows) if w.type == t) for t in types}
-    counts = [len(problem.groups[first[t]].options) for t in types]
-    if space == "uniform":
-        picks = (("p" + "-".join(map(str, pick)),
-                  tuple(pick[types.index(w.type)] for w in windows))
-                 for pick in itertools.product(*[range(c) for c in counts]))
-        return ("one combination per window type", counts, math.prod(counts),
-                itertools.chain([("cfp", cfp_choices)], picks))
-    picks = ((f"t{t}o{o}", tuple(o if w.type == t else c for w, c in zip(windows, cfp_choices)))
-             for t, n in zip(types, counts) for o in range(n))
-    return ("cfp's plan with one window type changed", counts, sum(counts),
-            itertools.chain([("cfp", cfp_choices)], picks))
-
-
-def distinct_plans(problem, picks) -> tuple[dict, int]:
-    """{name: choices} of the plans within the memory budget, each set of block strategies
-    once (the first name wins), and how many were over the budget."""
-    from cfp.solver import evaluate
-    plans, seen, over = {}, set(), 0
-    for name, choices in picks:
-        _, mem, strategies = evaluate(problem, choices)
-        if problem.memory_budget is not None and mem > problem.memory_budget:
-            over += 1
-        elif strategies not in seen:
-            seen.add(strategies)
-            plans[name] = choices
-    return plans, over
 
 
 def _choices_of(problem, strategies):
