@@ -252,3 +252,36 @@ def test_a_state_step_given_wrong_is_one_clear_error():
     good = user_workload(train_step=users_models.train_state_step, init_state=init_state,
                          make_batch=make_batch)  # the control
     assert trace_step(good).graph().state_pairs()
+
+
+@pytest.mark.parametrize("model", RESHAPED + ["users_models:flax_dropout_rng"])
+def test_users_models_with_split_state_in_a_loop(model):
+    """Flax, Equinox and plain-JAX models with reshaped heads under a plan that stores the
+    state split: every window holding state on its fsdp layout (the parameters and optimizer
+    state split over the axes its blocks leave replicated), the blocks on their first
+    strategy. Three donated steps in a loop match one device, and the stored state is split
+    (the control: under the plan layout the same leaves are whole)."""
+    import math
+    from cfp.execute import PlannedStep, Storage
+    from cfp.windows import held_state, split_windows
+    from helpers import assert_loop_matches, planned_loop
+    from cfp.workloads import trace_step
+    spec = WorkloadSpec(model, None, None, "float32", ()).resolved()
+    a = run_analysis(spec, (8,))
+    windows, _ = split_windows(a, 32)
+    held = sorted(k for w in windows for k in held_state(a, w))
+    assert held
+    strategies = [0] * len(a.blocks.blocks)
+    program, mesh = trace_step(spec.build()), make_mesh((8,))
+
+    def stored_elements(storage):  # of the leaves the windows hold
+        step = PlannedStep(program, a, strategies, mesh, storage)
+        g = a.graph
+        return step, sum(math.prod(step.in_shardings[k].shard_shape(
+            g.values[g.inputs[k]].shape)) for k in held)
+
+    split, split_n = stored_elements(Storage(leaves=tuple((k, "fsdp") for k in held)))
+    _, plain_n = stored_elements(Storage())
+    assert split_n < plain_n  # some leaves have no dim the mesh divides further
+    split.compile()
+    assert_loop_matches(*planned_loop(split, spec.build()))
