@@ -147,6 +147,28 @@ def _cut_widths(graph: Graph, ba: BlockAnalysis) -> list[int]:
     statistics carry the same information as the residual stream they come from, so together
     they count once. Tensors that depend on no contraction, and scalars, do not count."""
     n = len(ba.blocks)
+    diff = [0] * (n + 1)
+    for intervals in _spans(graph, ba).values():
+        intervals = sorted((lo, hi) for lo, hi, _ in intervals)
+        lo, hi = intervals[0]
+        for a, b in intervals[1:] + [(n + 1, n + 1)]:
+            if a > hi:
+                diff[lo + 1] += 1
+                diff[hi + 1] -= 1
+                lo, hi = a, b
+            else:
+                hi = max(hi, b)
+    widths, run = [], 0
+    for c in range(1, n):
+        run += diff[c]
+        widths.append(run)
+    return widths
+
+
+def _spans(graph: Graph, ba: BlockAnalysis) -> dict[int, list[tuple[int, int, int]]]:
+    """Per set of nearest contraction sources (interned), the (earlier block, later block,
+    value) of each tensor of that set crossing between blocks, shortened where it is common
+    (``common_values``)."""
     interned: dict[frozenset, int] = {frozenset(): 0}
     union_cache: dict[tuple[int, int], int] = {}
     members: list[frozenset] = [frozenset()]
@@ -178,17 +200,16 @@ def _cut_widths(graph: Graph, ba: BlockAnalysis) -> list[int]:
                 sid = union(sid, source.get(v, 0))
         for v in op.outputs:
             source[v] = sid
-    common, summed = common_values(graph, ba)
+    common, summing = common_values(graph, ba)
     crossings = []  # (source, earlier block, later block, value)
     for op in graph.ops:
         j = ba.owner.get(op.index)
-        if j is None or op.stacks_layers:  # a scan's stack reads every layer by design
-            continue
+        if j is None or op.stacks_layers or op.index in summing:
+            continue  # a scan's stack reads every layer by design; see common_values
         for v in op.inputs:
             p = graph.values[v].producer
             i = ba.owner.get(p) if p is not None else None
-            if (i is None or i == j or v in summed or not source.get(v, 0)
-                    or not graph.values[v].shape):
+            if i is None or i == j or not source.get(v, 0) or not graph.values[v].shape:
                 continue
             crossings.append((source[v], min(i, j), max(i, j), v))
     # What passes from a common value's maker, or a block before it, to a block that reads
@@ -199,33 +220,18 @@ def _cut_widths(graph: Graph, ba: BlockAnalysis) -> list[int]:
     for _, lo, hi, v in crossings:
         if v in common:
             makers.setdefault(hi, []).append(lo)
-    spans: dict[int, list[tuple[int, int]]] = {}
-    for sid, lo, hi, _ in crossings:
+    spans: dict[int, list[tuple[int, int, int]]] = {}
+    for sid, lo, hi, v in crossings:
         maker = min((m for m in makers.get(hi, ()) if m >= lo), default=None)
-        spans.setdefault(sid, []).append((lo, hi if maker is None else maker + 1))
-    diff = [0] * (n + 1)
-    for intervals in spans.values():
-        intervals.sort()
-        lo, hi = intervals[0]
-        for a, b in intervals[1:] + [(n + 1, n + 1)]:
-            if a > hi:
-                diff[lo + 1] += 1
-                diff[hi + 1] -= 1
-                lo, hi = a, b
-            else:
-                hi = max(hi, b)
-    widths, run = [], 0
-    for c in range(1, n):
-        run += diff[c]
-        widths.append(run)
-    return widths
+        spans.setdefault(sid, []).append((lo, hi if maker is None else maker + 1, v))
+    return spans
 
 
 def common_values(graph: Graph, ba: BlockAnalysis) -> tuple[frozenset[int], frozenset[int]]:
-    """(values that repeated layers read but that belong to none of them, the terms and
-    partial sums of their gradients): the common inputs of the layers' instances, such as a
-    position bias or a mask computed once, rotary tables, or an encoder's output that every
-    decoder layer attends to.
+    """(values that repeated layers read but that belong to none of them, the operators that
+    sum their gradients): the common inputs of the layers' instances, such as a position bias
+    or a mask computed once, rotary tables, or an encoder's output that every decoder layer
+    attends to.
 
     A value is read in common when two of its readers are copies of one block in two copies
     of a run of blocks: blocks ``j < k`` at the same offset of two equal, consecutive runs of
@@ -233,8 +239,8 @@ def common_values(graph: Graph, ba: BlockAnalysis) -> tuple[frozenset[int], froz
     not read it (the query, key and value projections of one layer's input sit side by side:
     they are one layer's readers). The backward pass sums a value's gradient over its
     readers, as a tree of ``add_any`` whose partial sums nothing else reads; when the terms
-    come from such copies of a block, the full sum, which goes back to where the value was
-    made, is a common value too, and its terms and partial sums are the second set."""
+    come from such copies of a block, the tree's operators are the second set and its full
+    sum, which goes back to where the value was made, is a common value too."""
     interned: dict[tuple, int] = {}
     fp = [interned.setdefault(block_fingerprint(graph, ba, b), len(interned))
           for b in range(len(ba.blocks))]
@@ -278,18 +284,19 @@ def common_values(graph: Graph, ba: BlockAnalysis) -> tuple[frozenset[int], froz
                 p = graph.values[v].producer
                 if v in partial and p is not None and graph.ops[p].primitive == "add_any":
                     parent[root(p)] = op.index
-    terms: dict[int, set[int]] = {}
+    trees: dict[int, list[int]] = {}
     for i in parent:
-        terms.setdefault(root(i), set()).update(v for v in graph.ops[i].inputs if v in partial)
-    summed: set[int] = set()
-    for top, values in terms.items():
-        sources = {ba.owner[p] for v in values
+        trees.setdefault(root(i), []).append(i)
+    summing: set[int] = set()
+    for top, members in trees.items():
+        inputs = {v for i in members for v in graph.ops[i].inputs}
+        sources = {ba.owner[p] for v in inputs  # the terms, not sums made elsewhere
                    if (p := graph.values[v].producer) is not None and p in ba.owner
                    and graph.ops[p].primitive != "add_any"}
         if len(sources) > 1 and repeated(sources):
-            summed |= values
+            summing.update(members)
             common.update(graph.ops[top].outputs)
-    return frozenset(common), frozenset(summed)
+    return frozenset(common), frozenset(summing)
 
 
 _NAME = re.compile(r"%[\w.\-]+")
