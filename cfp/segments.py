@@ -35,7 +35,7 @@ import collections
 import dataclasses
 import re
 
-from cfp.blocks import BlockAnalysis
+from cfp.blocks import LAYOUT_OPS, BlockAnalysis
 from cfp.graph import Graph
 
 
@@ -291,12 +291,26 @@ def common_values(graph: Graph, ba: BlockAnalysis) -> tuple[frozenset[int], froz
     for top, members in trees.items():
         inputs = {v for i in members for v in graph.ops[i].inputs}
         sources = {ba.owner[p] for v in inputs  # the terms, not sums made elsewhere
-                   if (p := graph.values[v].producer) is not None and p in ba.owner
+                   if (p := _made_by(graph, v)) is not None and p in ba.owner
                    and graph.ops[p].primitive != "add_any"}
         if len(sources) > 1 and repeated(sources):
             summing.update(members)
             common.update(graph.ops[top].outputs)
     return frozenset(common), frozenset(summing)
+
+
+def _made_by(graph: Graph, value: int) -> int | None:
+    """The operator that computed ``value``, looking through layout operators and remat's
+    barrier (which pass a value on unchanged)."""
+    while (p := graph.values[value].producer) is not None:
+        op = graph.ops[p]
+        if op.primitive == "optimization_barrier":
+            value = op.inputs[op.outputs.index(value)]
+        elif op.primitive in LAYOUT_OPS:
+            value = op.inputs[0]
+        else:
+            return p
+    return None
 
 
 _NAME = re.compile(r"%[\w.\-]+")

@@ -85,7 +85,7 @@ def test_layers_that_read_shared_values_repeat(monkeypatch):
 
 
 @pytest.mark.parametrize("model", ["gpt", "moe", "users_models:flax_dropout",
-                                   "scanned_models:jax_stack"])
+                                   "scanned_models:jax_stack", "scanned_models:jax_checkpoint"])
 def test_models_without_shared_values_keep_their_segments(monkeypatch, model):
     """Models whose layers share no computed value: the same segments, window types and
     combinations with common values as without them (so as before them)."""

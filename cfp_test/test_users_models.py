@@ -5,6 +5,7 @@ import collections
 import jax
 import pytest
 
+import users_models
 import zoo_extra
 from cfp.cli import main
 from cfp.execute import check_numerics, example_inputs
@@ -124,3 +125,20 @@ def test_dropout_keys_are_step_data(model):
             for v, lab in list(zip(op.inputs, m.ins)) + list(zip(op.outputs, m.outs)):
                 if v in keys:
                     assert all(label is None for label in lab), (m.op, op.primitive)
+
+
+@pytest.mark.parametrize("mesh", ["4", pytest.param("2x4", marks=pytest.mark.slow)])
+def test_shared_values_through_three_passes(tmp_path, capsys, mesh):
+    """The encoder-decoder whose layers read shared values (``users_models.t5_shared``),
+    one window per segment: its plan trains in the user's loop as on one device (the 2x4
+    mesh times about 1,200 reshardings, some 10 minutes: pytest -m slow)."""
+    args = ["--model", "users_models:t5_shared", "--mesh", mesh, "--workdir", str(tmp_path),
+            "--whole-segments", "--max-combinations", "1", "--memory-budget", "1",
+            "--validate-top", "1", "--no-validate-baselines", "--iters", "1"]
+    assert main(args) == 0
+    assert "gradients match" in capsys.readouterr().out
+    plan = load_plan(tmp_path / "plan.json")
+    w = users_models.t5_shared()
+    params, batch = example_inputs(w)
+    assert_users_loop(w.train_step(), plan, make_mesh(parse_mesh(mesh)), params,
+                      jax.jit(adam_init)(params), batch)
