@@ -70,7 +70,9 @@ def find_segments(graph: Graph, ba: BlockAnalysis) -> SegmentAnalysis:
         narrow = min(widths)
         starts = [0] + [c for c in range(1, n) if widths[c - 1] == narrow]
     pieces = list(zip(starts, starts[1:] + [n]))
-    piece_fp = [_range_fingerprint(graph, ba, s, e) for s, e in pieces]
+    interned: dict[tuple, int] = {}
+    piece_fp = [interned.setdefault(_range_fingerprint(graph, ba, s, e), len(interned))
+                for s, e in pieces]
     groups: list[list[int]] = []
     for lo, hi in _runs(piece_fp):
         groups += _split_tail(_open_at_most_frequent(piece_fp, lo, hi), piece_fp, groups)
@@ -87,7 +89,7 @@ def find_segments(graph: Graph, ba: BlockAnalysis) -> SegmentAnalysis:
     return SegmentAnalysis(tuple(instances), tuple(reps), tuple(widths), tuple(starts))
 
 
-def _runs(piece_fp: list) -> list[tuple[int, int]]:
+def _runs(piece_fp: list[int]) -> list[tuple[int, int]]:
     """Split the pieces into runs ``[lo, hi)``: each the longest repetition of a unit of
     pieces that starts where the last run ended (an encoder's layers, then a decoder's, whose
     units differ), or a stretch of pieces that repeat nothing consecutively."""
@@ -112,7 +114,7 @@ def _runs(piece_fp: list) -> list[tuple[int, int]]:
     return runs + ([(loose, n)] if loose is not None else [])
 
 
-def _open_at_most_frequent(piece_fp: list, lo: int, hi: int) -> list[list[int]]:
+def _open_at_most_frequent(piece_fp: list[int], lo: int, hi: int) -> list[list[int]]:
     """Group the pieces ``[lo, hi)``: the most frequent piece type among them (the earliest on
     ties) opens a group at each occurrence; the pieces before its first form a group."""
     fps = piece_fp[lo:hi]
@@ -123,7 +125,7 @@ def _open_at_most_frequent(piece_fp: list, lo: int, hi: int) -> list[list[int]]:
         list(range(a, b)) for a, b in zip(opens, opens[1:] + [hi])]
 
 
-def _split_tail(groups: list[list[int]], piece_fp: list,
+def _split_tail(groups: list[list[int]], piece_fp: list[int],
                 before: list[list[int]] = ()) -> list[list[int]]:
     """The last group keeps the longest run of pieces that repeats an earlier group (of
     ``groups`` or ``before``); the pieces after it (a model's head) form a group of their
