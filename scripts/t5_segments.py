@@ -1,6 +1,6 @@
 """Hugging Face's Flax T5 (a small configuration) through cfp's analysis on a 2x4 mesh:
 segments, window types, the combinations and reshardings the profile would time, at 2, 4 and
-8 layers per stack; with ``--profile``, the profile pass's time at 2 layers.
+8 layers per stack.
 
 T5 hands every layer of a stack the relative-position bias its first layer computed, and every
 decoder layer the encoder's output: values no layer owns (``cfp.segments.common_values``).
@@ -8,8 +8,7 @@ Needs ``transformers<4.50`` (its Flax T5), which is not a dependency of cfp; und
 its ``jnp.clip(a_min=..., a_max=...)`` calls are mapped onto ``jnp.clip(min=..., max=...)``.
 
 Usage:
-    PYTHONPATH=scripts python scripts/t5_segments.py [--profile] \\
-        > scripts/results/<date>-t5-segments-cpu.txt
+    PYTHONPATH=scripts python scripts/t5_segments.py > scripts/results/<date>-t5-segments-cpu.txt
 """
 from __future__ import annotations
 
@@ -19,8 +18,6 @@ import math
 import os
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,26 +98,8 @@ def counts(num_layers: int, mesh_shape=(2, 4), max_combinations: int = 32) -> di
     }
 
 
-def profile_s(num_layers: int = 2) -> float:
-    """Wall seconds of ``python -m cfp --mode profile`` on 2x4 (fresh work dir, compilation
-    cache off), after its analysis."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT / "scripts"), os.environ.get("PYTHONPATH", "")]))
-    with tempfile.TemporaryDirectory() as workdir:
-        args = [sys.executable, "-m", "cfp", "--model", "t5_segments:hf_t5", "--num-layers",
-                str(num_layers), "--mesh", "2x4", "--workdir", workdir,
-                "--compilation-cache", "none"]
-        subprocess.run(args + ["--mode", "analysis"], env=env, check=True,
-                       capture_output=True)
-        start = time.perf_counter()
-        subprocess.run(args + ["--mode", "profile"], env=env, check=True, capture_output=True)
-        return time.perf_counter() - start
-
-
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--profile", action="store_true", help="also time the 2-layer profile")
-    args = p.parse_args()
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     sys.path.insert(0, str(ROOT / "scripts"))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                             capture_output=True, text=True).stdout.strip()
@@ -129,8 +108,6 @@ def main():
           f"{os.cpu_count()} cores, mesh 2x4 of virtual CPU devices, max_combinations 32")
     for n in (2, 4, 8):
         print("  ".join(f"{k}={v}" for k, v in counts(n).items()), flush=True)
-    if args.profile:
-        print(f"profile pass at 2 layers: {profile_s(2):.1f} s")
 
 
 if __name__ == "__main__":
