@@ -6,6 +6,8 @@ cfp's zoo: heads split off by reshape, dropout driven by keys.
 - ``flax_dropout_rng``: the same model taking the key as the loss's third argument
   (``loss_fn(params, batch, rng)``), trained with Optax's AdamW.
 - ``equinox_attention``: an Equinox transformer whose attention splits 4 heads by reshape.
+- ``t5_shared``: a Flax encoder-decoder laid out as T5 is, whose layers read values no layer
+  owns (each stack's position bias, made in its first layer; the encoder's output).
 """
 from __future__ import annotations
 
