@@ -1,4 +1,15 @@
+import collections
+import functools
+import math
+
+import pytest
+
+from cfp import segments
+from cfp.passes.analysis import run_analysis
+from cfp.passes.profile import ProfileOptions
 from cfp.segments import find_segments
+from cfp.windows import boundaries, split_windows, window_space
+from cfp.workloads import WorkloadSpec
 from helpers import blocks_of
 
 
@@ -35,3 +46,76 @@ def test_segments_tile_the_block_sequence():
         assert sa.instances[0].start == 0 and sa.instances[-1].end == len(ba.blocks)
         for a, b in zip(sa.instances, sa.instances[1:]):
             assert a.end == b.start
+
+
+@functools.lru_cache(maxsize=None)
+def _analysis(model, layers, mesh_shape=(2, 4)):
+    spec = WorkloadSpec(model, None, None, "float32", (("num_layers", layers),)).resolved()
+    return run_analysis(spec, mesh_shape)
+
+
+def _profiled(a):
+    """(instances per segment type, window types, combinations the profile measures)."""
+    windows, reps = split_windows(a, ProfileOptions().max_combinations)
+    per_type = collections.Counter(s.type for s in a.segments.instances)
+    return ([per_type[t] for t in range(a.segments.num_types)], len(reps),
+            sum(math.prod(window_space(a, windows[r])) for r in reps))
+
+
+def test_layers_that_read_shared_values_repeat(monkeypatch):
+    """An encoder-decoder whose layers read values no layer owns (each stack's position
+    bias, made in its first layer; the encoder's output, in every decoder layer): the encoder
+    and the decoder each form a segment type with one instance per layer, and the profile's
+    window types and combinations stay constant with depth. At 2 layers there are fewer:
+    each stack has a first and a last layer (the first makes the bias, the last starts
+    summing its gradient) but no middle one."""
+    counts = {layers: _profiled(_analysis("users_models:t5_shared", layers))
+              for layers in (2, 4, 8)}
+    for layers, (instances, _, _) in counts.items():
+        assert instances == [layers, layers, 1]  # encoder layers, decoder layers, the head
+    assert counts[4][1:] == counts[8][1:]
+    assert counts[2][1:] <= counts[4][1:]
+    # negative control: without common values the whole model is one segment, and what the
+    # profile measures grows with depth
+    monkeypatch.setattr(segments, "common_values",
+                        lambda graph, ba: (frozenset(), frozenset()))
+    a2, a4 = (_analysis.__wrapped__("users_models:t5_shared", n) for n in (2, 4))
+    assert _profiled(a2)[0] == _profiled(a4)[0] == [1]
+    assert _profiled(a4)[1:] > _profiled(a2)[1:]
+
+
+@pytest.mark.parametrize("model", ["gpt", "moe", "users_models:flax_dropout",
+                                   "scanned_models:jax_stack", "scanned_models:jax_checkpoint"])
+def test_models_without_shared_values_keep_their_segments(monkeypatch, model):
+    """Models whose layers share no computed value: the same segments, window types and
+    combinations with common values as without them (so as before them)."""
+    got = [(_analysis(model, n).segments.instances, _profiled(_analysis(model, n)))
+           for n in (2, 4)]
+    monkeypatch.setattr(segments, "common_values",
+                        lambda graph, ba: (frozenset(), frozenset()))
+    assert got == [(_analysis.__wrapped__(model, n).segments.instances,
+                    _profiled(_analysis.__wrapped__(model, n))) for n in (2, 4)]
+
+
+def test_a_shared_value_and_its_gradient_are_priced_in_every_layer():
+    """Every decoder layer reads the encoder's output from a boundary that starts in the
+    encoder and sends its part of that output's gradient back across one, and every encoder
+    layer after the first does the same with the position bias the first made: search adds
+    the resharding of each, so a shared value's cost is summed over the layers."""
+    a = _analysis("users_models:t5_shared", 4)
+    common, _ = segments.common_values(a.graph, a.blocks)
+    bounds = boundaries(a, split_windows(a, ProfileOptions().max_combinations)[0])
+
+    def priced(seg, shape):  # read from before the layer, its gradient sent back there
+        return (any(b.value in common and b.shape == shape and b.src < seg.start
+                    and seg.start <= b.dst < seg.end for b in bounds),
+                any(b.shape == shape and seg.start <= b.src < seg.end and b.dst < seg.start
+                    for b in bounds))
+
+    encoder, decoder, _ = ([s for s in a.segments.instances if s.type == t] for t in range(3))
+    for seg in decoder:
+        assert priced(seg, (4, 16, 32)) == (True, True)  # batch, source length, hidden
+    for seg in encoder[1:]:
+        assert priced(seg, (1, 4, 16, 16)) == (True, True)  # heads, source length twice
+    # negative control: the first encoder layer makes the bias; it reads nothing before it
+    assert priced(encoder[0], (1, 4, 16, 16)) == (False, False)

@@ -5,6 +5,7 @@ import collections
 import jax
 import pytest
 
+import users_models
 import zoo_extra
 from cfp.cli import main
 from cfp.execute import check_numerics, example_inputs
@@ -285,3 +286,20 @@ def test_users_models_with_split_state_in_a_loop(model):
     assert split_n < plain_n  # some leaves have no dim the mesh divides further
     split.compile()
     assert_loop_matches(*planned_loop(split, spec.build()))
+
+
+@pytest.mark.parametrize("mesh", ["4", pytest.param("2x4", marks=pytest.mark.slow)])
+def test_shared_values_through_three_passes(tmp_path, capsys, mesh):
+    """The encoder-decoder whose layers read shared values (``users_models.t5_shared``),
+    one window per segment: its plan trains in the user's loop as on one device (the 2x4
+    mesh times about 1,200 reshardings, some 10 minutes: pytest -m slow)."""
+    args = ["--model", "users_models:t5_shared", "--mesh", mesh, "--workdir", str(tmp_path),
+            "--whole-segments", "--max-combinations", "1", "--memory-budget", "1",
+            "--validate-top", "1", "--no-validate-baselines", "--iters", "1"]
+    assert main(args) == 0
+    assert "gradients match" in capsys.readouterr().out
+    plan = load_plan(tmp_path / "plan.json")
+    w = users_models.t5_shared()
+    params, batch = example_inputs(w)
+    assert_users_loop(w.train_step(), plan, make_mesh(parse_mesh(mesh)), params,
+                      jax.jit(adam_init)(params), batch)

@@ -10,6 +10,10 @@ cfp's zoo: heads split off by reshape, dropout driven by keys.
   ``train_step(state, batch) -> (state, metrics)``.
 - ``nnx_optimizer``: an NNX transformer with ``nnx.Optimizer``, stepped in place by
   ``train_step(model, optimizer, batch) -> loss``.
+
+
+- ``t5_shared``: a Flax encoder-decoder laid out as T5 is, whose layers read values no layer
+  owns (each stack's position bias, made in its first layer; the encoder's output).
 """
 from __future__ import annotations
 
@@ -320,6 +324,84 @@ def _nnx_model(hidden: int, num_heads: int, num_layers: int, rngs):
                 h = layer(h)
             return self.head(self.norm(h))
 
+
+def _t5_model(hidden: int, num_heads: int, num_layers: int, buckets: int = 8):
+    """An encoder-decoder in Flax linen, laid out as T5 is: RMS norms, no biases, one learned
+    relative-position bias per stack computed in its first layer and handed to every layer
+    after it, a causal mask built once, and decoder layers that cross-attend to the
+    encoder's output."""
+    import flax.linen as nn
+
+    hd = hidden // num_heads
+
+    def buckets_of(q_len, k_len, bidirectional):
+        rel = jnp.arange(k_len)[None, :] - jnp.arange(q_len)[:, None]
+        if bidirectional:
+            half = buckets // 2
+            return jnp.where(rel > 0, half, 0) + jnp.minimum(jnp.abs(rel), half - 1)
+        return jnp.minimum(jnp.maximum(-rel, 0), buckets - 1)
+
+    class Attention(nn.Module):
+        bias_table: bool = False  # this layer makes the position bias (the first one)
+        bidirectional: bool = True
+
+        @nn.compact
+        def __call__(self, x, kv, bias):
+            b, q_len, _ = x.shape
+            k_len = kv.shape[1]
+            heads = lambda t, n: t.reshape(b, n, num_heads, hd)  # noqa: E731
+            q = heads(nn.Dense(hidden, use_bias=False)(x), q_len)
+            k = heads(nn.Dense(hidden, use_bias=False)(kv), k_len)
+            v = heads(nn.Dense(hidden, use_bias=False)(kv), k_len)
+            if self.bias_table:
+                table = nn.Embed(buckets, num_heads)(buckets_of(q_len, k_len,
+                                                                 self.bidirectional))
+                bias = bias + table.transpose(2, 0, 1)[None]
+            scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) + bias
+            ctx = jnp.einsum("bhqk,bkhd->bqhd", nn.softmax(scores, axis=-1), v)
+            return nn.Dense(hidden, use_bias=False)(ctx.reshape(b, q_len, hidden)), bias
+
+    class Feedforward(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            up = nn.relu(nn.Dense(4 * hidden, use_bias=False)(nn.RMSNorm()(x)))
+            return x + nn.Dense(hidden, use_bias=False)(up)
+
+    class EncoderLayer(nn.Module):
+        first: bool = False
+
+        @nn.compact
+        def __call__(self, h, bias):
+            x = nn.RMSNorm()(h)
+            out, bias = Attention(bias_table=self.first)(x, x, bias)
+            return Feedforward()(h + out), bias
+
+    class DecoderLayer(nn.Module):
+        first: bool = False
+
+        @nn.compact
+        def __call__(self, h, enc, bias):
+            x = nn.RMSNorm()(h)
+            out, bias = Attention(bias_table=self.first, bidirectional=False)(x, x, bias)
+            h = h + out
+            out, _ = Attention()(nn.RMSNorm()(h), enc, 0.0)
+            return Feedforward()(h + out), bias
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x, y_in):
+            embed = nn.Embed(VOCAB, hidden)
+            h, bias = embed(x), jnp.zeros((), jnp.float32)
+            for i in range(num_layers):
+                h, bias = EncoderLayer(first=i == 0)(h, bias)
+            enc = nn.RMSNorm()(h)
+            s = y_in.shape[1]
+            causal = jnp.where(jnp.tril(jnp.ones((s, s), bool)), 0.0, -1e9)
+            h, bias = embed(y_in), causal[None, None]
+            for i in range(num_layers):
+                h, bias = DecoderLayer(first=i == 0)(h, enc, bias)
+            return embed.attend(nn.RMSNorm()(h))
+
     return Model()
 
 
@@ -396,3 +478,27 @@ def flax_logical_boxed(batch_size: int = 16, dtype: str = "float32") -> Workload
     model = flax_logical_model()
     return dataclasses.replace(base, model="flax_logical_boxed", init_params=lambda key: model.init(
         key, jnp.zeros((1, VOCAB)))["params"])
+
+
+def t5_shared(batch_size: int = 4, dtype: str = "float32", num_layers: int = 2,
+              seq_len: int = 16, target_len: int = 8, hidden: int = 32, num_heads: int = 4,
+              **_) -> Workload:
+    """The encoder-decoder of ``_t5_model`` on ``seq_len`` source and ``target_len`` target
+    tokens: every layer reads values no layer owns (its stack's position bias and, in the
+    decoder, the encoder's output)."""
+    model = _t5_model(hidden, num_heads, num_layers)
+
+    def init(key):
+        return model.init(key, jnp.zeros((batch_size, seq_len), jnp.int32),
+                          jnp.zeros((batch_size, target_len), jnp.int32))
+
+    def batch(key):
+        k1, k2 = jax.random.split(key)
+        x, _ = _tokens(k1, batch_size, seq_len)
+        y_in, y = _tokens(k2, batch_size, target_len)
+        return {"x": x, "y_in": y_in, "y": y}
+
+    def loss(params, b):
+        return _ce(model.apply(params, b["x"], b["y_in"]), b["y"])
+
+    return Workload("t5_shared", "test", None, batch_size, dtype, init, batch, loss)
