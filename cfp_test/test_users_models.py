@@ -301,5 +301,5 @@ def test_shared_values_through_three_passes(tmp_path, capsys, mesh):
     plan = load_plan(tmp_path / "plan.json")
     w = users_models.t5_shared()
     params, batch = example_inputs(w)
-    assert_users_loop(w.train_step(), plan, make_mesh(parse_mesh(mesh)), params,
+    assert_users_loop(w.train_step(), plan, make_mesh(*parse_mesh(mesh)), params,
                       jax.jit(adam_init)(params), batch)

@@ -324,6 +324,8 @@ def _nnx_model(hidden: int, num_heads: int, num_layers: int, rngs):
                 h = layer(h)
             return self.head(self.norm(h))
 
+    return Model()
+
 
 def _t5_model(hidden: int, num_heads: int, num_layers: int, buckets: int = 8):
     """An encoder-decoder in Flax linen, laid out as T5 is: RMS norms, no biases, one learned
