@@ -142,7 +142,10 @@ def test_a_budget_cut_profile_is_finished_by_the_next_run(tmp_path):
     assert set(statuses) == {"not_measured"} and cut.compiled == 0
     assert cut.reshard_s == {}
     full = run_profile(analysis, ProfileOptions(), checkpoint)
-    assert full.compiled == len(statuses)
+    cut_combos = {(k, c) for k, p in cut.window_profiles.items() for c in p.results}
+    assert cut_combos <= {(k, c) for k, p in full.window_profiles.items() for c in p.results}
+    # every one measured by this run: what the cut left, then the split state layouts
+    assert full.compiled == sum(len(p.results) for p in full.window_profiles.values())
     assert all(m.status == "ok" for p in full.window_profiles.values()
                for m in p.results.values())
     assert len(full.reshard_s) > 0

@@ -66,14 +66,14 @@ def test_logical_rules_json_beside_the_plan(model, tmp_path, capsys):
     """A run whose params stay boxed writes logical_rules.json beside plan.json (the plan's
     keys then reach into the boxes); one whose params were unboxed says why there is none."""
     import json
-    from cfp.cli import _write_logical_rules
+    from cfp.api import _write_logical_rules
     from cfp.plan import write_plan
     spec = WorkloadSpec(f"users_models:{model}").resolved()
     a = run_analysis(spec, (2, 4), axis_names=NAMES)
     plan = make_plan(a, [[s.name for s in b.strategies].index(name)
                          for b, name in zip(a.blocks.blocks, MEGATRON)])
     write_plan(tmp_path / "plan.json", plan)
-    _write_logical_rules(tmp_path, a)
+    _write_logical_rules(tmp_path, a, True)
     if model == "flax_logical":
         assert not (tmp_path / "logical_rules.json").exists()
         assert "carry no logical axis names" in capsys.readouterr().out

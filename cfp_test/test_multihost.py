@@ -112,9 +112,11 @@ def test_two_processes_match_one(runs):
     one = run_profile(run_analysis(spec, (8,)), ProfileOptions(max_combinations=8,
                                                                memory_budget_bytes=2**30))
     two = _record(p0 / "wd" / "profile.pkl")
-    # the control: the compared hashes tell a window's combinations apart
-    assert all(len({m.program_sha1 for m in wp.results.values()}) == len(wp.results)
-               for wp in one.window_profiles.values())
+    # the control: the compared hashes tell a window's block combinations apart (a split
+    # state layout may compile to its plain twin's program, where it splits nothing more)
+    plain = [[m for c, m in wp.results.items() if len(c) == len(wp.blocks) or c[-1] == 0]
+             for wp in one.window_profiles.values()]
+    assert all(len({m.program_sha1 for m in ms}) == len(ms) for ms in plain)
     for k, wp in one.window_profiles.items():
         got = two.window_profiles[k].results
         assert set(got) == set(wp.results)

@@ -30,7 +30,8 @@ def _layer_view(a):
     recomputations, its strategy count), the segment types, and the profile's windows with
     their combination counts. Not the windows' types: a scan updates its stacked weights
     once, in the operators of one iteration's windows, which makes those window types of
-    their own (``cfp.windows``)."""
+    their own (``cfp.windows``), and which state a window holds (a scan reads its stacked
+    weights in every iteration and updates them once), so only the blocks' spaces count."""
     from cfp.segments import contraction_signature
     g = a.graph
     blocks = [(contraction_signature(g, b.seed),
@@ -39,7 +40,7 @@ def _layer_view(a):
                len(b.strategies)) for b in a.blocks.blocks]
     windows, _ = split_windows(a, 8)
     return (blocks, a.segments.num_types, [s.type for s in a.segments.instances],
-            [(w.start, w.end, window_space(a, w)) for w in windows])
+            [(w.start, w.end, window_space(a, w)[:w.end - w.start]) for w in windows])
 
 
 @pytest.mark.parametrize("model,twin", TWINS)

@@ -275,7 +275,11 @@ class _SubmeshPricing:
         self.profile = run_profile(a, ProfileOptions(
             cost="analytic", max_combinations=options.max_combinations,
             cost_model=self.cluster.cost_model(shape)))
-        self.problem, _ = build_problem(a, self.profile, None)
+        problem, _ = build_problem(a, self.profile, None)
+        # A stage keeps its state as its blocks compute: the options of that state layout.
+        self.problem = dataclasses.replace(problem, groups=[dataclasses.replace(grp, options=[
+            o for o in grp.options if len(o.strategies) == len(grp.blocks)
+            or o.strategies[-1] == 0]) for grp in problem.groups])
         counts = collections.Counter(seg.type for seg in a.segments.instances)
         unit_type = max(counts, key=lambda t: (counts[t], -t))
         self.segments = a.segments.instances
@@ -318,7 +322,8 @@ class _SubmeshPricing:
         choices, cost, memory, transient, held = [], [], [], [], []
         for g, grp in enumerate(self.problem.groups):
             want = tuple(strategies[b] for b in grp.blocks)
-            c = next(o for o, opt in enumerate(grp.options) if opt.strategies == want)
+            c = next(o for o, opt in enumerate(grp.options)
+                     if opt.strategies[:len(want)] == want)
             opt = grp.options[c]
             choices.append(c)
             cost.append(opt.cost), memory.append(opt.memory), transient.append(opt.transient)
