@@ -36,13 +36,7 @@ def test_users_own_step_and_optimizer_through_three_passes(tmp_path, capsys):
     plan.save(tmp_path / "copy.json")
     again = cfp.Plan.load(tmp_path / "copy.json")
     assert again.data == plan.data
-    w = zoo_extra.einsum_net_momentum()
-    params = w.init_params(jax.random.key(0))
-    velocity, batch = w.opt_init(params), w.make_batch(jax.random.key(1))
-
-    def train_step(p, v, b):
-        loss, grads = jax.value_and_grad(w.loss_fn)(p, b)
-        return (*w.opt_update(grads, v, p), loss)
+    train_step, params, velocity, batch = zoo_extra.einsum_net_momentum_step()
     assert_users_loop(train_step, again.data, again.mesh, params, velocity, batch)
     ref = run_loop(jax.jit(train_step), params, velocity, batch)
     step = again.jit(train_step, params, velocity, batch)

@@ -30,15 +30,7 @@ def found():
     return make_plan(a, [len(b.strategies) - 1 for b in a.blocks.blocks])
 
 
-def users_step():
-    w = zoo_extra.einsum_net_momentum()
-    params = w.init_params(jax.random.key(0))
-    velocity, batch = w.opt_init(params), w.make_batch(jax.random.key(1))
-
-    def train_step(p, v, b):
-        loss, grads = jax.value_and_grad(w.loss_fn)(p, b)
-        return (*w.opt_update(grads, v, p), loss)
-    return train_step, params, velocity, batch
+users_step = zoo_extra.einsum_net_momentum_step
 
 
 def test_the_plan_speaks_the_users_axis_names(found):

@@ -86,6 +86,19 @@ def einsum_net_momentum(batch_size: int = 8, dtype: str = "float32", **kw) -> Wo
                                opt_update=opt_update)
 
 
+def einsum_net_momentum_step():
+    """``einsum_net_momentum`` as its user's own loop holds it: ``(train_step, params,
+    velocity, batch)``, the step ``(params, velocity, batch) -> (params, velocity, loss)``."""
+    w = einsum_net_momentum()
+    params = w.init_params(jax.random.key(0))
+    velocity, batch = w.opt_init(params), w.make_batch(jax.random.key(1))
+
+    def train_step(p, v, b):
+        loss, grads = jax.value_and_grad(w.loss_fn)(p, b)
+        return (*w.opt_update(grads, v, p), loss)
+    return train_step, params, velocity, batch
+
+
 def reshape_attention(batch_size: int = 4, dtype: str = "float32", num_layers: int = 2,
                       seq_len: int = 16, hidden: int = 32, num_heads: int = 4, **_) -> Workload:
     """Pre-norm transformer layers written the common way: one [H, 3H] projection, heads

@@ -120,7 +120,7 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
         args_host = real_inputs(workload)
     with phases("solving"):
         problem, _ = build_problem(analysis, profile, options.memory_budget_bytes)
-        sols = fitting_predictions(analysis, problem, profile, options, program, mesh)
+        sols, compiled = fitting_predictions(analysis, problem, profile, options, program, mesh)
         solve_s = time.perf_counter() - start
         status = sols[0].status
         if options.validate_baselines:
@@ -128,9 +128,8 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
                                                            [s.choices for s in sols])]
         sols = share(sols)  # the solver's time limit makes its answer one process's to give
     storages = [plan_storage(analysis, problem, profile.windows, s.choices) for s in sols]
-    steps, times = measure_plans(program, analysis, list(zip([s.strategies for s in sols],
-                                                             storages)),
-                                 mesh, args_host, options, phases)
+    plans = [compiled.get(s.choices) or (s.strategies, st) for s, st in zip(sols, storages)]
+    steps, times = measure_plans(program, analysis, plans, mesh, args_host, options, phases)
     candidates = tuple(Candidate(
         s.status if s.status.startswith(("baseline", "predicted")) else "predicted",
         tuple(s.strategies),
@@ -164,21 +163,29 @@ CALIBRATIONS = 3  # most solves against a budget scaled to what XLA holds
 
 
 def fitting_predictions(analysis, problem: Problem, profile, options: SearchOptions, program,
-                        mesh) -> list[Solution]:
+                        mesh) -> tuple[list[Solution], dict]:
     """``predicted_plans``, at least one of which fits the budget once compiled. The
     composition can count less than XLA holds (split state gathered early, say): where every
     prediction's compiled peak is over the budget, the budget the solver composes against is
     scaled by the composed / compiled ratio of the prediction closest to fitting and the
-    plans are solved again, up to ``CALIBRATIONS`` times. Each is compiled, not run."""
+    plans are solved again, up to ``CALIBRATIONS`` times. Each is compiled, not run; the
+    compiled steps are returned too (choices -> ``PlannedStep``), for validation to run."""
     from cfp.execute import PlannedStep
     from cfp.measure import memory_of
     budget = problem.memory_budget
-    sols = predicted_plans(problem, options.validate_top, options.time_limit_s)
+    sols, compiled = predicted_plans(problem, options.validate_top, options.time_limit_s), {}
+
+    def peak(sol) -> int:
+        ps = PlannedStep(program, analysis, sol.strategies, mesh,
+                         plan_storage(analysis, problem, profile.windows, sol.choices))
+        t0 = time.perf_counter()
+        ps.compile()
+        ps.compile_s = time.perf_counter() - t0
+        compiled[sol.choices] = ps
+        return memory_of(ps.compiled)["peak_bytes"]
+
     for _ in range(CALIBRATIONS - 1 if budget is not None else 0):
-        peaks = [memory_of(PlannedStep(
-            program, analysis, s.strategies, mesh,
-            plan_storage(analysis, problem, profile.windows, s.choices)).compile())["peak_bytes"]
-            for s in sols]
+        peaks = [peak(s) for s in sols]
         if min(peaks) <= budget:
             break
         ratio = max(s.memory / p for s, p in zip(sols, peaks))
@@ -189,7 +196,7 @@ def fitting_predictions(analysis, problem: Problem, profile, options: SearchOpti
             sols = predicted_plans(problem, options.validate_top, options.time_limit_s)
         except CfpError:  # nothing composes within the scaled budget: keep the last
             break
-    return sols
+    return sols, compiled
 
 
 def plan_storage(analysis, problem: Problem, windows, choices) -> Storage:
@@ -416,8 +423,8 @@ def predicted_seconds(problem: Problem, choices, launch_overhead_s: float) -> fl
 
 def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOptions,
                   phases: Phases | None = None):
-    """Compile every plan (a strategy per block, or (strategies, ``Storage``)), then time
-    them in interleaved rounds; per plan the compiled step and the measured seconds per step
+    """Compile every plan (a strategy per block, or (strategies, ``Storage``); a compiled
+    ``PlannedStep`` is taken as it is), then time them in interleaved rounds; per plan the compiled step and the measured seconds per step
     of each round. Rounds stop after ``min_rounds`` once
     every other plan is ``slower`` than the fastest."""
     from cfp.execute import PlannedStep, time_steps
@@ -425,11 +432,14 @@ def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOpti
     steps = []
     with phases("compiling"):
         for plan in plans:
-            strategies, storage = plan if isinstance(plan[-1], Storage) else (plan, None)
-            ps = PlannedStep(program, analysis, strategies, mesh, storage)
-            t0 = time.perf_counter()
-            ps.compile()
-            ps.compile_s = time.perf_counter() - t0
+            if isinstance(plan, PlannedStep):
+                ps = plan
+            else:
+                strategies, storage = plan if isinstance(plan[-1], Storage) else (plan, None)
+                ps = PlannedStep(program, analysis, strategies, mesh, storage)
+                t0 = time.perf_counter()
+                ps.compile()
+                ps.compile_s = time.perf_counter() - t0
             ps.run = ps.loop(args_host)
             steps.append(ps)
     times = [[] for _ in steps]
