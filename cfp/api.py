@@ -64,7 +64,7 @@ class Options:
     # devices
     num_devices: int | None = None  # devices to use; None: the mesh's size, or 8
     # "8", "2x4" (axes m0, m1), "data=2,model=4" (named axes the plan speaks), or a
-    # jax.sharding.Mesh; None: one axis of all devices
+    # jax.sharding.Mesh (measured on its devices in its order); None: one axis of all devices
     mesh: object = None
     cluster: str | None = None  # plan for a described cluster (preset or .json), run nothing
     workdir: str | Path | None = None  # None: profiles/<model>-<config>-<mesh>/
@@ -132,7 +132,7 @@ class Plan:
 
     @property
     def mesh(self):
-        """The plan's mesh over JAX's first devices."""
+        """The plan's mesh: over the devices it was measured on, in that order."""
         from cfp.plan import mesh_of
         return mesh_of(self.data)
 
@@ -275,6 +275,7 @@ class RunOptions:
     cluster: object = None  # cfp.cluster.Cluster; mesh_shape None: --mesh auto, chosen later
     runtime: object = None  # cfp.multihost.Runtime when several processes take part
     mesh_axes: tuple[str, ...] | None = None  # the mesh's axis names; None: m0, m1, ...
+    device_ids: tuple[int, ...] | None = None  # the user's Mesh's device order; None: JAX's
 
     @property
     def reports(self) -> bool:
@@ -284,9 +285,14 @@ class RunOptions:
 
 def _options(options) -> RunOptions:
     """Every check that needs no device: sizes, mesh against device count, budgets."""
-    from cfp.workloads import WorkloadSpec, check_mesh, mesh_from, mesh_text, parse_mesh
+    from cfp.workloads import (WorkloadSpec, check_mesh, device_order, mesh_from, mesh_text,
+                               parse_mesh)
+    device_ids = None
     if options.mesh is not None and not isinstance(options.mesh, str):  # the user's Mesh
-        options = dataclasses.replace(options, mesh=mesh_text(*mesh_from(options.mesh)))
+        shape_and_names = mesh_from(options.mesh)
+        if options.cluster is None:  # measured here: on its devices, in its order
+            device_ids = device_order(options.mesh)
+        options = dataclasses.replace(options, mesh=mesh_text(*shape_and_names))
     _check_choices(options)
     overrides = tuple((k, getattr(options, k)) for k in (
         "num_layers", "seq_len", "hidden_size", "num_heads", "vocab_size", "num_experts")
@@ -333,7 +339,7 @@ def _options(options) -> RunOptions:
     check_mesh(mesh_shape, num)
     _check_per_axis(options, mesh_shape)
     return RunOptions(spec, mesh_shape, num, workdir, modes, runtime=_runtime(options, num),
-                      mesh_axes=axes)
+                      mesh_axes=axes, device_ids=device_ids)
 
 
 def _check_per_axis(options, mesh_shape: tuple[int, ...]) -> None:
@@ -374,7 +380,7 @@ def _check_devices(opts: RunOptions, options) -> None:
             raise CfpError(f"{opts.num_devices} devices over {n} processes need "
                            f"{opts.num_devices // n} per process; JAX sees {local} here")
     else:
-        make_mesh(opts.mesh_shape)
+        make_mesh(opts.mesh_shape, device_ids=opts.device_ids)
     if (("search" in opts.modes or "stages" in opts.modes) and options.memory_budget_gb is None
             and jax.devices()[0].platform == "cpu"):
         raise CfpError("on CPU the virtual devices share host memory: give --memory-budget GB "
@@ -382,7 +388,9 @@ def _check_devices(opts: RunOptions, options) -> None:
 
 
 def _default_workdir(opts: RunOptions) -> Path:
-    """profiles/<model>-<config>[-overrides][-b<batch>]-<mesh>, from the flags as given."""
+    """profiles/<model>-<config>[-overrides][-b<batch>]-<mesh>[-devices-<digest of the user's
+    mesh's device order>], from the flags as given."""
+    import hashlib
     from cfp.workloads import mesh_text
     spec = opts.spec
     if spec.config is None and ":" not in spec.model:
@@ -392,7 +400,10 @@ def _default_workdir(opts: RunOptions) -> Path:
         label += f"-b{spec.batch_size}"
     if opts.cluster is not None:
         label += f"-{opts.cluster.name}"
-    return Path("profiles") / f"{label}-{mesh_text(opts.mesh_shape, opts.mesh_axes)}"
+    label += f"-{mesh_text(opts.mesh_shape, opts.mesh_axes)}"
+    if opts.device_ids is not None:  # another order is another run's
+        label += f"-devices-{hashlib.sha1(repr(opts.device_ids).encode()).hexdigest()[:8]}"
+    return Path("profiles") / label
 
 
 def _setup_devices(num_devices: int) -> None:
@@ -440,7 +451,7 @@ def workdir_of(options: Options):
 def _workdir(opts: RunOptions):
     from cfp.workdir import WorkDir
     from cfp.workloads import run_fingerprint
-    fp = run_fingerprint(opts.spec, opts.mesh_shape, opts.mesh_axes)
+    fp = run_fingerprint(opts.spec, opts.mesh_shape, opts.mesh_axes, opts.device_ids)
     if opts.cluster is not None:
         fp += (("cluster", repr(opts.cluster)),)
     return WorkDir(opts.workdir, fp)
@@ -472,7 +483,8 @@ def _run_analysis(opts: RunOptions, options) -> None:
 
     if options.verbose:
         report.say("***********Analysis Pass****************")
-    rec = run_analysis(opts.spec, opts.mesh_shape, axis_names=opts.mesh_axes)
+    rec = run_analysis(opts.spec, opts.mesh_shape, axis_names=opts.mesh_axes,
+                       device_ids=opts.device_ids)
     _check_fits_host(opts, options, rec)
     report.analysis_console(rec, options.verbose)
     if not opts.reports:  # each process analyses for itself; process 0 keeps the record
@@ -501,11 +513,11 @@ def _memory_budget_bytes(options, opts: RunOptions, *, required: bool = False) -
     return 2**62
 
 
-def _cost_model(options, mesh_shape):
+def _cost_model(options, mesh_shape, device_ids=None):
     from cfp.measure import DEVICE_PRESETS, CostModel, fit_cost_model
     if options.device_preset == "here":
         from cfp.workloads import make_mesh
-        fitted = fit_cost_model(make_mesh(mesh_shape))
+        fitted = fit_cost_model(make_mesh(mesh_shape, device_ids=device_ids))
         from cfp import report
         report.say(f"fitted here: alpha {fitted.alpha} s, beta {fitted.beta} s/B, "
                    f"{fitted.device_flops:.3g} FLOP/s, {fitted.device_bandwidth:.3g} B/s")
@@ -533,7 +545,8 @@ def _profile_options(opts: RunOptions, options):
         cost=options.cost, max_combinations=options.max_combinations,
         whole_segments=options.whole_segments, budget_s=options.profile_budget,
         memory_budget_bytes=_memory_budget_bytes(options, opts),
-        cost_model=_cost_model(options, opts.mesh_shape) if options.cost == "model" else None,
+        cost_model=(_cost_model(options, opts.mesh_shape, opts.device_ids)
+                    if options.cost == "model" else None),
         compilation_cache=_cache_dir(options))
 
 
@@ -544,7 +557,8 @@ def _analysis(opts: RunOptions, options, wd):
         rec = wd.read_analysis()
     else:
         from cfp.passes.analysis import run_analysis
-        rec = run_analysis(opts.spec, opts.mesh_shape, axis_names=opts.mesh_axes)
+        rec = run_analysis(opts.spec, opts.mesh_shape, axis_names=opts.mesh_axes,
+                           device_ids=opts.device_ids)
     _check_fits_host(opts, options, rec)
     return rec
 

@@ -666,10 +666,11 @@ def _sliced_allreduces(text: str) -> set[str]:
     return names
 
 
-def fit_cost_model_for(mesh_shape) -> CostModel:
-    """``fit_cost_model`` on a mesh of this shape over JAX's devices (run in the worker)."""
+def fit_cost_model_for(mesh_shape, device_ids=None) -> CostModel:
+    """``fit_cost_model`` on a mesh of this shape over JAX's devices, or those of
+    ``device_ids`` in that order (run in the worker)."""
     from cfp.workloads import make_mesh
-    return fit_cost_model(make_mesh(tuple(mesh_shape)))
+    return fit_cost_model(make_mesh(tuple(mesh_shape), device_ids=device_ids))
 
 
 def slower(a_s: Sequence[float], b_s: Sequence[float]) -> bool:

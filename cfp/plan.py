@@ -12,8 +12,9 @@ analysed (for a loss that takes a key, the batch is ``(batch, key)``). The file 
   on its members (every contraction's operands and result, every other member's labelled
   results; operator index -> operand and result specs);
 - ``step``: the fingerprint of the traced step, so ``jit`` can check it is the analysed one;
-- ``mesh`` (shape and axis names: the user's, ``m0``, ``m1``, ... when none were given) and the
-  format and its version.
+- ``mesh`` (shape and axis names: the user's, ``m0``, ``m1``, ... when none were given; and
+  ``devices``, the ids of the user's mesh's devices in its order, which cfp measured on,
+  where they were not JAX's first devices in order) and the format and its version.
 
 A plan of a forward step (``--step forward``: ``forward(params, batch) -> loss``, for
 inference or evaluation) has ``step.kind`` ``forward``, no ``opt_state`` and no ``outputs``:
@@ -23,7 +24,9 @@ Two ways to use it: ``step_shardings`` gives ``in_shardings``/``out_shardings`` 
 ``jax.jit(train_step, ..., donate_argnums=DONATE_ARGNUMS)`` (the interior left to XLA's
 sharding propagation); ``jit`` also puts the block constraints inside, so the program is the
 plan cfp measured. Either takes the user's mesh as it is, Auto or Explicit axes, with the
-plan's axis names and sizes (and any other axes of one device); on Explicit axes ``jit`` runs
+plan's axis names and sizes (and any other axes of one device), on its devices in any order
+(a mesh that orders them otherwise than cfp measured runs the same numbers; a log line says
+that its measured times were for the other order); on Explicit axes ``jit`` runs
 the body with them Auto (``jax.sharding.auto_axes``), so the constraints and XLA place the
 interior as cfp measured it, and the outputs come back typed on the user's mesh. A user's
 own ``jax.jit`` on Explicit axes traces the step with sharded types: a step whose
@@ -42,10 +45,14 @@ Example:
 from __future__ import annotations
 
 import json
+import logging
+import math
 from pathlib import Path
 from typing import Any, Callable
 
 from cfp.errors import CfpError
+
+log = logging.getLogger(__name__)
 
 PLAN_FORMAT, PLAN_VERSION = "cfp-plan", 3
 PARTS = ("params", "opt_state", "batch")
@@ -98,9 +105,10 @@ def make_plan(analysis, strategies, *, in_specs=None, out_specs=None, source: st
     workload = analysis.spec.build()
     trees = {"params": workload.abstract_params(), "opt_state": workload.abstract_opt_state(),
              "batch": workload.abstract_batch()}
-    plan: dict[str, Any] = {"format": PLAN_FORMAT, "version": PLAN_VERSION,
-                            "mesh": {"shape": list(analysis.mesh_shape),
-                                     "axes": list(axis_names)},
+    mesh = {"shape": list(analysis.mesh_shape), "axes": list(axis_names)}
+    if analysis.device_ids is not None:
+        mesh["devices"] = list(analysis.device_ids)
+    plan: dict[str, Any] = {"format": PLAN_FORMAT, "version": PLAN_VERSION, "mesh": mesh,
                             "source": source,
                             "step": {"fingerprint": g.fingerprint(), "kind": workload.step,
                                      "loss_takes_key": workload.loss_takes_key}}
@@ -150,9 +158,42 @@ def load_plan(path) -> dict:
 
 
 def mesh_of(plan: dict):
-    """The plan's mesh over JAX's first devices, with its axis names (Auto axis types)."""
+    """The plan's mesh over the devices it was measured on in that order (JAX's first devices
+    when it names none), with its axis names (Auto axis types)."""
     from cfp.workloads import make_mesh
-    return make_mesh(tuple(plan["mesh"]["shape"]), tuple(plan["mesh"]["axes"]))
+    devices = plan["mesh"].get("devices")
+    return make_mesh(tuple(plan["mesh"]["shape"]), tuple(plan["mesh"]["axes"]),
+                     None if devices is None else tuple(devices))
+
+
+def measured_devices(plan: dict) -> tuple[int, ...]:
+    """The ids of the devices the plan was measured on, in the order of its mesh."""
+    import jax
+    devices = plan["mesh"].get("devices")
+    if devices is not None:
+        return tuple(devices)
+    return tuple(d.id for d in jax.devices()[:math.prod(plan["mesh"]["shape"])])
+
+
+def mesh_devices(plan: dict, mesh) -> tuple[int, ...]:
+    """The ids of ``mesh``'s devices in the order of the plan's mesh: its axes put in the
+    plan's order (the mesh may order its axes otherwise, or hold further axes of one)."""
+    import numpy as np
+    names = list(mesh.axis_names)
+    ours = [names.index(a) for a in plan["mesh"]["axes"] if a in names]
+    order = ours + [i for i in range(len(names)) if i not in ours]
+    return tuple(int(d.id) for d in np.transpose(mesh.devices, order).flat)
+
+
+def note_device_order(plan: dict, mesh) -> None:
+    """Log one line where ``mesh`` places the plan's axes on other devices, or in another
+    order, than cfp measured it on: the plan applies and computes the same numbers (its
+    shardings name axes, not devices), but its measured times were for the other order."""
+    measured, here = measured_devices(plan), mesh_devices(plan, mesh)
+    if measured != here:
+        log.warning("this mesh lays the plan's axes over devices %s; the plan was measured "
+                    "on %s: it applies, but its times were measured for the other order "
+                    "(give autoshard this mesh to measure on it)", list(here), list(measured))
 
 
 def check_mesh(plan: dict, mesh) -> None:
@@ -219,6 +260,7 @@ def step_shardings(plan: dict, mesh, *args) -> tuple[tuple, Any]:
                        f"got {len(args)}"
                        + (": a forward plan has no opt_state" if len(parts) == 2 else ""))
     ins = tuple(shardings(a, plan, mesh, part) for a, part in zip(args, parts))
+    note_device_order(plan, mesh)  # the mesh is the plan's (``shardings`` checked it)
     loss = NamedSharding(mesh, PartitionSpec())
     if "opt_state" not in parts:
         return ins, loss

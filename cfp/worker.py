@@ -74,6 +74,7 @@ class Worker:
         self.phases = phases or Phases()
         self.proc = None
         self.overhead_s = 0.0
+        self.device_ids: tuple[int, ...] = ()  # the worker's mesh's devices, in its order
         self.log_path = None  # the worker's output, across processes
 
     def _start(self):
@@ -123,7 +124,7 @@ class Worker:
                            f"{self.proc.exitcode}); a script that runs cfp must do so under "
                            f"`if __name__ == '__main__':`, since workers are spawned processes "
                            f"that import it again")
-        self.overhead_s, setup_phases = payload
+        self.overhead_s, self.device_ids, setup_phases = payload
         log.info("worker %d ready in %.1f s; launch overhead %.3f ms", self.proc.pid,
                  time.perf_counter() - t0, self.overhead_s * 1e3)
         self.phases.add(setup_phases)
@@ -277,7 +278,9 @@ def _main(conn, generation: int = 0, parent_pid: int | None = None):
         enable_compilation_cache(options.compilation_cache)
         state = _setup(analysis, phases)
         state["phases"] = phases
-        conn.send(("ready", (state["overhead"], phases.take())))
+        conn.send(("ready", (state["overhead"],
+                             tuple(int(d.id) for d in state["mesh"].devices.flat),
+                             phases.take())))
     except multihost.RuntimeLost:
         os._exit(multihost.PEER_LOST_EXIT)
     except CfpError as e:  # the step cannot be measured as analysed: the user's to fix
@@ -353,7 +356,7 @@ def _quiet_log(runtime, generation: int) -> str:
 
 def _setup(analysis, phases: Phases):
     from cfp.measure import launch_overhead, speed_anchor
-    from cfp.workloads import make_mesh, trace_step
+    from cfp.workloads import trace_step
     with phases("tracing"):
         program = trace_step(analysis.spec.build())
         if program.graph().fingerprint() != analysis.graph.fingerprint():
@@ -365,7 +368,7 @@ def _setup(analysis, phases: Phases):
             raise CfpError(f"process {differ[0]} traced another step than process 0: run "
                            f"the same cfp, JAX and flags on every host")
     with phases("running"):
-        mesh = make_mesh(analysis.mesh_shape)
+        mesh = analysis.mesh()
         overhead = launch_overhead(mesh)
         anchor = speed_anchor(mesh)
     return {"analysis": analysis, "program": program, "mesh": mesh, "overhead": overhead,

@@ -184,8 +184,10 @@ def check_mesh(shape: tuple[int, ...], num_devices: int) -> None:
                        f"{num_devices} are used (--num-devices): make them equal")
 
 
-def make_mesh(shape: tuple[int, ...], axis_names: tuple[str, ...] | None = None):
-    """A ``jax.sharding.Mesh`` over the first devices, axes ``axis_names`` (m0, m1, ... when
+def make_mesh(shape: tuple[int, ...], axis_names: tuple[str, ...] | None = None,
+              device_ids: tuple[int, ...] | None = None):
+    """A ``jax.sharding.Mesh`` over the devices ``device_ids`` in that order (a user's mesh's,
+    ``device_order``), or JAX's first devices when None; axes ``axis_names`` (m0, m1, ... when
     None), Auto axis types: cfp measures with its constraints inside the step."""
     import jax
     import numpy as np
@@ -198,9 +200,35 @@ def make_mesh(shape: tuple[int, ...], axis_names: tuple[str, ...] | None = None)
                if devices[0].platform == "cpu" else "use a smaller mesh")
         raise CfpError(f"mesh {mesh_text(shape)} needs {n} devices but JAX sees {len(devices)} "
                        f"({devices[0].platform}): {how}")
+    if device_ids is not None:
+        by_id = {d.id: d for d in devices}
+        missing = [i for i in device_ids if i not in by_id]
+        if missing or len(device_ids) != n:
+            raise CfpError(f"the mesh's devices {list(device_ids)} are not {n} of the devices "
+                           f"JAX sees here ({sorted(by_id)}): run where the mesh's devices are")
+        devices = [by_id[i] for i in device_ids]
     names = AXIS_NAMES[:len(shape)] if axis_names is None else tuple(axis_names)
     return jax.sharding.Mesh(np.array(devices[:n]).reshape(shape), names,
                              **auto_axis_types(len(shape)))
+
+
+def device_order(mesh) -> tuple[int, ...] | None:
+    """The ids of a user's ``jax.sharding.Mesh``'s devices in its order (row-major over its
+    axes; axes of one device change nothing), or None where that is JAX's first devices in
+    order, which ``make_mesh`` takes anyway. A mesh from ``jax.make_mesh`` on a GPU or TPU,
+    or one the user laid out, may order them otherwise, and which devices talk over which
+    links then differs.
+
+    Example:
+        >>> import jax, numpy as np
+        >>> device_order(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))) is None
+        True
+    """
+    import jax
+    ids = tuple(int(d.id) for d in mesh.devices.flat)
+    if ids == tuple(d.id for d in jax.devices()[:len(ids)]):
+        return None
+    return ids
 
 
 def check_fits_host(graph, host_bytes: int) -> None:
@@ -321,9 +349,11 @@ def spec_fingerprint(spec: WorkloadSpec) -> tuple:
 
 
 def run_fingerprint(spec: WorkloadSpec, mesh_shape: tuple[int, ...],
-                    axis_names: tuple[str, ...] | None = None) -> tuple:
-    """What identifies a run's files: workload, mesh (its axis names among it) and the JAX
-    version."""
+                    axis_names: tuple[str, ...] | None = None,
+                    device_ids: tuple[int, ...] | None = None) -> tuple:
+    """What identifies a run's files: workload, mesh (its axis names among it, and its
+    devices' order where the user's mesh gave one: ``device_order``) and the JAX version."""
     import jax
-    return spec_fingerprint(spec) + (("mesh", mesh_text(mesh_shape, axis_names)),
+    devices = () if device_ids is None else (("devices", tuple(device_ids)),)
+    return spec_fingerprint(spec) + (("mesh", mesh_text(mesh_shape, axis_names)), *devices,
                                      ("jax", jax.__version__))

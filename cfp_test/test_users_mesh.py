@@ -1,5 +1,6 @@
 """The user's own mesh: ``jax.make_mesh`` axes named as the user names them, Auto or
-Explicit, handed to ``autoshard``; the plan speaks those names and runs on that mesh."""
+Explicit, over the devices in the user's order, handed to ``autoshard``; cfp measures on those
+devices in that order, and the plan speaks those names and runs on that mesh."""
 import jax
 import numpy as np
 import pytest
@@ -31,6 +32,16 @@ def found():
 
 
 users_step = zoo_extra.einsum_net_momentum_step
+
+
+def reversed_mesh(axis_type=AxisType.Auto):
+    """The user's 2x4 mesh over JAX's devices in reverse order."""
+    return jax.sharding.Mesh(np.array(jax.devices())[::-1].reshape(2, 4), NAMES,
+                             axis_types=(axis_type,) * 2)
+
+
+def device_ids(mesh) -> tuple:
+    return tuple(int(d.id) for d in mesh.devices.flat)
 
 
 def test_the_plan_speaks_the_users_axis_names(found):
@@ -99,17 +110,29 @@ def test_mesh_names_on_the_command_line_and_from_a_mesh():
         mesh_from((2, 4))
 
 
-@pytest.mark.slow  # the three passes, ~4 min on a loaded 2-core machine
+@pytest.mark.slow  # the three passes, ~1 min on a loaded 2-core machine
 def test_autoshard_on_the_users_mesh(tmp_path):
-    """``autoshard`` takes the user's ``jax.make_mesh`` (Explicit axes, its default); the
-    plan it finds speaks the user's names and runs three steps on that mesh."""
-    plan = autoshard("zoo_extra:einsum_net_momentum", mesh=jax.make_mesh((2, 4), NAMES),
-                     workdir=tmp_path, memory_budget_gb=1, max_combinations=16,
-                     validate_top=1, extra_args=["--iters", "2", "--no-validate-baselines"])
-    assert plan["mesh"] == {"shape": [2, 4], "axes": list(NAMES)}
-    assert (tmp_path / "analysis.pkl").exists()
+    """``autoshard`` takes the user's mesh, Explicit axes over the devices in reverse order:
+    the worker measured the windows on those devices in that order, and search ran the kept
+    plan on them; the plan speaks the user's names and runs three steps on that mesh."""
+    from cfp.api import Options, workdir_of
+    mesh = reversed_mesh(AxisType.Explicit)
+    kw = dict(model="zoo_extra:einsum_net_momentum", mesh=mesh, workdir=tmp_path,
+              memory_budget_gb=1, max_combinations=4, validate_top=1,
+              validate_baselines=False, iters=2)
+    plan = autoshard(**kw)
+    assert plan.data["mesh"] == {"shape": [2, 4], "axes": list(NAMES),
+                                 "devices": list(device_ids(mesh))}
+    wd = workdir_of(Options(**kw))
+    analysis = wd.read_analysis()
+    measured = {"analysis": analysis.device_ids,
+                "profile": wd.read_profile(analysis, max_combinations=4).device_ids,
+                "search": wd.read_search().device_ids}
+    assert measured == dict.fromkeys(measured, device_ids(mesh))
+    default_order = jax.make_mesh((2, 4), NAMES)
+    assert measured != dict.fromkeys(measured, device_ids(default_order))  # control
     train_step, params, velocity, batch = users_step()
-    assert_users_loop(train_step, plan, users_mesh(AxisType.Explicit), params, velocity, batch)
+    assert_users_loop(train_step, plan.data, mesh, params, velocity, batch)
 
 
 def test_named_axes_on_the_command_line_reach_the_record(tmp_path, capsys):
@@ -128,3 +151,38 @@ def test_named_axes_on_the_command_line_reach_the_record(tmp_path, capsys):
         WorkDir(tmp_path, run_fingerprint(spec, (2, 4))).read_analysis()
     assert main(base + ["--mesh", "data=2,data=4"]) == 2
     assert "names an axis twice" in capsys.readouterr().err
+
+
+def test_a_users_device_order_is_measured_and_kept(tmp_path, caplog):
+    """A mesh over the devices in another order than JAX's: the analysis record holds that
+    order, the mesh the later passes measure on is laid out so, the work dir's fingerprint
+    holds it (a work dir of JAX's order is not read for it), and the plan keeps it and runs
+    three steps on that mesh matching one device. Applying the plan on a mesh of JAX's order
+    works and says in one log line that the plan was measured on another order."""
+    import logging
+    from cfp.api import Options, run, workdir_of
+    from cfp.plan import mesh_of
+    mesh = reversed_mesh()
+    options = Options(mode="analysis", model="zoo_extra:einsum_net_momentum", mesh=mesh,
+                      workdir=tmp_path)
+    run(options)
+    rec = workdir_of(options).read_analysis()
+    assert rec.device_ids == device_ids(mesh) == (7, 6, 5, 4, 3, 2, 1, 0)
+    assert device_ids(rec.mesh()) == device_ids(mesh)
+    default_order = jax.make_mesh((2, 4), NAMES, axis_types=(AxisType.Auto,) * 2)
+    assert device_ids(rec.mesh()) != device_ids(default_order)  # control: the check can fail
+    with pytest.raises(CfpError, match="devices differ"):  # the same run in JAX's order
+        workdir_of(Options(mode="analysis", model="zoo_extra:einsum_net_momentum",
+                           mesh="data=2,model=4", workdir=tmp_path)).read_analysis()
+
+    plan = make_plan(rec, [len(b.strategies) - 1 for b in rec.blocks.blocks])
+    assert plan["mesh"]["devices"] == list(device_ids(mesh))
+    assert device_ids(mesh_of(plan)) == device_ids(mesh)
+    train_step, params, velocity, batch = users_step()
+    with caplog.at_level(logging.WARNING, logger="cfp.plan"):
+        new_params = assert_users_loop(train_step, plan, mesh, params, velocity, batch)
+        assert not [r for r in caplog.records if "measured" in r.getMessage()]
+        assert all(device_ids(x.sharding.mesh) == device_ids(mesh)
+                   for x in jax.tree_util.tree_leaves(new_params))
+        step_shardings(plan, default_order, params, velocity, batch)  # control: JAX's order
+        assert [r for r in caplog.records if "the plan was measured on [7, 6" in r.getMessage()]

@@ -15,7 +15,7 @@ from cfp.blocks import BlockAnalysis, build_blocks, with_strategies
 from cfp.errors import CfpError
 from cfp.graph import Graph
 from cfp.segments import SegmentAnalysis, find_segments
-from cfp.workloads import AXIS_NAMES, WorkloadSpec, trace_step
+from cfp.workloads import AXIS_NAMES, WorkloadSpec, make_mesh, trace_step
 
 @dataclasses.dataclass(frozen=True)
 class AnalysisStats:
@@ -40,6 +40,14 @@ class AnalysisRecord:
     segments: SegmentAnalysis
     stats: AnalysisStats
     mesh_axes: tuple[str, ...]  # the user's names of the mesh axes, m0, m1, ... if none given
+    # the user's mesh's device ids in its order, which cfp measures on (workloads.device_order);
+    # None: JAX's first devices in order
+    device_ids: tuple[int, ...] | None = None
+
+    def mesh(self):
+        """The mesh cfp measures and validates on: ``mesh_shape`` over ``device_ids`` (JAX's
+        first devices when None), axes m0, m1, ..."""
+        return make_mesh(self.mesh_shape, device_ids=self.device_ids)
 
     def segment_space(self, seg_type: int) -> list[int]:
         """Strategies per block of a unique segment (its representative instance)."""
@@ -53,12 +61,14 @@ class AnalysisRecord:
 
 def run_analysis(spec: WorkloadSpec, mesh_shape: tuple[int, ...], graph: Graph | None = None,
                  grouping: BlockAnalysis | None = None, *,
-                 axis_names: tuple[str, ...] | None = None) -> AnalysisRecord:
+                 axis_names: tuple[str, ...] | None = None,
+                 device_ids: tuple[int, ...] | None = None) -> AnalysisRecord:
     """Analyse ``spec``'s training step for a mesh of ``mesh_shape``. ``graph`` and
     ``grouping``: the step's graph and blocks found earlier (for another mesh: comparing
     meshes), so only the strategies and segments are found again. ``axis_names``: the
     user's names of the mesh axes, which the plan speaks (None: m0, m1, ...); cfp itself
-    measures on axes m0, m1, ... of the same shape."""
+    measures on axes m0, m1, ... of the same shape. ``device_ids``: the user's mesh's devices
+    in its order (``cfp.workloads.device_order``), which the later passes measure on."""
     start = time.perf_counter()
     workload = spec.build()
     graph = graph or trace_step(workload).graph()
@@ -77,4 +87,7 @@ def run_analysis(spec: WorkloadSpec, mesh_shape: tuple[int, ...], graph: Graph |
     names = AXIS_NAMES[:len(mesh_shape)] if axis_names is None else tuple(axis_names)
     if len(names) != len(mesh_shape):
         raise CfpError(f"axis names {names} for a mesh of {len(mesh_shape)} axes")
-    return AnalysisRecord(spec, tuple(mesh_shape), graph, blocks, segments, stats, names)
+    if device_ids is not None and len(device_ids) != math.prod(mesh_shape):
+        raise CfpError(f"{len(device_ids)} device ids for a mesh of {math.prod(mesh_shape)}")
+    return AnalysisRecord(spec, tuple(mesh_shape), graph, blocks, segments, stats, names,
+                          None if device_ids is None else tuple(device_ids))

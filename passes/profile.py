@@ -81,6 +81,8 @@ class ProfileRecord:
     # the speed anchor's median seconds over the profile: the scale of every window time
     # (``on_one_scale``; NaN where nothing was timed against it)
     anchor_s: float = float("nan")
+    # the ids of the devices measured on, in the mesh's order (empty: priced, nothing ran)
+    device_ids: tuple[int, ...] = ()
 
     def reshards_counted_zero(self) -> int:
         """Timed reshardings whose interval does not lie above 0, so counted as 0."""
@@ -155,7 +157,7 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
         timed = _profile_reshards(analysis, bounds, worker, checkpoint, options, start,
                                   notify)
         worker.ensure()
-        overhead = worker.overhead_s
+        overhead, device_ids = worker.overhead_s, worker.device_ids
     except BaseException:  # Ctrl-C included: what was measured is in the checkpoint
         worker.kill()
         raise
@@ -168,7 +170,7 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
                         dict(phases.seconds),
                         options.whole_segments,
                         {k: t[1:] for k, t in timed.items() if t and options.cost == "measure"},
-                        anchor_s)
+                        anchor_s, device_ids)
     log.info("profile pass: %.1f s, phases %s", rec.time_s, rec.phase_s)
     return rec
 
@@ -228,7 +230,7 @@ def _chosen(analysis, windows, reps, options: ProfileOptions, worker, notify,
     cost = options.cost_model
     if cost is None:
         from cfp.measure import fit_cost_model_for
-        cost = worker.call(fit_cost_model_for, tuple(analysis.mesh_shape))
+        cost = worker.call(fit_cost_model_for, tuple(analysis.mesh_shape), analysis.device_ids)
     names = AXIS_NAMES[:len(analysis.mesh_shape)]
     out = {}
     for k in large:
@@ -400,7 +402,7 @@ def cluster_pricing(analysis, max_combinations: int, *, max_devices: int = 64,
     analytically (``"analytic"``) otherwise."""
     import jax
     from cfp.measure import WindowProgram
-    from cfp.workloads import AXIS_NAMES, make_mesh, trace_step
+    from cfp.workloads import AXIS_NAMES, trace_step
     n = math.prod(analysis.mesh_shape)
     if n > max_devices:
         return "analytic", f"{n} devices, more than the {max_devices} compiled for here"
@@ -411,7 +413,7 @@ def cluster_pricing(analysis, max_combinations: int, *, max_devices: int = 64,
     programs += len(needed_reshards(boundaries(analysis, windows), analysis.blocks.blocks,
                                     AXIS_NAMES[:len(analysis.mesh_shape)]))
     probe = WindowProgram(trace_step(analysis.spec.build()), analysis, windows[reps[0]],
-                          make_mesh(analysis.mesh_shape))
+                          analysis.mesh())
     t0 = time.perf_counter()
     probe.compile((0,) * (windows[reps[0]].end - windows[reps[0]].start))
     estimate = programs * (time.perf_counter() - t0)

@@ -88,6 +88,8 @@ class SearchRecord:
     time_s: float
     phase_s: dict
     scans: str = ""  # "rolled" or "unrolled" when the step has scans: how the kept plan ran
+    # the ids of the devices the kept plan ran on, in its mesh's order (from its last state)
+    device_ids: tuple[int, ...] = ()
 
     @property
     def plan(self) -> Candidate:
@@ -110,12 +112,12 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
     from cfp.execute import check_numerics, real_inputs
     from cfp.measure import memory_of
     from cfp.multihost import share
-    from cfp.workloads import make_mesh, trace_step
+    from cfp.workloads import trace_step
     start = time.perf_counter()
     phases = Phases()
     with phases("tracing"):
         workload = analysis.spec.build()
-        mesh = make_mesh(analysis.mesh_shape)
+        mesh = analysis.mesh()
         program = trace_step(workload)
         args_host = real_inputs(workload)
     with phases("solving"):
@@ -154,7 +156,8 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
                        step.compiled.as_text(), memory_of(step.compiled),
                        tuple(map(tuple, step.in_specs)), tuple(map(tuple, step.out_specs)),
                        time.perf_counter() - start, dict(phases.seconds),
-                       ("rolled" if step.rolled else "unrolled") if program.scans else "")
+                       ("rolled" if step.rolled else "unrolled") if program.scans else "",
+                       tuple(int(d.id) for d in step.run.args[0].sharding.mesh.devices.flat))
     log.info("search pass: %.1f s, phases %s", rec.time_s, rec.phase_s)
     return rec
 
