@@ -166,7 +166,7 @@ def mesh_of(plan: dict):
                      None if devices is None else tuple(devices))
 
 
-def measured_devices(plan: dict) -> tuple[int, ...]:
+def _measured_devices(plan: dict) -> tuple[int, ...]:
     """The ids of the devices the plan was measured on, in the order of its mesh."""
     import jax
     devices = plan["mesh"].get("devices")
@@ -175,7 +175,7 @@ def measured_devices(plan: dict) -> tuple[int, ...]:
     return tuple(d.id for d in jax.devices()[:math.prod(plan["mesh"]["shape"])])
 
 
-def mesh_devices(plan: dict, mesh) -> tuple[int, ...]:
+def _mesh_devices(plan: dict, mesh) -> tuple[int, ...]:
     """The ids of ``mesh``'s devices in the order of the plan's mesh: its axes put in the
     plan's order (the mesh may order its axes otherwise, or hold further axes of one)."""
     import numpy as np
@@ -185,11 +185,11 @@ def mesh_devices(plan: dict, mesh) -> tuple[int, ...]:
     return tuple(int(d.id) for d in np.transpose(mesh.devices, order).flat)
 
 
-def note_device_order(plan: dict, mesh) -> None:
+def _note_device_order(plan: dict, mesh) -> None:
     """Log one line where ``mesh`` places the plan's axes on other devices, or in another
     order, than cfp measured it on: the plan applies and computes the same numbers (its
     shardings name axes, not devices), but its measured times were for the other order."""
-    measured, here = measured_devices(plan), mesh_devices(plan, mesh)
+    measured, here = _measured_devices(plan), _mesh_devices(plan, mesh)
     if measured != here:
         log.warning("this mesh lays the plan's axes over devices %s; the plan was measured "
                     "on %s: it applies, but its times were measured for the other order "
@@ -260,7 +260,7 @@ def step_shardings(plan: dict, mesh, *args) -> tuple[tuple, Any]:
                        f"got {len(args)}"
                        + (": a forward plan has no opt_state" if len(parts) == 2 else ""))
     ins = tuple(shardings(a, plan, mesh, part) for a, part in zip(args, parts))
-    note_device_order(plan, mesh)  # the mesh is the plan's (``shardings`` checked it)
+    _note_device_order(plan, mesh)  # the mesh is the plan's (``shardings`` checked it)
     loss = NamedSharding(mesh, PartitionSpec())
     if "opt_state" not in parts:
         return ins, loss
