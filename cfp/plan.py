@@ -39,8 +39,8 @@ Example:
     >>> plan = {"format": "cfp-plan", "version": 3, "mesh": {"shape": [1], "axes": ["m0"]},
     ...         "params": {"['w']": ["m0", None]}}
     >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("m0",))
-    >>> shardings({"w": jnp.ones((2, 2))}, plan, mesh)["w"].spec
-    PartitionSpec('m0', None)
+    >>> tuple(shardings({"w": jnp.ones((2, 2))}, plan, mesh)["w"].spec)
+    ('m0', None)
 """
 from __future__ import annotations
 
