@@ -11,18 +11,25 @@ same plan, and the two peaks are printed side by side. Nothing is timed.
     python scripts/composed_memory.py --model gpt --mesh 8 --num-layers 2 --num-heads 8 \
         --hidden-size 256 --seq-len 128 --batch-size 8 --max-combinations 32
 
+``--peak-top N`` also lists, per plan, the N largest temporaries live at the whole step's
+compiled peak with their live ranges in XLA's schedule (``diagnostics/memory_gap.py``): what
+the step holds that its windows, compiled alone, free at their end.
+
 ``--search WORKDIR...`` instead lists, for every candidate search ran end to end in those
 work dirs, its composed memory and time against its compiled peak and measured median.
 """
 from __future__ import annotations
 
 import math
-import statistics
 import os
+import shutil
+import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "diagnostics"))
 
 from benchmark import workload_parser  # noqa: E402
 
@@ -51,7 +58,9 @@ def main(argv=None) -> None:
     if argv is None and sys.argv[1:2] == ["--search"]:
         return searched(sys.argv[2:])
     a = workload_parser(__doc__, model="gpt", rounds=1, min_seconds=0.0,
-                        max_combinations=32).parse_args(argv)
+                        max_combinations=32)
+    a.add_argument("--peak-top", type=int, default=0, metavar="N")
+    a = a.parse_args(argv)
     mesh_shape = tuple(int(x) for x in a.mesh.split("x"))
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count="
@@ -97,10 +106,15 @@ def main(argv=None) -> None:
         composed = evaluate(Problem(groups, [len(b.strategies) for b in blocks]),
                             [0] * len(groups))[1]
         step = PlannedStep(program, analysis, idx, mesh, Storage(layout))
-        peak = memory_of(step.compile())["peak_bytes"]
+        dump = tempfile.mkdtemp(prefix="cfp-composed-memory-") if a.peak_top else None
+        peak = memory_of(step.compile({"xla_dump_to": dump} if dump else None))["peak_bytes"]
         errors.append(abs(composed / peak - 1))
         print(f"{name:10} composed {composed / 2**20:7.2f}  compiled {peak / 2**20:7.2f}  "
               f"error {composed / peak - 1:+.1%}", flush=True)
+        if dump:
+            from memory_gap import _print_peak
+            _print_peak(dump, a.peak_top)
+            shutil.rmtree(dump)
     print(f"median absolute error {statistics.median(errors):.1%} over {len(errors)} "
           f"plans")
 
