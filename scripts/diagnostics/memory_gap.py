@@ -159,7 +159,7 @@ def main() -> None:
         all_held.append(bound)
         step = PlannedStep(program, analysis, strategies, mesh)
         dump = tempfile.mkdtemp(prefix="cfp-memory-gap-") if p == args.peak_plan else None
-        step.compile({"xla_dump_to": dump} if dump else None)
+        step.compile({"xla_dump_to": dump, "xla_dump_hlo_as_text": True} if dump else None)
         compiled = memory_of(step.compiled)
         compiled_peaks.append(compiled["peak_bytes"])
         for rule, peak in peaks.items():
