@@ -205,6 +205,18 @@ def split_rest(spec, shape, mesh_shape, axis_names) -> tuple:
     return tuple(None if not e else e[0] if len(e) == 1 else e for e in entries)
 
 
+def refines(spec, coarse) -> bool:
+    """Whether ``spec`` splits each dim over the axes ``coarse`` splits it over, and maybe
+    more after them: a layout reached from ``coarse`` by splitting further, no data moved.
+
+    >>> refines(("m0", ("m1", "m2")), ("m0", "m1")), refines((None, "m0"), ("m0", None))
+    (True, False)
+    """
+    axes = lambda e: () if e is None else e if isinstance(e, tuple) else (e,)  # noqa: E731
+    return len(spec) == len(coarse) and all(
+        axes(f)[:len(axes(c))] == axes(c) for f, c in zip(spec, coarse))
+
+
 def state_specs(graph: Graph, pairs, layouts, ins: dict, constraints: dict, mesh_shape,
                 axis_names, ops=None) -> dict:
     """Apply state layouts in place: ``layouts[k]`` (one of ``STATE_LAYOUTS``) for each state
@@ -213,7 +225,10 @@ def state_specs(graph: Graph, pairs, layouts, ins: dict, constraints: dict, mesh
     optimizer state over the mesh axes that spec leaves replicated (``split_rest``), ``fsdp``
     the parameters too; under either the optimizer update (``state_updates``) is constrained
     to the split layout, so the gradient is reduced into it and the update runs on shards
-    (the operators in ``ops``, all when None). Returns the stored spec of every pair in ``pairs``: the new state leaves in it."""
+    (the operators in ``ops``, all when None). A gradient that its block makes split in a
+    layout the split one does not refine (a tied embedding's, computed split by vocabulary
+    in the head and stored split by hidden) keeps its block's layout: constrained, XLA
+    would gather the contraction's other operand whole to make it so. Returns the stored spec of every pair in ``pairs``: the new state leaves in it."""
     state, kinds = graph.state_pairs(), state_kinds(graph)
     stored, split = {}, {}
     for k in pairs:
@@ -229,6 +244,10 @@ def state_specs(graph: Graph, pairs, layouts, ins: dict, constraints: dict, mesh
         operands, results = constraints.get(op.index, ([None] * len(op.inputs),
                                                        [None] * len(op.outputs)))
         results = list(results)
+        made = results[op.outputs.index(u)]
+        if (op.primitive not in dimrules.ELEMENTWISE and made is not None
+                and not refines(split[k], made)):
+            continue  # a gradient its block makes split otherwise: resharded where the update reads it
         results[op.outputs.index(u)] = split[k]
         constraints[op.index] = (list(operands), results)
     return stored

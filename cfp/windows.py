@@ -297,7 +297,7 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
     activations it produces in the forward pass and holds for the backward pass
     (``held_for_backward``, each in the layout ``MemoryTerms`` says XLA keeps) or holds
     gathered (``MemoryTerms.gathered``). Transient: the compiled temporaries less the held
-    activations inside them; one window's transient counts
+    activations inside them (an analytic measurement's hold none); one window's transient counts
     in the step's peak at a time, beside the held activations of the windows up to it (those
     of later windows the backward pass has freed: ``solver``). Held: the activations among the
     adding-up bytes. ``held`` and ``terms`` (``memory_terms``) are what the caller computed
@@ -309,7 +309,10 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
     adding = sum(size(*t) for t in terms.adding) + sum(held_bytes.values())
     adding += sum(size(*t, stored=False) - size(*t) for t in terms.adding
                   if t[0] in gathered_params(analysis, window, combo))
-    held_internal = sum(held_bytes.get(v, 0) for v in terms.internal)
+    # A compiled window's temporaries include the activations it holds; an analytic one's
+    # are its largest contraction's working set alone (``cfp.analytic``).
+    held_internal = 0 if measured.note == "analytic" else sum(
+        held_bytes.get(v, 0) for v in terms.internal)
     return adding, max(0, measured.temp_bytes - held_internal), sum(held_bytes.values())
 
 

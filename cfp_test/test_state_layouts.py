@@ -107,3 +107,31 @@ def test_where_memory_binds_search_splits_the_state_and_the_plan_runs_as_a_loop(
     got = [math.prod(step.in_shardings[k].shard_shape(
         analysis.graph.values[analysis.graph.inputs[k]].shape)) for k in split]
     assert any(g < s for g, s in zip(got, shapes))  # stored split, not only described so
+
+
+def test_a_gradient_split_otherwise_by_its_block_keeps_its_layout():
+    """GPT's tied embedding is stored as its first reader (the lookup) wants it, split
+    further under zero1, and its head's gradient is a contraction the head's strategy lays
+    out. Where the stored split does not refine that layout (hidden-split storage, a
+    vocabulary-split head), constraining the contraction would make XLA gather its other
+    operand (the logits' gradient) whole: its result keeps the block's layout. Control: a
+    head that leaves the gradient whole (data parallel) has it reduced straight into the
+    split layout, as ZeRO does."""
+    from cfp.sharding import state_specs, state_updates
+    spec, analysis, *_ = setup((2, 4))
+    g = analysis.graph
+    pairs = g.state_pairs()
+    (k, (wte, _)), = [(k, p) for k, p in enumerate(pairs)  # the table the lookup reads
+                      if any(g.ops[u].primitive == "gather" for u in g.users.get(p[0], ()))]
+    (dot,) = {g.producer_op(u).index for u, j in state_updates(g).items()
+              if j == k and g.producer_op(u).is_contraction}
+    ins = {v: (None,) * len(g.values[v].shape) for v, _ in pairs}
+    ins[wte] = (None, "m1")  # the lookup splits hidden over m1; zero1 adds m0 on vocab
+    layouts = {j: "zero1" for j in range(len(pairs))}
+    for head, kept in ((("m1", None), True), ((None, None), False)):
+        constraints = {dot: ([None, None], [head])}
+        state_specs(g, range(len(pairs)), layouts, dict(ins), constraints, (2, 4),
+                    ("m0", "m1"))
+        assert (constraints[dot][1][0] == head) == kept, (head, constraints[dot])
+        if not kept:
+            assert constraints[dot][1][0] == ("m0", "m1")
