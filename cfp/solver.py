@@ -16,7 +16,8 @@ the pair): they grow with the distinct layouts, not with the strategies. Memory:
 peak is the largest, over groups ``k`` in program order, of every group's memory (persistent
 plus held-for-backward bytes), less the held bytes of the groups after ``k`` (the backward
 pass reaches ``k`` after it has freed them), plus ``k``'s transient bytes; each of these is at
-most the budget. Costs are integers (the caller scales seconds to its profiles' resolution),
+most the budget; an edge may add bytes too (``edge_memory``: a resharded copy the backward
+pass reads, held until then), priced on the same transport booleans. Costs are integers (the caller scales seconds to its profiles' resolution),
 so the optimum is exact.
 
 ``solve_alike`` solves the quotient in which *alike* blocks (the same block of repeated layers)
@@ -73,6 +74,10 @@ class Problem:
     # (i, j) -> bool array [S_i, S_j]: some tensor between the two blocks changes layout (a
     # resharding priced 0 is still one). Empty: not known.
     reshards: dict = dataclasses.field(default_factory=dict)
+    # (i, j) -> int array [S_i, S_j]: bytes per device the plan holds for a tensor crossing
+    # between the two blocks, beyond what the groups count (a resharded copy the backward
+    # pass reads). They add up over the step, like ``Option.memory``.
+    edge_memory: dict = dataclasses.field(default_factory=dict)
 
 
 def _sequence(problem: Problem) -> list:
@@ -105,6 +110,8 @@ def evaluate(problem: Problem, choices) -> tuple[int, int, tuple[int, ...]]:
             strat[b] = s
     for (i, j), table in problem.edges.items():
         cost += int(table[strat[i], strat[j]])
+    for (i, j), table in problem.edge_memory.items():
+        mem += int(table[strat[i], strat[j]])
     seq = _sequence(problem)
     return cost, mem + transient_peak([h[choices[g]] for g, h, _ in seq],
                                       [t[choices[g]] for g, _, t in seq]), tuple(strat)
@@ -170,15 +177,18 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, exclude=(), workers: 
                 m.Add(x[b, s] == sum(ys)) if ys else m.Add(x[b, s] == 0)
     objective = [opt.cost * y[g][o] for g, grp in enumerate(problem.groups)
                  for o, opt in enumerate(grp.options)]
-    for (i, j), table in problem.edges.items():
-        table = np.asarray(table)
-        if not table.any():
+    held_across = []  # edge memory: (bytes, transport boolean)
+    for i, j in set(problem.edges) | set(problem.edge_memory):
+        table = np.asarray(problem.edges.get((i, j), 0)) + np.zeros(
+            (problem.num_strategies[i], problem.num_strategies[j]), dtype=np.int64)
+        held = np.asarray(problem.edge_memory.get((i, j), 0)) + np.zeros_like(table)
+        if not table.any() and not held.any():
             continue
         # Strategies whose rows (columns) are equal give the crossing tensor one layout:
         # transport runs between those groups, so the booleans grow with the distinct
         # layouts, not with the strategies.
-        rows = _groups(table)
-        cols = _groups(table.T)
+        rows = _groups(np.concatenate([table, held], axis=1))
+        cols = _groups(np.concatenate([table.T, held.T], axis=1))
         e = {(r, c): m.NewBoolVar(f"e{i}_{j}_{r}_{c}") for r in range(len(rows))
              for c in range(len(cols))}
         for r, members in enumerate(rows):
@@ -187,13 +197,18 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, exclude=(), workers: 
             m.Add(sum(e[r, c] for r in range(len(rows))) == sum(x[j, t] for t in members))
         objective += [int(table[rows[r][0], cols[c][0]]) * v for (r, c), v in e.items()
                       if table[rows[r][0], cols[c][0]]]
+        held_across += [(int(held[rows[r][0], cols[c][0]]), v) for (r, c), v in e.items()
+                        if held[rows[r][0], cols[c][0]]]
         stats["edge_booleans"] = stats.get("edge_booleans", 0) + len(e)
     if problem.memory_budget is not None:
         seq = _sequence(problem)
         total = m.NewIntVar(0, sum(max(o.memory for o in grp.options)
-                                   for grp in problem.groups), "memory")
+                                   for grp in problem.groups)
+                            + sum(int(np.max(t)) for t in problem.edge_memory.values()),
+                            "memory")
         m.Add(total == sum(opt.memory * y[g][o] for g, grp in enumerate(problem.groups)
-                           for o, opt in enumerate(grp.options)))
+                           for o, opt in enumerate(grp.options))
+              + sum(n * v for n, v in held_across))
         # Held bytes of the windows after this one: a chain of variables, one per window
         # whose constraint counts. A window whose group has a later window with transients at
         # least as large, option by option, needs none: less is freed after that one (the
@@ -324,6 +339,16 @@ def solve_alike(problem: Problem, *, time_limit_s: float = 60.0, exclude=()
                 o, cost=o.cost + int(diag[o.strategies[k]])) for o in groups[q].options])
             continue
         edges[ri, rj] = edges.get((ri, rj), 0) + np.asarray(table)
+    edge_memory: dict = {}
+    for (i, j), table in problem.edge_memory.items():
+        ri, rj = rep_of[i], rep_of[j]
+        if ri == rj:  # both sides in one class: on the diagonal, folded into options
+            q, k = position[ri]
+            diag = np.diagonal(np.asarray(table))
+            groups[q] = Group(groups[q].blocks, [dataclasses.replace(
+                o, memory=o.memory + int(diag[o.strategies[k]])) for o in groups[q].options])
+            continue
+        edge_memory[ri, rj] = edge_memory.get((ri, rj), 0) + np.asarray(table)
     ties = sorted({(rep_of[i], rep_of[j]) for i, j in list(problem.ties) + list(problem.alike)
                    if rep_of[i] != rep_of[j]})
     quotient_of = {g: q for q, gs in enumerate(origin) for g in gs}
@@ -334,7 +359,7 @@ def solve_alike(problem: Problem, *, time_limit_s: float = 60.0, exclude=()
                       if opt.strategies == qo.strategies) for qo in groups[q].options]
         sequence.append((q, tuple(held[o] for o in index), tuple(transient[o] for o in index)))
     quotient = Problem(groups, problem.num_strategies, edges, problem.memory_budget, ties,
-                       sequence=sequence)
+                       sequence=sequence, edge_memory=edge_memory)
 
     def lift(choices_q):
         out = [0] * len(problem.groups)

@@ -52,6 +52,30 @@ def test_solver_respects_a_binding_memory_budget(seed):
         assert sol.objective >= unconstrained[0]
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_memory_held_across_edges_counts_in_the_budget(seed):
+    """A resharded copy held for the backward pass (``Problem.edge_memory``) adds to every
+    plan's memory; under a budget it binds, the solver matches brute force. Control: without
+    it the unconstrained optimum fits; with it, one that reshards does not (seeds 2 and 3)."""
+    rng = random.Random(200 + seed)
+    free = _random_chain(rng, groups=3, held=True)
+    best = brute_force(free)
+    held = {k: np.where(t > 0, 50, 0) for k, t in free.edges.items()}
+    budget = evaluate(free, best[1])[1]  # the free optimum just fits without edge memory
+    tight = Problem(free.groups, free.num_strategies, free.edges, budget, edge_memory=held)
+    plain = Problem(free.groups, free.num_strategies, free.edges, budget)
+    assert evaluate(plain, best[1])[1] <= budget  # control
+    strategies = evaluate(free, best[1])[2]
+    reshards = any(t[strategies[i], strategies[j]] for (i, j), t in free.edges.items())
+    assert (evaluate(tight, best[1])[1] > budget) == reshards
+    want = brute_force(tight)
+    sol = solve(tight)
+    assert (sol is None) == (want is None)
+    if sol is not None:
+        assert sol.objective == want[0] and evaluate(tight, sol.choices)[1] <= budget
+        assert sol.memory == evaluate(tight, sol.choices)[1]
+
+
 def test_incompatible_neighbours_pay_or_avoid_the_resharding():
     """Two segments each best alone (strategy 0 and 1) but incompatible at their boundary."""
     def problem(reshard):

@@ -27,8 +27,9 @@ from cfp.solver import (Group, Option, Problem, Solution, evaluate, least_memory
                         penalizing_reshardings, solve, solve_alike)
 from cfp.execute import Storage
 from cfp.sharding import STATE_LAYOUTS
+from cfp.jax_compat import itemsize
 from cfp.windows import (held_for_backward, held_state, inputs_read_earlier, layouts,
-                         memory_terms, option_memory, state_layout)
+                         memory_terms, option_memory, shard_bytes, state_layout)
 
 log = logging.getLogger(__name__)
 
@@ -261,6 +262,7 @@ def build_problem(analysis, profile, memory_budget_bytes: int | None
         combos[gi] = table
     edges: dict = {}
     reshards: dict = {}
+    edge_memory: dict = {}
     for b in profile.boundaries:
         src, src_of = layouts(b.src_labels, blocks[b.src].strategies, names)
         dst, dst_of = layouts(b.dst_labels, blocks[b.dst].strategies, names)
@@ -280,6 +282,13 @@ def build_problem(analysis, profile, memory_budget_bytes: int | None
         key = (b.src, b.dst)
         edges[key] = edges.get(key, 0) + small[np.ix_(src_of, dst_of)]
         reshards[key] = reshards.get(key, False) | moved[np.ix_(src_of, dst_of)]
+        if b.value in held:  # read by the backward pass: a larger copy is held until then
+            size = [shard_bytes(b.shape, itemsize(b.dtype), s, analysis.mesh_shape, names)
+                    for s in src + dst]
+            src_b, dst_b = size[:len(src)], size[len(src):]
+            extra = np.array([[d if d > s else 0 for d in dst_b] for s in src_b], np.int64)
+            if extra.any():
+                edge_memory[key] = edge_memory.get(key, 0) + extra[np.ix_(src_of, dst_of)]
     copies: dict[int, list[int]] = {}  # a scan body's block -> its copy in every iteration
     for b in blocks:
         origin = analysis.graph.ops[b.seed].scan_origin
@@ -287,7 +296,8 @@ def build_problem(analysis, profile, memory_budget_bytes: int | None
             copies.setdefault(origin, []).append(b.index)
     ties = [(c[k], c[k + 1]) for c in copies.values() for k in range(len(c) - 1)]
     problem = Problem(groups, [len(b.strategies) for b in blocks], edges, memory_budget_bytes,
-                      ties, alike_blocks(analysis), reshards=reshards)
+                      ties, alike_blocks(analysis), reshards=reshards,
+                      edge_memory=edge_memory)
     return problem, combos
 
 
