@@ -191,7 +191,7 @@ def _spans(graph: Graph, ba: BlockAnalysis) -> dict[int, list[tuple[int, int, in
 
     source: dict[int, int] = {}
     for op in graph.ops:
-        if op.is_contraction:
+        if op.index in ba.owner and op.is_contraction:  # one of constants alone has no block
             fs = frozenset({ba.owner[op.index]})
             sid = interned.setdefault(fs, len(members))
             if sid == len(members):

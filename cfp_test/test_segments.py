@@ -141,3 +141,19 @@ def test_a_shared_value_and_its_gradient_are_priced_in_every_layer():
         assert priced(seg, (1, 4, 16, 16)) == (True, True)  # heads, source length twice
     # negative control: the first encoder layer makes the bias; it reads nothing before it
     assert priced(encoder[0], (1, 4, 16, 16)) == (False, False)
+
+
+def test_a_rotary_table_made_by_a_contraction_leaves_layers_repeating(monkeypatch):
+    """Layers that rotate queries and keys by one table of angles, an einsum of positions and
+    frequencies made once (``zoo_extra.rotary_table``): the einsum, computed from constants
+    alone, seeds no block, and each layer is a segment, as in the same model without the
+    table. Control: where it seeds a block, that block takes in what every layer computes
+    from the table, and the whole model is one segment."""
+    from cfp import blocks
+    for layers in (2, 4):
+        a = _analysis("zoo_extra:rotary_table", layers, (4,))
+        plain = _analysis("zoo_extra:reshape_attention", layers, (4,))
+        assert _profiled(a)[0] == _profiled(plain)[0] == [layers, 1]
+        assert sum(a.graph.ops[i].is_contraction for i in a.blocks.unclaimed) == 1
+    monkeypatch.setattr(blocks, "_varying", lambda graph: set(graph.values))
+    assert _profiled(_analysis.__wrapped__("zoo_extra:rotary_table", 4, (4,)))[0] == [1]

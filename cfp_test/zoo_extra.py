@@ -3,6 +3,8 @@
 - ``convnet``: two NHWC convolutions with ReLU, global mean pooling, a dense classifier.
 - ``einsum_net``: a chain of multi-dim einsum contractions (a factorized bilinear layer and a
   tensor-train style contraction), nothing a transformer preset would have.
+- ``reshape_attention``: transformer layers whose heads are split off by reshape;
+  ``rotary_table``: the same layers reading one rotary table made by an einsum.
 """
 from __future__ import annotations
 
@@ -100,9 +102,12 @@ def einsum_net_momentum_step():
 
 
 def reshape_attention(batch_size: int = 4, dtype: str = "float32", num_layers: int = 2,
-                      seq_len: int = 16, hidden: int = 32, num_heads: int = 4, **_) -> Workload:
+                      seq_len: int = 16, hidden: int = 32, num_heads: int = 4,
+                      rotary: bool = False, **_) -> Workload:
     """Pre-norm transformer layers written the common way: one [H, 3H] projection, heads
-    split off by reshape ([B, S, H] -> [B, S, nh, hd]) and merged back; tied embeddings."""
+    split off by reshape ([B, S, H] -> [B, S, nh, hd]) and merged back; tied embeddings.
+    With ``rotary``, every layer rotates its queries and keys by one table of angles, made
+    once as the outer product of positions and frequencies (an einsum: a contraction)."""
     dt = jnp.dtype(dtype)
     vocab, hd = 64, hidden // num_heads
 
@@ -122,10 +127,17 @@ def reshape_attention(batch_size: int = 4, dtype: str = "float32", num_layers: i
     def norm(h):
         return h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6)
 
-    def attention(p, h):
+    def rotate(t, angles):  # [B, S, nh, hd] by [S, hd / 2]
+        cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+        t1, t2 = t[..., :hd // 2], t[..., hd // 2:]
+        return jnp.concatenate([t1 * cos - t2 * sin, t2 * cos + t1 * sin], axis=-1)
+
+    def attention(p, h, angles):
         b, s, _ = h.shape
         q, k, v = jnp.split(norm(h) @ p["qkv"], 3, axis=-1)
         q, k, v = (t.reshape(b, s, num_heads, hd) for t in (q, k, v))
+        if angles is not None:
+            q, k = rotate(q, angles), rotate(k, angles)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(hd).astype(dt)
         mask = jnp.tril(jnp.ones((s, s), bool))
         w = jax.nn.softmax(jnp.where(mask, scores, -1e9), axis=-1)
@@ -134,12 +146,23 @@ def reshape_attention(batch_size: int = 4, dtype: str = "float32", num_layers: i
 
     def loss(p, b):
         h = p["embed"][b["x"]]
+        angles = None
+        if rotary:
+            frequencies = 10000.0 ** (-jnp.arange(hd // 2, dtype=dt) * 2 / hd)
+            angles = jnp.einsum("s,f->sf", jnp.arange(seq_len, dtype=dt), frequencies)
         for layer in p["layers"]:
-            h = attention(layer, h)
+            h = attention(layer, h, angles)
             h = h + jax.nn.gelu(norm(h) @ layer["up"]) @ layer["down"]
         return _ce(norm(h) @ p["embed"].T, b["y"])
 
-    return Workload("reshape_attention", "test", None, batch_size, dtype, init, batch, loss)
+    name = "rotary_table" if rotary else "reshape_attention"
+    return Workload(name, "test", None, batch_size, dtype, init, batch, loss)
+
+
+def rotary_table(batch_size: int = 4, dtype: str = "float32", num_layers: int = 2,
+                 **kw) -> Workload:
+    """``reshape_attention`` whose layers read one rotary table made by a contraction."""
+    return reshape_attention(batch_size, dtype, num_layers, rotary=True, **kw)
 
 
 def per_example_loss(batch_size: int = 8, dtype: str = "float32", **_) -> Workload:
