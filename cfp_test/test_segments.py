@@ -106,6 +106,21 @@ def _middle_only_windows(a):
     return out
 
 
+def test_the_reshardings_to_time_do_not_grow_with_depth():
+    """The profile times each (shape, dtype, source layout, destination layout) once, however
+    many boundaries need it: the encoder-decoder's boundaries grow with depth (every layer
+    reads the shared values across one), the reshardings to time do not. Control: the
+    boundaries do grow, so timing per boundary (per layer, per reader) would grow too."""
+    from cfp.passes.profile import needed_reshards
+    got = {}
+    for layers in (2, 4, 8):
+        a = _analysis("users_models:t5_shared", layers)
+        bounds = boundaries(a, split_windows(a, ProfileOptions().max_combinations)[0])
+        got[layers] = (len(bounds), needed_reshards(bounds, a.blocks.blocks, ("m0", "m1")))
+    assert got[2][1] == got[4][1] == got[8][1]
+    assert got[2][0] < got[4][0] < got[8][0]
+
+
 @pytest.mark.parametrize("model", ["gpt", "moe", "users_models:flax_dropout",
                                    "scanned_models:jax_stack", "scanned_models:jax_checkpoint"])
 def test_models_without_shared_values_keep_their_segments(monkeypatch, model):
