@@ -538,7 +538,6 @@ def _measure_reshards(state, options, items):
     from its compiled collectives; ``None`` where XLA could not compile or run it (on any
     process). The batch compiles in threads (XLA releases the GIL), then each is timed with
     nothing else running."""
-    from concurrent.futures import ThreadPoolExecutor
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
     from cfp.jax_compat import to_dtype
@@ -547,9 +546,7 @@ def _measure_reshards(state, options, items):
     producers = state.setdefault("producers", {})  # (shape, dtype, src) -> compiled
     wanted = [] if options.cost == "model" else [  # the reshardings are timed against them
         key for key in dict.fromkeys(k[:3] for k in items) if key not in producers]
-    with ThreadPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, 8))) as pool:
-        done = list(pool.map(lambda key: _compile_reshard(mesh, *key),
-                             list(items) + [key + (key[2],) for key in wanted]))
+    done = compile_reshards(mesh, list(items) + [key + (key[2],) for key in wanted])
     compiled = done[:len(items)]
     producers.update(zip(wanted, done[len(items):]))
     out = {}
@@ -573,6 +570,15 @@ def _measure_reshards(state, options, items):
                     os._exit(multihost.RUN_FAILED_EXIT)
                 out[key] = None
     return multihost.share(out)
+
+
+def compile_reshards(mesh, items, threads: int | None = None) -> list:
+    """``_compile_reshard`` of each ``(shape, dtype, src, dst)``, in ``threads`` threads (XLA
+    releases the GIL; by default one per core, at most 8)."""
+    from concurrent.futures import ThreadPoolExecutor
+    threads = threads or max(1, min(os.cpu_count() or 1, 8))
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        return list(pool.map(lambda key: _compile_reshard(mesh, *key), items))
 
 
 def _compile_reshard(mesh, shape, dtype, src, dst):
