@@ -154,7 +154,7 @@ class _Builder:
         self.loop_dims: list[tuple[LoopDim, ...]] = []
         self._chains: dict[int, list[Op]] = {}
         self.repeats = _repeats(graph)
-        self.varying = _varying(graph)
+        self.varying = computed_from_inputs(graph)
         self.comparisons = 0
 
     # -- helpers ------------------------------------------------------------------------------
@@ -437,7 +437,7 @@ class _Builder:
                              self.comparisons)
 
 
-def _varying(graph: Graph) -> set[int]:
+def computed_from_inputs(graph: Graph) -> set[int]:
     """The values computed from a step input (the others are constants: the same every
     step)."""
     out = {v for v, val in graph.values.items() if val.input_index is not None}

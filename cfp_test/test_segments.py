@@ -158,17 +158,28 @@ def test_a_shared_value_and_its_gradient_are_priced_in_every_layer():
     assert priced(encoder[0], (1, 4, 16, 16)) == (False, False)
 
 
-def test_a_rotary_table_made_by_a_contraction_leaves_layers_repeating(monkeypatch):
+@pytest.mark.parametrize("model", ["zoo_extra:rotary_angles", "zoo_extra:rotary_cosines"])
+def test_a_rotary_table_made_by_a_contraction_leaves_layers_repeating(monkeypatch, model):
     """Layers that rotate queries and keys by one table of angles, an einsum of positions and
-    frequencies made once (``zoo_extra.rotary_table``): the einsum, computed from constants
-    alone, seeds no block, and each layer is a segment, as in the same model without the
-    table. Control: where it seeds a block, that block takes in what every layer computes
-    from the table, and the whole model is one segment."""
+    frequencies made once (``zoo_extra.rotary_angles``; ``rotary_cosines``: its cosines and
+    sines made once too, in the first layer that reads them): the einsum, computed from
+    constants alone, seeds no block, the constants link no layer to another, and each layer
+    is a segment, as in the same model without the table. Controls: where the einsum seeds a
+    block, that block takes in what every layer computes from the table, and the whole model
+    is one segment; where constants link, the first layer, which makes the cosines and sines
+    read by all, differs from the others, and segments no longer start at layers."""
     from cfp import blocks
     for layers in (2, 4):
-        a = _analysis("zoo_extra:rotary_table", layers, (4,))
+        a = _analysis(model, layers, (4,))
         plain = _analysis("zoo_extra:reshape_attention", layers, (4,))
         assert _profiled(a)[0] == _profiled(plain)[0] == [layers, 1]
+        assert [(s.start, s.end) for s in a.segments.instances] == [
+            (s.start, s.end) for s in plain.segments.instances]
         assert sum(a.graph.ops[i].is_contraction for i in a.blocks.unclaimed) == 1
-    monkeypatch.setattr(blocks, "_varying", lambda graph: set(graph.values))
-    assert _profiled(_analysis.__wrapped__("zoo_extra:rotary_table", 4, (4,)))[0] == [1]
+    every = lambda graph: set(graph.values)  # noqa: E731
+    monkeypatch.setattr(blocks, "computed_from_inputs", every)
+    assert _profiled(_analysis.__wrapped__(model, 4, (4,)))[0] == [1]
+    monkeypatch.undo()
+    monkeypatch.setattr(segments, "computed_from_inputs", every)
+    linked = _analysis.__wrapped__(model, 4, (4,)).segments.instances
+    assert (linked == plain.segments.instances) == (model == "zoo_extra:rotary_angles")
