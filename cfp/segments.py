@@ -17,7 +17,8 @@
    would widen every cut it spans, and the layers that read it would merge into one piece.
 3. **Fingerprints.** A piece's fingerprint is, per block, its contractions (kinds, shapes,
    dimension numbers, dtypes) and how its seed's operands connect: to which blocks of the same
-   piece (by offset) or to something outside it.
+   piece (by offset) or to something outside it. Constants (computed from no step input, such
+   as rotary cosines made in the first layer that reads them) connect to nothing.
 4. **Segments.** The pieces split into *runs* (``_runs``): each the longest repetition of a
    unit of pieces (an encoder's layers, then a decoder's), or a stretch that repeats nothing.
    In each run the most frequent piece type (the earliest on ties) opens a segment at each of
