@@ -10,6 +10,9 @@ Built from the graph alone, with no knowledge of any model:
    dims: ``dY = X^T . G``. In a jaxpr of a ``jax.grad`` step these reuse the forward's variables.
    When several seeds fit (``q``, ``k``, ``v`` all read ``x``), the one whose cotangent ``G`` is
    also read by another backward contraction of that seed (its input gradient) wins.
+   A contraction computed from constants alone (a rotary table, the outer product of
+   positions and frequencies) seeds nothing: it is the same every step, and as a block it
+   would take in what every layer computes from it (step 3), joining the layers.
 2. **Labels.** Every tensor dim inside a block is labelled with the seed loop dim it follows, so
    each seed strategy fixes the layout of every member (see ``cfp.dims``).
 3. **Forward flow.** In program order, an unclaimed operator that reads a block's result joins
@@ -151,6 +154,7 @@ class _Builder:
         self.loop_dims: list[tuple[LoopDim, ...]] = []
         self._chains: dict[int, list[Op]] = {}
         self.repeats = _repeats(graph)
+        self.varying = computed_from_inputs(graph)
         self.comparisons = 0
 
     # -- helpers ------------------------------------------------------------------------------
@@ -248,6 +252,8 @@ class _Builder:
                 self.add(bi, dataclasses.replace(self.members[bi][repeated], op=c.index,
                                                  role="recompute"))
                 continue
+            if not any(v in self.varying for v in c.inputs):
+                continue  # computed from constants alone (a rotary table): the same each step
             found = []
             # A backward reads one of its seed's operands: only seeds sharing a root can match,
             # so the comparisons per contraction do not grow with depth.
@@ -429,6 +435,16 @@ class _Builder:
         unclaimed = tuple(op.index for op in self.g.ops if op.index not in self.owner)
         return BlockAnalysis(blocks, tuple(self.labels), dict(self.owner), unclaimed,
                              self.comparisons)
+
+
+def computed_from_inputs(graph: Graph) -> set[int]:
+    """The values computed from a step input (the others are constants: the same every
+    step)."""
+    out = {v for v, val in graph.values.items() if val.input_index is not None}
+    for op in graph.ops:
+        if any(v in out for v in op.inputs):
+            out.update(op.outputs)
+    return out
 
 
 def _repeats(graph: Graph) -> dict[int, int]:

@@ -17,7 +17,8 @@
    would widen every cut it spans, and the layers that read it would merge into one piece.
 3. **Fingerprints.** A piece's fingerprint is, per block, its contractions (kinds, shapes,
    dimension numbers, dtypes) and how its seed's operands connect: to which blocks of the same
-   piece (by offset) or to something outside it.
+   piece (by offset) or to something outside it. Constants (computed from no step input, such
+   as rotary cosines made in the first layer that reads them) connect to nothing.
 4. **Segments.** The pieces split into *runs* (``_runs``): each the longest repetition of a
    unit of pieces (an encoder's layers, then a decoder's), or a stretch that repeats nothing.
    In each run the most frequent piece type (the earliest on ties) opens a segment at each of
@@ -35,7 +36,7 @@ import collections
 import dataclasses
 import re
 
-from cfp.blocks import LAYOUT_OPS, BlockAnalysis
+from cfp.blocks import LAYOUT_OPS, BlockAnalysis, computed_from_inputs
 from cfp.graph import Graph
 
 
@@ -71,7 +72,9 @@ def find_segments(graph: Graph, ba: BlockAnalysis) -> SegmentAnalysis:
         starts = [0] + [c for c in range(1, n) if widths[c - 1] == narrow]
     pieces = list(zip(starts, starts[1:] + [n]))
     interned: dict[tuple, int] = {}
-    piece_fp = [interned.setdefault(_range_fingerprint(graph, ba, s, e), len(interned))
+    varying = computed_from_inputs(graph)
+    piece_fp = [interned.setdefault(_range_fingerprint(graph, ba, s, e, varying),
+                                    len(interned))
                 for s, e in pieces]
     groups: list[list[int]] = []
     for lo, hi in _runs(piece_fp):
@@ -191,7 +194,7 @@ def _spans(graph: Graph, ba: BlockAnalysis) -> dict[int, list[tuple[int, int, in
 
     source: dict[int, int] = {}
     for op in graph.ops:
-        if op.is_contraction:
+        if op.index in ba.owner and op.is_contraction:  # one of constants alone has no block
             fs = frozenset({ba.owner[op.index]})
             sid = interned.setdefault(fs, len(members))
             if sid == len(members):
@@ -331,23 +334,27 @@ def block_fingerprint(graph: Graph, ba: BlockAnalysis, b: int) -> tuple:
             len(block.strategies))
 
 
-def _range_fingerprint(graph: Graph, ba: BlockAnalysis, start: int, end: int) -> tuple:
+def _range_fingerprint(graph: Graph, ba: BlockAnalysis, start: int, end: int,
+                       varying: set[int]) -> tuple:
     fp = []
     for b in range(start, end):
         seed = graph.ops[ba.blocks[b].seed]
-        links = tuple(_sources_in_range(graph, ba, v, start, end) for v in seed.inputs[:2])
+        links = tuple(_sources_in_range(graph, ba, v, start, end, varying)
+                      for v in seed.inputs[:2])
         fp.append((block_fingerprint(graph, ba, b), links))
     return tuple(fp)
 
 
-def _sources_in_range(graph: Graph, ba: BlockAnalysis, value: int, start: int, end: int):
+def _sources_in_range(graph: Graph, ba: BlockAnalysis, value: int, start: int, end: int,
+                      varying: set[int]):
     """Nearest contractions feeding ``value``: as offsets of blocks inside the range, or
-    'out' for anything outside it."""
+    'out' for anything outside it. Constants (values computed from no step input, such as
+    a rotary table's cosines, made in whichever layer reads them first) link to nothing."""
     found: set = set()
     stack, seen = [value], set()
     while stack:
         v = stack.pop()
-        if v in seen:
+        if v in seen or v not in varying:
             continue
         seen.add(v)
         op = graph.producer_op(v)

@@ -539,44 +539,65 @@ def _measure_reshards(state, options, items):
     """Per resharding ``(seconds, interval low, interval high)``: timed after the op
     producing its value (``measure.time_in_context``), or with ``cost == "model"`` priced
     from its compiled collectives; ``None`` where XLA could not compile or run it (on any
-    process)."""
-    import jax
+    process). The batch compiles in threads (XLA releases the GIL), then each is timed with
+    nothing else running."""
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
     from cfp.jax_compat import to_dtype
     from cfp.measure import model_cost, time_in_context
     mesh = state["mesh"]
+    producers = state.setdefault("producers", {})  # (shape, dtype, src) -> compiled
+    wanted = [] if options.cost == "model" else [  # the reshardings are timed against them
+        key for key in dict.fromkeys(k[:3] for k in items) if key not in producers]
+    done = compile_reshards(mesh, list(items) + [key + (key[2],) for key in wanted])
+    compiled = done[:len(items)]
+    producers.update(zip(wanted, done[len(items):]))
     out = {}
-    for shape, dtype, src, dst in items:
-        s_src = NamedSharding(mesh, PartitionSpec(*src))
-        s_dst = NamedSharding(mesh, PartitionSpec(*dst))
-        key = (shape, dtype, src, dst)
-        op = _producer_op(dtype)
-        arg = jax.ShapeDtypeStruct(shape, to_dtype(dtype), sharding=s_src)
-        producers = state.setdefault("producers", {})  # (shape, dtype, src) -> compiled
-        try:
-            with_reshard = jax.jit(op, in_shardings=s_src, out_shardings=s_dst).lower(
-                arg).compile()
-            if options.cost != "model" and key[:3] not in producers:  # timed against it
-                producers[key[:3]] = jax.jit(op, in_shardings=s_src,
-                                             out_shardings=s_src).lower(arg).compile()
-        except JAX_ERRORS:
-            with_reshard = None
-        if not all(multihost.gather(with_reshard is not None)):
+    for key, with_reshard in zip(items, compiled):
+        shape, dtype, src, _ = key
+        producer = producers.get(key[:3])
+        runs = with_reshard is not None and (options.cost == "model" or producer is not None)
+        if not all(multihost.gather(runs)):
             out[key] = None
         elif options.cost == "model":  # priced from its collectives: no data needed
             t = model_cost(with_reshard, tuple(mesh.devices.shape), options.cost_model)[0]
             out[key] = (t, t, t)
         else:
-            x = multihost.put(np.ones(shape, to_dtype(dtype)), s_src)
+            x = multihost.put(np.ones(shape, to_dtype(dtype)),
+                              NamedSharding(mesh, PartitionSpec(*src)))
             try:
-                out[key] = time_in_context(producers[key[:3]], with_reshard, (x,))
+                out[key] = time_in_context(producer, with_reshard, (x,))
             except JAX_ERRORS as e:
                 if multihost.processes() > 1:  # the others wait on this run: all workers end
                     log.error("resharding %s failed running: %s", key, e)
                     os._exit(multihost.RUN_FAILED_EXIT)
                 out[key] = None
     return multihost.share(out)
+
+
+def compile_reshards(mesh, items, threads: int | None = None) -> list:
+    """``_compile_reshard`` of each ``(shape, dtype, src, dst)``, in ``threads`` threads (XLA
+    releases the GIL; by default one per core, at most 8)."""
+    from concurrent.futures import ThreadPoolExecutor
+    threads = threads or max(1, min(os.cpu_count() or 1, 8))
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        return list(pool.map(lambda key: _compile_reshard(mesh, *key), items))
+
+
+def _compile_reshard(mesh, shape, dtype, src, dst):
+    """The op producing a value of ``shape`` and ``dtype`` laid out as ``src``, its result
+    laid out as ``dst``, compiled; None where XLA cannot."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+    from cfp.jax_compat import to_dtype
+    s_src = NamedSharding(mesh, PartitionSpec(*src))
+    s_dst = NamedSharding(mesh, PartitionSpec(*dst))
+    arg = jax.ShapeDtypeStruct(shape, to_dtype(dtype), sharding=s_src)
+    try:
+        return jax.jit(_producer_op(dtype), in_shardings=s_src, out_shardings=s_dst).lower(
+            arg).compile()
+    except JAX_ERRORS:
+        return None
 
 
 def _producer_op(dtype: str):

@@ -66,15 +66,22 @@ def test_layers_that_read_shared_values_repeat(monkeypatch):
     """An encoder-decoder whose layers read values no layer owns (each stack's position
     bias, made in its first layer; the encoder's output, in every decoder layer): the encoder
     and the decoder each form a segment type with one instance per layer, and the profile's
-    window types and combinations stay constant with depth. At 2 layers there are fewer:
-    each stack has a first and a last layer (the first makes the bias, the last starts
-    summing its gradient) but no middle one."""
+    window types and combinations are constant from 3 layers on. A stack has a first layer
+    (it makes the bias), a last one (its backward pass starts summing the bias's gradient)
+    and, from 3 layers on, middle ones; at 2 layers the windows of a middle layer that match
+    neither the first's nor the last's at their offset have no instance, so there are that
+    many window types fewer (one per stack), and their combinations."""
     counts = {layers: _profiled(_analysis("users_models:t5_shared", layers))
-              for layers in (2, 4, 8)}
+              for layers in (2, 3, 4, 8)}
     for layers, (instances, _, _) in counts.items():
         assert instances == [layers, layers, 1]  # encoder layers, decoder layers, the head
-    assert counts[4][1:] == counts[8][1:]
-    assert counts[2][1:] <= counts[4][1:]
+    assert counts[3][1:] == counts[4][1:] == counts[8][1:]
+    middle_only = _middle_only_windows(_analysis("users_models:t5_shared", 3))
+    assert len(middle_only) == 2  # one per stack: the 2-layer count differs (the control)
+    a3 = _analysis("users_models:t5_shared", 3)
+    assert counts[2][1] == counts[3][1] - len(middle_only)
+    assert counts[2][2] == counts[3][2] - sum(math.prod(window_space(a3, w))
+                                              for w in middle_only)
     # negative control: without common values the whole model is one segment, and what the
     # profile measures grows with depth
     monkeypatch.setattr(segments, "common_values",
@@ -82,6 +89,36 @@ def test_layers_that_read_shared_values_repeat(monkeypatch):
     a2, a4 = (_analysis.__wrapped__("users_models:t5_shared", n) for n in (2, 4))
     assert _profiled(a2)[0] == _profiled(a4)[0] == [1]
     assert _profiled(a4)[1:] > _profiled(a2)[1:]
+
+
+def _middle_only_windows(a):
+    """The windows of a 3-layer model's middle layers whose operators match neither the
+    first layer's nor the last layer's window at the same offset of the layer."""
+    windows, _ = split_windows(a, ProfileOptions().max_combinations)
+    out = []
+    for t in range(a.segments.num_types):
+        layers = [s for s in a.segments.instances if s.type == t]
+        if len(layers) < 3:
+            continue
+        per_layer = [[w for w in windows if s.start <= w.start < s.end] for s in layers]
+        first, middle, last = per_layer[0], per_layer[1], per_layer[-1]
+        out += [w for w, f, z in zip(middle, first, last) if w.type not in (f.type, z.type)]
+    return out
+
+
+def test_the_reshardings_to_time_do_not_grow_with_depth():
+    """The profile times each (shape, dtype, source layout, destination layout) once, however
+    many boundaries need it: the encoder-decoder's boundaries grow with depth (every layer
+    reads the shared values across one), the reshardings to time do not. Control: the
+    boundaries do grow, so timing per boundary (per layer, per reader) would grow too."""
+    from cfp.passes.profile import needed_reshards
+    got = {}
+    for layers in (2, 4, 8):
+        a = _analysis("users_models:t5_shared", layers)
+        bounds = boundaries(a, split_windows(a, ProfileOptions().max_combinations)[0])
+        got[layers] = (len(bounds), needed_reshards(bounds, a.blocks.blocks, ("m0", "m1")))
+    assert got[2][1] == got[4][1] == got[8][1]
+    assert got[2][0] < got[4][0] < got[8][0]
 
 
 @pytest.mark.parametrize("model", ["gpt", "moe", "users_models:flax_dropout",
@@ -119,3 +156,30 @@ def test_a_shared_value_and_its_gradient_are_priced_in_every_layer():
         assert priced(seg, (1, 4, 16, 16)) == (True, True)  # heads, source length twice
     # negative control: the first encoder layer makes the bias; it reads nothing before it
     assert priced(encoder[0], (1, 4, 16, 16)) == (False, False)
+
+
+@pytest.mark.parametrize("model", ["zoo_extra:rotary_angles", "zoo_extra:rotary_cosines"])
+def test_a_rotary_table_made_by_a_contraction_leaves_layers_repeating(monkeypatch, model):
+    """Layers that rotate queries and keys by one table of angles, an einsum of positions and
+    frequencies made once (``zoo_extra.rotary_angles``; ``rotary_cosines``: its cosines and
+    sines made once too, in the first layer that reads them): the einsum, computed from
+    constants alone, seeds no block, the constants link no layer to another, and each layer
+    is a segment, as in the same model without the table. Controls: where the einsum seeds a
+    block, that block takes in what every layer computes from the table, and the whole model
+    is one segment; where constants link, the first layer, which makes the cosines and sines
+    read by all, differs from the others, and segments no longer start at layers."""
+    from cfp import blocks
+    for layers in (2, 4):
+        a = _analysis(model, layers, (4,))
+        plain = _analysis("zoo_extra:reshape_attention", layers, (4,))
+        assert _profiled(a)[0] == _profiled(plain)[0] == [layers, 1]
+        assert [(s.start, s.end) for s in a.segments.instances] == [
+            (s.start, s.end) for s in plain.segments.instances]
+        assert sum(a.graph.ops[i].is_contraction for i in a.blocks.unclaimed) == 1
+    every = lambda graph: set(graph.values)  # noqa: E731
+    monkeypatch.setattr(blocks, "computed_from_inputs", every)
+    assert _profiled(_analysis.__wrapped__(model, 4, (4,)))[0] == [1]
+    monkeypatch.undo()
+    monkeypatch.setattr(segments, "computed_from_inputs", every)
+    linked = _analysis.__wrapped__(model, 4, (4,)).segments.instances
+    assert (linked == plain.segments.instances) == (model == "zoo_extra:rotary_angles")

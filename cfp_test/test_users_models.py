@@ -95,7 +95,9 @@ def test_reshaped_heads_through_three_passes(tmp_path, capsys, mesh):
 
 
 @pytest.mark.parametrize("model", ["zoo_extra:reshape_attention",
-                                   "users_models:flax_dropout_rng"])
+                                   "users_models:flax_dropout_rng",
+                                   pytest.param("zoo_extra:rotary_cosines",
+                                                marks=pytest.mark.slow)])
 def test_users_models_sharded_step_matches_single_device_on_2x4(model):
     spec = WorkloadSpec(model, None, None, "float32", ()).resolved()
     a = run_analysis(spec, (2, 4))

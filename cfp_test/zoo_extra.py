@@ -3,6 +3,9 @@
 - ``convnet``: two NHWC convolutions with ReLU, global mean pooling, a dense classifier.
 - ``einsum_net``: a chain of multi-dim einsum contractions (a factorized bilinear layer and a
   tensor-train style contraction), nothing a transformer preset would have.
+- ``reshape_attention``: transformer layers whose heads are split off by reshape;
+  ``rotary_angles``, ``rotary_cosines``: the same layers reading one rotary table made by an
+  einsum (its angles, or its cosines and sines made once).
 """
 from __future__ import annotations
 
@@ -100,9 +103,14 @@ def einsum_net_momentum_step():
 
 
 def reshape_attention(batch_size: int = 4, dtype: str = "float32", num_layers: int = 2,
-                      seq_len: int = 16, hidden: int = 32, num_heads: int = 4, **_) -> Workload:
+                      seq_len: int = 16, hidden: int = 32, num_heads: int = 4,
+                      rotary: str | None = None, **_) -> Workload:
     """Pre-norm transformer layers written the common way: one [H, 3H] projection, heads
-    split off by reshape ([B, S, H] -> [B, S, nh, hd]) and merged back; tied embeddings."""
+    split off by reshape ([B, S, H] -> [B, S, nh, hd]) and merged back; tied embeddings.
+    With ``rotary``, every layer rotates its queries and keys by one table of angles, made
+    once as the outer product of positions and frequencies (an einsum: a contraction):
+    each layer takes its cosines and sines (``"angles"``), or every layer reads the ones
+    made once (``"cosines"``)."""
     dt = jnp.dtype(dtype)
     vocab, hd = 64, hidden // num_heads
 
@@ -122,10 +130,20 @@ def reshape_attention(batch_size: int = 4, dtype: str = "float32", num_layers: i
     def norm(h):
         return h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6)
 
-    def attention(p, h):
+    def cosines(angles):  # [S, hd / 2] -> [S, 1, hd / 2] twice
+        return jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+
+    def rotate(t, table):  # [B, S, nh, hd]
+        cos, sin = cosines(table) if rotary == "angles" else table
+        t1, t2 = t[..., :hd // 2], t[..., hd // 2:]
+        return jnp.concatenate([t1 * cos - t2 * sin, t2 * cos + t1 * sin], axis=-1)
+
+    def attention(p, h, table):
         b, s, _ = h.shape
         q, k, v = jnp.split(norm(h) @ p["qkv"], 3, axis=-1)
         q, k, v = (t.reshape(b, s, num_heads, hd) for t in (q, k, v))
+        if table is not None:
+            q, k = rotate(q, table), rotate(k, table)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(hd).astype(dt)
         mask = jnp.tril(jnp.ones((s, s), bool))
         w = jax.nn.softmax(jnp.where(mask, scores, -1e9), axis=-1)
@@ -134,12 +152,32 @@ def reshape_attention(batch_size: int = 4, dtype: str = "float32", num_layers: i
 
     def loss(p, b):
         h = p["embed"][b["x"]]
+        table = None
+        if rotary:
+            frequencies = 10000.0 ** (-jnp.arange(hd // 2, dtype=dt) * 2 / hd)
+            table = jnp.einsum("s,f->sf", jnp.arange(seq_len, dtype=dt), frequencies)
+            table = table if rotary == "angles" else cosines(table)
         for layer in p["layers"]:
-            h = attention(layer, h)
+            h = attention(layer, h, table)
             h = h + jax.nn.gelu(norm(h) @ layer["up"]) @ layer["down"]
         return _ce(norm(h) @ p["embed"].T, b["y"])
 
-    return Workload("reshape_attention", "test", None, batch_size, dtype, init, batch, loss)
+    name = f"rotary_{rotary}" if rotary else "reshape_attention"
+    return Workload(name, "test", None, batch_size, dtype, init, batch, loss)
+
+
+def rotary_angles(batch_size: int = 4, dtype: str = "float32", num_layers: int = 2,
+                  **kw) -> Workload:
+    """``reshape_attention`` whose layers read one table of rotary angles made by an einsum,
+    each taking its cosines and sines."""
+    return reshape_attention(batch_size, dtype, num_layers, rotary="angles", **kw)
+
+
+def rotary_cosines(batch_size: int = 4, dtype: str = "float32", num_layers: int = 2,
+                   **kw) -> Workload:
+    """``reshape_attention`` whose layers read one rotary table's cosines and sines, made
+    once from angles made by an einsum."""
+    return reshape_attention(batch_size, dtype, num_layers, rotary="cosines", **kw)
 
 
 def per_example_loss(batch_size: int = 8, dtype: str = "float32", **_) -> Workload:

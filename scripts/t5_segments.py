@@ -1,6 +1,6 @@
 """Hugging Face's Flax T5 (a small configuration) through cfp's analysis on a 2x4 mesh:
 segments, window types, the combinations and reshardings the profile would time, at 2, 4 and
-8 layers per stack.
+8 layers per stack; with ``--profile L``, the measured profile of L layers per stack, timed.
 
 T5 hands every layer of a stack the relative-position bias its first layer computed, and every
 decoder layer the encoder's output: values no layer owns (``cfp.segments.common_values``).
@@ -9,6 +9,8 @@ its ``jnp.clip(a_min=..., a_max=...)`` calls are mapped onto ``jnp.clip(min=...,
 
 Usage:
     PYTHONPATH=scripts python scripts/t5_segments.py > scripts/results/<date>-t5-segments-cpu.txt
+    PYTHONPATH=scripts python scripts/t5_segments.py --profile 2 \
+        > scripts/results/<date>-t5-profile-cpu.txt
 """
 from __future__ import annotations
 
@@ -98,16 +100,46 @@ def counts(num_layers: int, mesh_shape=(2, 4), max_combinations: int = 32) -> di
     }
 
 
+def profile(num_layers: int, mesh_shape=(2, 4)) -> dict:
+    """The measured profile (cfp's defaults) of ``num_layers`` per stack: wall seconds, per
+    phase too, and what it timed."""
+    from cfp.passes.analysis import run_analysis
+    from cfp.passes.profile import ProfileOptions, run_profile
+    from cfp.workloads import WorkloadSpec
+    spec = WorkloadSpec("t5_segments:hf_t5", None, None, "float32",
+                        (("num_layers", num_layers),)).resolved()
+    a = run_analysis(spec, mesh_shape)
+    rec = run_profile(a, ProfileOptions())
+    return {"layers": num_layers, "profile_s": f"{rec.time_s:.1f}",
+            "window types": len(rec.representatives),
+            "combinations": sum(len(p.results) for p in rec.window_profiles.values()),
+            "compiled": rec.compiled, "reshardings": len(rec.reshard_s),
+            "phases_s": " ".join(f"{k}={v:.1f}" for k, v in rec.phase_s.items())}
+
+
 def main():
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", type=int, metavar="LAYERS",
+                        help="run the measured profile at this many layers per stack, timed")
+    args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "scripts"))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                             capture_output=True, text=True).stdout.strip()
     import cfp
     print(f"# scripts/t5_segments.py at {commit}, cfp from {Path(cfp.__file__).parent}, "
           f"{os.cpu_count()} cores, mesh 2x4 of virtual CPU devices, max_combinations 32")
+    if args.profile:
+        print(f"# load average before: {_load()}", flush=True)
+        row = profile(args.profile)
+        print(f"# load average after: {_load()}")
+        print("  ".join(f"{k}={v}" for k, v in row.items()))
+        return
     for n in (2, 4, 8):
         print("  ".join(f"{k}={v}" for k, v in counts(n).items()), flush=True)
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg()) + " (1, 5, 15 min)"
 
 
 if __name__ == "__main__":
