@@ -135,3 +135,55 @@ def test_a_gradient_split_otherwise_by_its_block_keeps_its_layout():
         assert (constraints[dot][1][0] == head) == kept, (head, constraints[dot])
         if not kept:
             assert constraints[dot][1][0] == ("m0", "m1")
+
+
+def test_where_xla_holds_more_than_composed_search_calibrates_and_fits(analytic_problem,
+                                                                      monkeypatch):
+    """XLA's step can hold more than the composition counts for parameters kept whole
+    (copies, gradients awaiting one reduction). Standing in for XLA here: a compiled peak
+    of the composed memory plus half the bytes of the parameters each window keeps whole.
+    Under a budget that the first predictions fit only as composed, search calibrates the
+    composition from their compiled peaks and solves again: its predictions fit, and their
+    memory stays the uncalibrated composition. Control: without calibrating, none fits."""
+    import dataclasses
+    import cfp.execute
+    import cfp.measure
+    import cfp.passes.search as search
+    from cfp.solver import evaluate
+    spec, analysis, profile, build_problem = analytic_problem
+    problem, _ = build_problem(analysis, profile, None)
+    windows, g = profile.windows, analysis.graph
+    whole = search.whole_param_bytes(analysis, problem, windows)
+
+    def choices(strategies, storage):
+        layouts = storage.layouts(len(g.state_pairs()))
+        out = []
+        for w, grp in zip(windows, problem.groups):
+            combo = tuple(strategies[b] for b in range(w.start, w.end))
+            held = held_state(analysis, w)
+            combo += (STATE_LAYOUTS.index(layouts[held[0]]),) if held else ()
+            out.append(next(k for k, o in enumerate(grp.options) if o.strategies == combo))
+        return out
+
+    def xla_peak(c):
+        return evaluate(problem, c)[1] + sum(w[k] for w, k in zip(whole, c)) // 2
+
+    class Step:  # compiles nothing: its peak is xla_peak's
+        def __init__(self, program, analysis, strategies, mesh, storage):
+            self.compiled = xla_peak(choices(strategies, storage))
+
+        def compile(self):
+            pass
+
+    monkeypatch.setattr(cfp.execute, "PlannedStep", Step)
+    monkeypatch.setattr(cfp.measure, "memory_of", lambda peak: {"peak_bytes": peak})
+    free = search.predicted_plans(problem, 3, 30.0)
+    budget = min(xla_peak(s.choices) for s in free) - 1  # the free predictions do not fit
+    options = search.SearchOptions(budget, time_limit_s=30.0)
+    tight = dataclasses.replace(problem, memory_budget=budget)
+    sols, _ = search.fitting_predictions(analysis, tight, profile, options, None, None)
+    assert min(xla_peak(s.choices) for s in sols) <= budget
+    assert all(s.memory == evaluate(problem, s.choices)[1] for s in sols)
+    monkeypatch.setattr(search, "CALIBRATIONS", 1)  # control
+    sols, _ = search.fitting_predictions(analysis, tight, profile, options, None, None)
+    assert max(s.memory for s in sols) <= budget < min(xla_peak(s.choices) for s in sols)

@@ -163,21 +163,33 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
     return rec
 
 
-CALIBRATIONS = 3  # most solves against a budget scaled to what XLA holds
+CALIBRATIONS = 3  # most solves against a composition calibrated to what XLA holds
 
 
 def fitting_predictions(analysis, problem: Problem, profile, options: SearchOptions, program,
                         mesh) -> tuple[list[Solution], dict]:
     """``predicted_plans``, at least one of which fits the budget once compiled. The
-    composition can count less than XLA holds (split state gathered early, say): where every
-    prediction's compiled peak is over the budget, the budget the solver composes against is
-    scaled by the composed / compiled ratio of the prediction closest to fitting and the
-    plans are solved again, up to ``CALIBRATIONS`` times. Each is compiled, not run; the
-    compiled steps are returned too (choices -> ``PlannedStep``), for validation to run."""
+    composition can count less than XLA holds. Where every prediction's compiled peak is
+    over the budget, it is calibrated and the plans are solved again, up to
+    ``CALIBRATIONS`` times:
+
+    - What the whole step holds beyond the composition is, first, attributed to the
+      parameters the predictions keep whole (state layouts ``plan`` and ``zero1``: XLA holds
+      copies of them and their gradients, awaiting one combined reduction, longer than their
+      windows do; ``scripts/composed_memory.py --peak-top`` lists them). Every option then
+      counts its whole-kept parameters' bytes times the smallest such excess per byte among
+      the predictions.
+    - Where the predictions keep no parameter whole, the budget the solver composes against
+      is scaled by the composed / compiled ratio of the prediction closest to fitting.
+
+    Each prediction is compiled, not run; the compiled steps are returned too (choices ->
+    ``PlannedStep``), for validation to run. The solutions' memory is the uncalibrated
+    composition."""
     from cfp.execute import PlannedStep
     from cfp.measure import memory_of
-    budget = problem.memory_budget
+    budget, composed = problem.memory_budget, problem
     sols, compiled = predicted_plans(problem, options.validate_top, options.time_limit_s), {}
+    whole = whole_param_bytes(analysis, problem, profile.windows) if budget else []
 
     def peak(sol) -> int:
         ps = PlannedStep(program, analysis, sol.strategies, mesh,
@@ -192,15 +204,51 @@ def fitting_predictions(analysis, problem: Problem, profile, options: SearchOpti
         peaks = [peak(s) for s in sols]
         if min(peaks) <= budget:
             break
-        ratio = max(s.memory / p for s, p in zip(sols, peaks))
-        problem = dataclasses.replace(problem, memory_budget=int(problem.memory_budget * ratio))
-        log.info("no prediction fits once compiled (peaks %s); solving against %d bytes",
-                 peaks, problem.memory_budget)
+        kept_whole = [sum(w[c] for w, c in zip(whole, s.choices)) for s in sols]
+        if all(kept_whole):
+            per_byte = max(0.0, min((p - s.memory) / n
+                                    for s, p, n in zip(sols, peaks, kept_whole)))
+            problem = dataclasses.replace(problem, groups=[
+                dataclasses.replace(grp, options=[
+                    dataclasses.replace(o, memory=o.memory + int(per_byte * w[k]))
+                    for k, o in enumerate(grp.options)])
+                for grp, w in zip(problem.groups, whole)])
+            log.info("no prediction fits once compiled (peaks %s); parameters kept whole "
+                     "count %.2f times their bytes more", peaks, per_byte)
+        else:
+            ratio = max(s.memory / p for s, p in zip(sols, peaks))
+            problem = dataclasses.replace(problem,
+                                          memory_budget=int(problem.memory_budget * ratio))
+            log.info("no prediction fits once compiled (peaks %s); solving against %d bytes",
+                     peaks, problem.memory_budget)
         try:
             sols = predicted_plans(problem, options.validate_top, options.time_limit_s)
-        except CfpError:  # nothing composes within the scaled budget: keep the last
+        except CfpError:  # nothing composes within the calibrated budget: keep the last
             break
-    return sols, compiled
+    return [dataclasses.replace(s, memory=evaluate(composed, s.choices)[1])
+            for s in sols], compiled
+
+
+def whole_param_bytes(analysis, problem: Problem, windows) -> list[list[int]]:
+    """Per group, per option: the bytes per device, as its blocks compute with them, of the
+    parameters the window holds and its state layout keeps whole (``plan``, ``zero1``)."""
+    from cfp.sharding import state_kinds
+    from cfp.windows import term_sizers
+    g, names = analysis.graph, ("m0", "m1", "m2")[:len(analysis.mesh_shape)]
+    kinds, pairs = state_kinds(g), g.state_pairs()
+    out = []
+    for w, grp in zip(windows, problem.groups):
+        params = {pairs[k][0] for k in held_state(analysis, w) if kinds[k] == "param"}
+        terms = [t for t in memory_terms(analysis, w).adding if t[0] in params]
+        row = []
+        for o in grp.options:
+            if not terms or state_layout(analysis, w, o.strategies) == "fsdp":
+                row.append(0)
+                continue
+            size = term_sizers(analysis, w, o.strategies, names)[0]
+            row.append(sum(size(*t, stored=False) for t in terms))
+        out.append(row)
+    return out
 
 
 def plan_storage(analysis, problem: Problem, windows, choices) -> Storage:
