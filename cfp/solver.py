@@ -329,26 +329,24 @@ def solve_alike(problem: Problem, *, time_limit_s: float = 60.0, exclude=()
         groups.append(Group(first.blocks, opts))
         origin.append(gs)
     position = {b: (q, k) for q, grp in enumerate(groups) for k, b in enumerate(grp.blocks)}
-    edges: dict = {}
-    for (i, j), table in problem.edges.items():
-        ri, rj = rep_of[i], rep_of[j]
-        if ri == rj:  # both sides in one class: a cost on the diagonal, folded into options
-            q, k = position[ri]
-            diag = np.diagonal(np.asarray(table))
-            groups[q] = Group(groups[q].blocks, [dataclasses.replace(
-                o, cost=o.cost + int(diag[o.strategies[k]])) for o in groups[q].options])
-            continue
-        edges[ri, rj] = edges.get((ri, rj), 0) + np.asarray(table)
-    edge_memory: dict = {}
-    for (i, j), table in problem.edge_memory.items():
-        ri, rj = rep_of[i], rep_of[j]
-        if ri == rj:  # both sides in one class: on the diagonal, folded into options
-            q, k = position[ri]
-            diag = np.diagonal(np.asarray(table))
-            groups[q] = Group(groups[q].blocks, [dataclasses.replace(
-                o, memory=o.memory + int(diag[o.strategies[k]])) for o in groups[q].options])
-            continue
-        edge_memory[ri, rj] = edge_memory.get((ri, rj), 0) + np.asarray(table)
+    def quotient_edges(tables: dict, field: str) -> dict:
+        """Edge tables between classes; one inside a class is on its diagonal, folded into
+        the options' ``field`` (cost or memory)."""
+        out: dict = {}
+        for (i, j), table in tables.items():
+            ri, rj = rep_of[i], rep_of[j]
+            if ri == rj:
+                q, k = position[ri]
+                diag = np.diagonal(np.asarray(table))
+                groups[q] = Group(groups[q].blocks, [dataclasses.replace(
+                    o, **{field: getattr(o, field) + int(diag[o.strategies[k]])})
+                    for o in groups[q].options])
+                continue
+            out[ri, rj] = out.get((ri, rj), 0) + np.asarray(table)
+        return out
+
+    edges = quotient_edges(problem.edges, "cost")
+    edge_memory = quotient_edges(problem.edge_memory, "memory")
     ties = sorted({(rep_of[i], rep_of[j]) for i, j in list(problem.ties) + list(problem.alike)
                    if rep_of[i] != rep_of[j]})
     quotient_of = {g: q for q, gs in enumerate(origin) for g in gs}
