@@ -296,12 +296,16 @@ def _gb(nbytes: float) -> str:
             f"{nbytes / 2**20:.3g} MB")
 
 
-def hand_plan_times(analysis, rec) -> dict[str, float]:
-    """Median seconds per step of every hand plan search ran: a baseline candidate, or a
-    candidate of cfp's that is the same program as a hand plan."""
+def hand_plan_times(analysis, rec, memory_budget_bytes: int | None = None
+                    ) -> dict[str, float]:
+    """Median seconds per step of every hand plan search ran whose compiled peak fits the
+    budget: a baseline candidate, or a candidate of cfp's that is the same program as a hand
+    plan."""
     from cfp.describe import same_programs
     out: dict[str, float] = {}
     for c in rec.candidates:
+        if memory_budget_bytes is not None and c.compiled_peak_bytes > memory_budget_bytes:
+            continue
         names = ([c.source.removeprefix("baseline ")] if c.source.startswith("baseline ")
                  else same_programs(analysis, c.strategies, c.storage))
         for name in names:
@@ -342,12 +346,13 @@ def search_console(rec, analysis, devices: int, memory_budget_bytes: int | None,
         f"and {len(words) - 2} more groups of segments (debug_search/plan.png draws them all)"]
     for line in shown:
         say(f"  {line}")
-    hand = hand_plan_times(analysis, rec)
+    hand = hand_plan_times(analysis, rec, memory_budget_bytes)
+    fitting = " that fits" if memory_budget_bytes else ""
     if hand:
         best = min(hand, key=hand.get)
-        vs = f"; best hand plan run: {best} {_ms(hand[best])}"
+        vs = f"; best hand plan run{fitting}: {best} {_ms(hand[best])}"
     else:
-        vs = "; no hand plan was run"
+        vs = f"; no hand plan{fitting} was run"
     say(f"step time: {_ms(plan.median_s)} (predicted {_ms(plan.predicted_s)}){vs}")
     budget = f", budget {_gb(memory_budget_bytes)}" if memory_budget_bytes else ""
     say(f"memory per device: {_gb(rec.memory['peak_bytes'])} compiled "

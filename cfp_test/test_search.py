@@ -67,7 +67,7 @@ def test_three_passes_plan_json_and_user_jit(tmp_path, capsys):
                   "searched ParallelBlock Strategies solution (", "searched training cost",
                   "TFLOP_COUNT: ", "use it: plan = cfp.Plan.load("):
         assert sum(x.startswith(start) for x in lines) == 1, (start, out)
-    assert "best hand plan run: " in out and "memory_cost (GB per device):" in out
+    assert "best hand plan run that fits: " in out and "memory_cost (GB per device):" in out
     rec = read_record(tmp_path / "search.pkl", SEARCH_FORMAT, None, hint="")
     candidates = json.loads((tmp_path / "debug_search" / "report.json").read_text())["candidates"]
     assert [c["source"] for c in candidates] == [c.source for c in rec.candidates]
