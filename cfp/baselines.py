@@ -36,6 +36,7 @@ from pathlib import Path
 from cfp import dims as dimrules
 from cfp.errors import CfpError
 from cfp.strategies import Strategy, op_loop_dims, strategy_name
+from cfp.workloads import AXIS_NAMES
 
 RULES_DIR = Path(__file__).parent / "baseline_rules"
 ROLES = ("data", "expert", "weight_out", "weight_in", "follow")
@@ -234,7 +235,7 @@ def applies(rule: Rule, analysis) -> bool:
 def baseline_plan(rule: Rule, analysis) -> BaselinePlan:
     from cfp.execute import Storage
     g, ba, mesh_shape = analysis.graph, analysis.blocks, tuple(analysis.mesh_shape)
-    names = ("m0", "m1", "m2")[:len(mesh_shape)]
+    names = AXIS_NAMES[:len(mesh_shape)]
     kinds = input_kinds(analysis)
     if rule.axes is None:
         split = names if len(names) > 1 else names[0]

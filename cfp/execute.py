@@ -129,10 +129,13 @@ class PlannedStep:
         self.state_count = len(g.state_pairs())
         self.donate = donate
         self.fn, self.rolled = step_function(program, constraints=self.constraints, mesh=mesh)
-        self.compiled = None
+        self.compiled, self.compile_s = None, 0.0
 
     def compile(self, compiler_options: dict | None = None):
+        """Lower and compile the step (its seconds in ``compile_s``)."""
+        import time
         import jax
+        t0 = time.perf_counter()
         g = self.analysis.graph
         args = [jax.ShapeDtypeStruct(g.values[v].shape, to_dtype(g.values[v].dtype), sharding=s)
                 for v, s in zip(g.inputs, self.in_shardings)]
@@ -140,6 +143,7 @@ class PlannedStep:
                          out_shardings=self.out_shardings,
                          donate_argnums=tuple(range(self.state_count)) if self.donate else ())
         self.compiled = jitted.lower(*args).compile(compiler_options)
+        self.compile_s = time.perf_counter() - t0
         return self.compiled
 
     def place(self, flat_inputs):

@@ -188,11 +188,16 @@ def state_kinds(graph: Graph) -> list[str]:
     return memo(graph, "state_kinds", make)
 
 
+def _axes(entry) -> tuple:
+    """The mesh axes of one PartitionSpec entry (None, a name, or a tuple of names)."""
+    return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+
+
 def split_rest(spec, shape, mesh_shape, axis_names) -> tuple:
     """``spec`` split further over the mesh axes it leaves replicated: each such axis (of
     size > 1), in mesh order, on the first dim it leaves whole that the axis divides, else on
     the first split dim it divides further; an axis that divides no dim leaves it whole."""
-    entries = [() if e is None else e if isinstance(e, tuple) else (e,) for e in spec]
+    entries = [_axes(e) for e in spec]
     size = dict(zip(axis_names, mesh_shape))
     used = {a for e in entries for a in e}
     for a in axis_names:
@@ -212,9 +217,8 @@ def refines(spec, coarse) -> bool:
     >>> refines(("m0", ("m1", "m2")), ("m0", "m1")), refines((None, "m0"), ("m0", None))
     (True, False)
     """
-    axes = lambda e: () if e is None else e if isinstance(e, tuple) else (e,)  # noqa: E731
     return len(spec) == len(coarse) and all(
-        axes(f)[:len(axes(c))] == axes(c) for f, c in zip(spec, coarse))
+        _axes(f)[:len(_axes(c))] == _axes(c) for f, c in zip(spec, coarse))
 
 
 def state_specs(graph: Graph, pairs, layouts, ins: dict, constraints: dict, mesh_shape,
@@ -228,7 +232,8 @@ def state_specs(graph: Graph, pairs, layouts, ins: dict, constraints: dict, mesh
     (the operators in ``ops``, all when None). A gradient that its block makes split in a
     layout the split one does not refine (a tied embedding's, computed split by vocabulary
     in the head and stored split by hidden) keeps its block's layout: constrained, XLA
-    would gather the contraction's other operand whole to make it so. Returns the stored spec of every pair in ``pairs``: the new state leaves in it."""
+    would gather the contraction's other operand whole to make it so. Returns the stored
+    spec of every pair in ``pairs``: the new state leaves in it."""
     state, kinds = graph.state_pairs(), state_kinds(graph)
     stored, split = {}, {}
     for k in pairs:
@@ -247,7 +252,7 @@ def state_specs(graph: Graph, pairs, layouts, ins: dict, constraints: dict, mesh
         made = results[op.outputs.index(u)]
         if (op.primitive not in dimrules.ELEMENTWISE and made is not None
                 and not refines(split[k], made)):
-            continue  # a gradient its block makes split otherwise: resharded where the update reads it
+            continue  # its block splits it otherwise: resharded where the update reads it
         results[op.outputs.index(u)] = split[k]
         constraints[op.index] = (list(operands), results)
     return stored

@@ -322,10 +322,16 @@ def gathered_params(analysis, window: Window, combo) -> frozenset[int]:
     them, across the windows between (the compiled peaks of whole steps say so:
     ``scripts/composed_memory.py``), so each counts whole, as its blocks compute with it, in
     the memory that adds up over windows."""
-    from cfp.sharding import state_kinds
     if state_layout(analysis, window, combo) != "fsdp":
         return frozenset()
-    g, kinds, pairs = analysis.graph, state_kinds(analysis.graph), analysis.graph.state_pairs()
+    return held_params(analysis, window)
+
+
+def held_params(analysis, window: Window) -> frozenset[int]:
+    """The step inputs that are parameters among the state the window holds
+    (``held_state``)."""
+    from cfp.sharding import state_kinds
+    kinds, pairs = state_kinds(analysis.graph), analysis.graph.state_pairs()
     return frozenset(pairs[k][0] for k in held_state(analysis, window) if kinds[k] == "param")
 
 

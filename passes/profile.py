@@ -30,6 +30,7 @@ from typing import Callable, Literal
 from cfp.measure import CostModel, Measurement
 from cfp.phases import Phases
 from cfp.sharding import STATE_LAYOUTS
+from cfp.workloads import AXIS_NAMES
 from cfp.windows import Boundary, Window, boundaries, layouts, split_windows, window_space
 from cfp.worker import Worker, WorkerOptions
 
@@ -375,7 +376,7 @@ def needed_reshards(bounds, blocks, names) -> set[tuple]:
 
 def _profile_reshards(analysis, bounds, worker, checkpoint, options, start, notify) -> dict:
     """Resharding -> (seconds, interval low, interval high), or None where it cannot run."""
-    names = ("m0", "m1", "m2")[:len(analysis.mesh_shape)]
+    names = AXIS_NAMES[:len(analysis.mesh_shape)]
     blocks = analysis.blocks.blocks
     needed = needed_reshards(bounds, blocks, names)
     known = worker.share(dict(checkpoint.load_reshards()))  # process 0's

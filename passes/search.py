@@ -28,6 +28,7 @@ from cfp.solver import (Group, Option, Problem, Solution, evaluate, least_memory
 from cfp.execute import Storage
 from cfp.sharding import STATE_LAYOUTS
 from cfp.jax_compat import itemsize
+from cfp.workloads import AXIS_NAMES
 from cfp.windows import (held_for_backward, held_state, inputs_read_earlier, layouts,
                          memory_terms, option_memory, shard_bytes, state_layout)
 
@@ -189,14 +190,12 @@ def fitting_predictions(analysis, problem: Problem, profile, options: SearchOpti
     from cfp.measure import memory_of
     budget, composed = problem.memory_budget, problem
     sols, compiled = predicted_plans(problem, options.validate_top, options.time_limit_s), {}
-    whole = whole_param_bytes(analysis, problem, profile.windows) if budget else []
+    whole = None  # ``whole_param_bytes``, once a calibration needs it
 
     def peak(sol) -> int:
         ps = PlannedStep(program, analysis, sol.strategies, mesh,
                          plan_storage(analysis, problem, profile.windows, sol.choices))
-        t0 = time.perf_counter()
         ps.compile()
-        ps.compile_s = time.perf_counter() - t0
         compiled[sol.choices] = ps
         return memory_of(ps.compiled)["peak_bytes"]
 
@@ -204,6 +203,7 @@ def fitting_predictions(analysis, problem: Problem, profile, options: SearchOpti
         peaks = [peak(s) for s in sols]
         if min(peaks) <= budget:
             break
+        whole = whole or whole_param_bytes(analysis, problem, profile.windows)
         kept_whole = [sum(w[c] for w, c in zip(whole, s.choices)) for s in sols]
         if all(kept_whole):
             per_byte = max(0.0, min((p - s.memory) / n
@@ -232,13 +232,11 @@ def fitting_predictions(analysis, problem: Problem, profile, options: SearchOpti
 def whole_param_bytes(analysis, problem: Problem, windows) -> list[list[int]]:
     """Per group, per option: the bytes per device, as its blocks compute with them, of the
     parameters the window holds and its state layout keeps whole (``plan``, ``zero1``)."""
-    from cfp.sharding import state_kinds
-    from cfp.windows import term_sizers
-    g, names = analysis.graph, ("m0", "m1", "m2")[:len(analysis.mesh_shape)]
-    kinds, pairs = state_kinds(g), g.state_pairs()
+    from cfp.windows import held_params, term_sizers
+    names = AXIS_NAMES[:len(analysis.mesh_shape)]
     out = []
     for w, grp in zip(windows, problem.groups):
-        params = {pairs[k][0] for k in held_state(analysis, w) if kinds[k] == "param"}
+        params = held_params(analysis, w)
         terms = [t for t in memory_terms(analysis, w).adding if t[0] in params]
         row = []
         for o in grp.options:
@@ -283,7 +281,7 @@ def _small(analysis) -> bool:
 def build_problem(analysis, profile, memory_budget_bytes: int | None
                   ) -> tuple[Problem, dict]:
     """The CP-SAT problem and, per group, the option -> combination table."""
-    names = ("m0", "m1", "m2")[:len(analysis.mesh_shape)]
+    names = AXIS_NAMES[:len(analysis.mesh_shape)]
     blocks = analysis.blocks.blocks
     groups, combos = [], {}
     read_earlier = inputs_read_earlier(analysis, profile.windows)
@@ -484,9 +482,9 @@ def predicted_seconds(problem: Problem, choices, launch_overhead_s: float) -> fl
 
 def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOptions,
                   phases: Phases | None = None):
-    """Compile every plan (a strategy per block, or (strategies, ``Storage``); a compiled
-    ``PlannedStep`` is taken as it is), then time them in interleaved rounds; per plan the compiled step and the measured seconds per step
-    of each round. Rounds stop after ``min_rounds`` once
+    """Compile every plan ((block strategies, ``Storage``); a compiled ``PlannedStep`` is
+    taken as it is), then time them in interleaved rounds; per plan the compiled step and the
+    measured seconds per step of each round. Rounds stop after ``min_rounds`` once
     every other plan is ``slower`` than the fastest."""
     from cfp.execute import PlannedStep, time_steps
     phases = phases or Phases()
@@ -496,11 +494,9 @@ def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOpti
             if isinstance(plan, PlannedStep):
                 ps = plan
             else:
-                strategies, storage = plan if isinstance(plan[-1], Storage) else (plan, None)
+                strategies, storage = plan
                 ps = PlannedStep(program, analysis, strategies, mesh, storage)
-                t0 = time.perf_counter()
                 ps.compile()
-                ps.compile_s = time.perf_counter() - t0
             ps.run = ps.loop(args_host)
             steps.append(ps)
     times = [[] for _ in steps]
