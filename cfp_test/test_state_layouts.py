@@ -137,15 +137,13 @@ def test_a_gradient_split_otherwise_by_its_block_keeps_its_layout():
             assert constraints[dot][1][0] == ("m0", "m1")
 
 
-def test_where_xla_holds_more_than_composed_search_calibrates_and_fits(analytic_problem,
-                                                                      monkeypatch):
+@pytest.fixture
+def xla_stand_in(analytic_problem, monkeypatch):
     """XLA's step can hold more than the composition counts for parameters kept whole
-    (copies, gradients awaiting one reduction). Standing in for XLA here: a compiled peak
-    of the composed memory plus half the bytes of the parameters each window keeps whole.
-    Under a budget that the first predictions fit only as composed, search calibrates the
-    composition from their compiled peaks and solves again: its predictions fit, and their
-    memory stays the uncalibrated composition. Control: without calibrating, none fits."""
-    import dataclasses
+    (copies, gradients awaiting one reduction). Standing in for XLA: a "compiled" peak of the
+    composed memory plus half the bytes of the parameters each window keeps whole; nothing
+    compiles. Returns (problem without a budget, analysis, profile, that peak of a plan's
+    choices)."""
     import cfp.execute
     import cfp.measure
     import cfp.passes.search as search
@@ -177,6 +175,18 @@ def test_where_xla_holds_more_than_composed_search_calibrates_and_fits(analytic_
 
     monkeypatch.setattr(cfp.execute, "PlannedStep", Step)
     monkeypatch.setattr(cfp.measure, "memory_of", lambda peak: {"peak_bytes": peak})
+    return problem, analysis, profile, xla_peak
+
+
+def test_where_xla_holds_more_than_composed_search_calibrates_and_fits(xla_stand_in,
+                                                                      monkeypatch):
+    """Under a budget that the first predictions fit only as composed, search calibrates the
+    composition from their compiled peaks and solves again: its predictions fit, and their
+    memory stays the uncalibrated composition. Control: without calibrating, none fits."""
+    import dataclasses
+    import cfp.passes.search as search
+    from cfp.solver import evaluate
+    problem, analysis, profile, xla_peak = xla_stand_in
     free = search.predicted_plans(problem, 3, 30.0)
     budget = min(xla_peak(s.choices) for s in free) - 1  # the free predictions do not fit
     options = search.SearchOptions(budget, time_limit_s=30.0)
@@ -187,3 +197,30 @@ def test_where_xla_holds_more_than_composed_search_calibrates_and_fits(analytic_
     monkeypatch.setattr(search, "CALIBRATIONS", 1)  # control
     sols, _ = search.fitting_predictions(analysis, tight, profile, options, None, None)
     assert max(s.memory for s in sols) <= budget < min(xla_peak(s.choices) for s in sols)
+
+
+def test_a_prediction_over_the_budget_once_compiled_is_replaced(xla_stand_in, monkeypatch):
+    """Where some predictions fit once compiled and others do not, search keeps those that fit
+    and solves again for the others: every prediction over the budget it returns comes from
+    its last, calibrated solve, and none is one it compiled already. Control: without
+    calibrating, the first predictions over the budget are returned as they are."""
+    import dataclasses
+    import cfp.passes.search as search
+    problem, analysis, profile, xla_peak = xla_stand_in
+    for budget in sorted({xla_peak(s.choices) for s in search.predicted_plans(problem, 4, 30.0)}):
+        tight = dataclasses.replace(problem, memory_budget=budget)
+        first = search.predicted_plans(tight, 3, 30.0)
+        if min(map(xla_peak, (s.choices for s in first))) <= budget < max(
+                map(xla_peak, (s.choices for s in first))):
+            break
+    else:
+        raise AssertionError("no budget that some first predictions fit and others do not")
+    over = {s.choices for s in first if xla_peak(s.choices) > budget}
+    options = search.SearchOptions(budget, time_limit_s=30.0)
+    sols, compiled = search.fitting_predictions(analysis, tight, profile, options, None, None)
+    assert {s.choices for s in first} - over <= {s.choices for s in sols}  # kept
+    assert not over & {s.choices for s in sols}  # replaced
+    assert len({s.choices for s in sols}) == len(sols)
+    monkeypatch.setattr(search, "CALIBRATIONS", 1)  # control
+    sols, _ = search.fitting_predictions(analysis, tight, profile, options, None, None)
+    assert over <= {s.choices for s in sols}

@@ -126,7 +126,7 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
         problem, _ = build_problem(analysis, profile, options.memory_budget_bytes)
         sols, compiled = fitting_predictions(analysis, problem, profile, options, program, mesh)
         solve_s = time.perf_counter() - start
-        status = sols[0].status
+        status = next((s.status for s in sols if s.status != UNRESHARDED), sols[0].status)
         if options.validate_baselines:
             sols += [sol for _, sol in baseline_candidates(analysis, problem,
                                                            [s.choices for s in sols])]
@@ -169,19 +169,20 @@ CALIBRATIONS = 3  # most solves against a composition calibrated to what XLA hol
 
 def fitting_predictions(analysis, problem: Problem, profile, options: SearchOptions, program,
                         mesh) -> tuple[list[Solution], dict]:
-    """``predicted_plans``, at least one of which fits the budget once compiled. The
-    composition can count less than XLA holds. Where every prediction's compiled peak is
-    over the budget, it is calibrated and the plans are solved again, up to
-    ``CALIBRATIONS`` times:
+    """``predicted_plans`` that fit the budget once compiled. The composition can count less
+    than XLA holds. Where a prediction's compiled peak is over the budget, the composition
+    is calibrated on the predictions over it and the plans are solved again, up to
+    ``CALIBRATIONS`` solves in all; the predictions that fit are kept beside the new ones
+    (the best plan without reshardings, say, can be over the budget while the top plans fit):
 
     - What the whole step holds beyond the composition is, first, attributed to the
       parameters the predictions keep whole (state layouts ``plan`` and ``zero1``: XLA holds
       copies of them and their gradients, awaiting one combined reduction, longer than their
       windows do; ``scripts/composed_memory.py --peak-top`` lists them). Every option then
       counts its whole-kept parameters' bytes times the smallest such excess per byte among
-      the predictions.
-    - Where the predictions keep no parameter whole, the budget the solver composes against
-      is scaled by the composed / compiled ratio of the prediction closest to fitting.
+      the predictions over the budget.
+    - Where those keep no parameter whole, the budget the solver composes against is scaled
+      by the composed / compiled ratio of the one closest to fitting.
 
     Each prediction is compiled, not run; the compiled steps are returned too (choices ->
     ``PlannedStep``), for validation to run. The solutions' memory is the uncalibrated
@@ -190,43 +191,52 @@ def fitting_predictions(analysis, problem: Problem, profile, options: SearchOpti
     from cfp.measure import memory_of
     budget, composed = problem.memory_budget, problem
     sols, compiled = predicted_plans(problem, options.validate_top, options.time_limit_s), {}
+    fitting: list[Solution] = []
     whole = None  # ``whole_param_bytes``, once a calibration needs it
 
     def peak(sol) -> int:
-        ps = PlannedStep(program, analysis, sol.strategies, mesh,
-                         plan_storage(analysis, problem, profile.windows, sol.choices))
-        ps.compile()
-        compiled[sol.choices] = ps
-        return memory_of(ps.compiled)["peak_bytes"]
+        if sol.choices not in compiled:
+            ps = PlannedStep(program, analysis, sol.strategies, mesh,
+                             plan_storage(analysis, problem, profile.windows, sol.choices))
+            ps.compile()
+            compiled[sol.choices] = ps
+        return memory_of(compiled[sol.choices].compiled)["peak_bytes"]
 
     for _ in range(CALIBRATIONS - 1 if budget is not None else 0):
         peaks = [peak(s) for s in sols]
-        if min(peaks) <= budget:
+        fitting += [s for s, p in zip(sols, peaks) if p <= budget]
+        over = [(s, p) for s, p in zip(sols, peaks) if p > budget]
+        sols = []
+        if not over:
             break
         whole = whole or whole_param_bytes(analysis, problem, profile.windows)
-        kept_whole = [sum(w[c] for w, c in zip(whole, s.choices)) for s in sols]
+        kept_whole = [sum(w[c] for w, c in zip(whole, s.choices)) for s, _ in over]
         if all(kept_whole):
             per_byte = max(0.0, min((p - s.memory) / n
-                                    for s, p, n in zip(sols, peaks, kept_whole)))
+                                    for (s, p), n in zip(over, kept_whole)))
             problem = dataclasses.replace(problem, groups=[
                 dataclasses.replace(grp, options=[
                     dataclasses.replace(o, memory=o.memory + int(per_byte * w[k]))
                     for k, o in enumerate(grp.options)])
                 for grp, w in zip(problem.groups, whole)])
-            log.info("no prediction fits once compiled (peaks %s); parameters kept whole "
-                     "count %.2f times their bytes more", peaks, per_byte)
+            log.info("%d of the predictions are over the budget once compiled (peaks %s); "
+                     "parameters kept whole count %.2f times their bytes more", len(over),
+                     [p for _, p in over], per_byte)
         else:
-            ratio = max(s.memory / p for s, p in zip(sols, peaks))
+            ratio = max(s.memory / p for s, p in over)
             problem = dataclasses.replace(problem,
                                           memory_budget=int(problem.memory_budget * ratio))
-            log.info("no prediction fits once compiled (peaks %s); solving against %d bytes",
-                     peaks, problem.memory_budget)
+            log.info("%d of the predictions are over the budget once compiled (peaks %s); "
+                     "solving against %d bytes", len(over), [p for _, p in over],
+                     problem.memory_budget)
         try:
             sols = predicted_plans(problem, options.validate_top, options.time_limit_s)
-        except CfpError:  # nothing composes within the calibrated budget: keep the last
+        except CfpError:  # nothing composes within the calibrated budget
+            sols = [s for s, _ in over] if not fitting else []
             break
+        sols = [s for s in sols if s.choices not in compiled]  # known to be over
     return [dataclasses.replace(s, memory=evaluate(composed, s.choices)[1])
-            for s in sols], compiled
+            for s in fitting + sols], compiled
 
 
 def whole_param_bytes(analysis, problem: Problem, windows) -> list[list[int]]:
