@@ -141,9 +141,9 @@ def test_a_gradient_split_otherwise_by_its_block_keeps_its_layout():
 def xla_stand_in(analytic_problem, monkeypatch):
     """XLA's step can hold more than the composition counts for parameters kept whole
     (copies, gradients awaiting one reduction). Standing in for XLA: a "compiled" peak of the
-    composed memory plus half the bytes of the parameters each window keeps whole; nothing
-    compiles. Returns (problem without a budget, analysis, profile, that peak of a plan's
-    choices)."""
+    composed memory plus half the bytes of the parameters each window keeps whole, plus
+    ``xla_peak.extra`` bytes where any is kept whole; nothing compiles. Returns (problem
+    without a budget, analysis, profile, that peak of a plan's choices)."""
     import cfp.execute
     import cfp.measure
     import cfp.passes.search as search
@@ -164,7 +164,10 @@ def xla_stand_in(analytic_problem, monkeypatch):
         return out
 
     def xla_peak(c):
-        return evaluate(problem, c)[1] + sum(w[k] for w, k in zip(whole, c)) // 2
+        kept = sum(w[k] for w, k in zip(whole, c))
+        return evaluate(problem, c)[1] + kept // 2 + (xla_peak.extra if kept else 0)
+
+    xla_peak.extra = 0
 
     class Step:  # compiles nothing: its peak is xla_peak's
         def __init__(self, program, analysis, strategies, mesh, storage):
@@ -224,3 +227,24 @@ def test_a_prediction_over_the_budget_once_compiled_is_replaced(xla_stand_in, mo
     monkeypatch.setattr(search, "CALIBRATIONS", 1)  # control
     sols, _ = search.fitting_predictions(analysis, tight, profile, options, None, None)
     assert over <= {s.choices for s in sols}
+
+
+def test_where_calibrated_predictions_are_over_still_search_scales_the_budget(xla_stand_in,
+                                                                             monkeypatch):
+    """XLA holding a fixed amount more besides, which no per-byte factor accounts for: after
+    the per-byte calibration the predictions are over the budget still, and search then
+    solves against a budget scaled down, where one fits. Control: with the per-byte
+    calibration alone (two solves), none fits."""
+    import dataclasses
+    import cfp.passes.search as search
+    problem, analysis, profile, xla_peak = xla_stand_in
+    xla_peak.extra = 2**20
+    free = search.predicted_plans(problem, 3, 30.0)
+    budget = min(xla_peak(s.choices) for s in free) - 1
+    options = search.SearchOptions(budget, time_limit_s=30.0)
+    tight = dataclasses.replace(problem, memory_budget=budget)
+    sols, _ = search.fitting_predictions(analysis, tight, profile, options, None, None)
+    assert min(xla_peak(s.choices) for s in sols) <= budget
+    monkeypatch.setattr(search, "CALIBRATIONS", 2)  # control: the per-byte calibration alone
+    sols, _ = search.fitting_predictions(analysis, tight, profile, options, None, None)
+    assert min(xla_peak(s.choices) for s in sols) > budget

@@ -164,25 +164,26 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
     return rec
 
 
-CALIBRATIONS = 3  # most solves against a composition calibrated to what XLA holds
+CALIBRATIONS = 4  # most solves against a composition calibrated to what XLA holds
 
 
 def fitting_predictions(analysis, problem: Problem, profile, options: SearchOptions, program,
                         mesh) -> tuple[list[Solution], dict]:
     """``predicted_plans`` that fit the budget once compiled. The composition can count less
-    than XLA holds. Where a prediction's compiled peak is over the budget, the composition
-    is calibrated on the predictions over it and the plans are solved again, up to
-    ``CALIBRATIONS`` solves in all; the predictions that fit are kept beside the new ones
-    (the best plan without reshardings, say, can be over the budget while the top plans fit):
+    than XLA holds. Every prediction is compiled; where some are over the budget, the
+    composition is calibrated on those and they are solved again (the top plans again when a
+    top plan was over, else the best plan without reshardings alone), up to ``CALIBRATIONS``
+    solves in all. The predictions that fit are kept beside the new ones. A calibration:
 
-    - What the whole step holds beyond the composition is, first, attributed to the
-      parameters the predictions keep whole (state layouts ``plan`` and ``zero1``: XLA holds
-      copies of them and their gradients, awaiting one combined reduction, longer than their
-      windows do; ``scripts/composed_memory.py --peak-top`` lists them). Every option then
-      counts its whole-kept parameters' bytes times the smallest such excess per byte among
-      the predictions over the budget.
-    - Where those keep no parameter whole, the budget the solver composes against is scaled
-      by the composed / compiled ratio of the one closest to fitting.
+    - The first time, where every prediction over the budget keeps parameters whole, what
+      their steps hold beyond the composition is attributed to those parameters (state
+      layouts ``plan`` and ``zero1``: XLA holds copies of them and their gradients, awaiting
+      one combined reduction, longer than their windows do; ``scripts/composed_memory.py
+      --peak-top`` lists them). Every option then counts its whole-kept parameters' bytes
+      times the smallest such excess per byte among them.
+    - Otherwise, or where the calibrated predictions are over the budget still, the budget
+      the solver composes against is scaled by the composed / compiled ratio of the one
+      closest to fitting.
 
     Each prediction is compiled, not run; the compiled steps are returned too (choices ->
     ``PlannedStep``), for validation to run. The solutions' memory is the uncalibrated
@@ -202,7 +203,7 @@ def fitting_predictions(analysis, problem: Problem, profile, options: SearchOpti
             compiled[sol.choices] = ps
         return memory_of(compiled[sol.choices].compiled)["peak_bytes"]
 
-    for _ in range(CALIBRATIONS - 1 if budget is not None else 0):
+    for n in range(CALIBRATIONS - 1 if budget is not None else 0):
         peaks = [peak(s) for s in sols]
         fitting += [s for s, p in zip(sols, peaks) if p <= budget]
         over = [(s, p) for s, p in zip(sols, peaks) if p > budget]
@@ -211,30 +212,33 @@ def fitting_predictions(analysis, problem: Problem, profile, options: SearchOpti
             break
         whole = whole or whole_param_bytes(analysis, problem, profile.windows)
         kept_whole = [sum(w[c] for w, c in zip(whole, s.choices)) for s, _ in over]
-        if all(kept_whole):
-            per_byte = max(0.0, min((p - s.memory) / n
-                                    for (s, p), n in zip(over, kept_whole)))
+        if n == 0 and all(kept_whole):
+            per_byte = max(0.0, min((p - s.memory) / k
+                                    for (s, p), k in zip(over, kept_whole)))
             problem = dataclasses.replace(problem, groups=[
                 dataclasses.replace(grp, options=[
                     dataclasses.replace(o, memory=o.memory + int(per_byte * w[k]))
                     for k, o in enumerate(grp.options)])
                 for grp, w in zip(problem.groups, whole)])
-            log.info("%d of the predictions are over the budget once compiled (peaks %s); "
-                     "parameters kept whole count %.2f times their bytes more", len(over),
+            log.info("%d predictions over the budget once compiled (peaks %s); parameters "
+                     "kept whole count %.2f times their bytes more", len(over),
                      [p for _, p in over], per_byte)
         else:
             ratio = max(s.memory / p for s, p in over)
             problem = dataclasses.replace(problem,
                                           memory_budget=int(problem.memory_budget * ratio))
-            log.info("%d of the predictions are over the budget once compiled (peaks %s); "
-                     "solving against %d bytes", len(over), [p for _, p in over],
+            log.info("%d predictions over the budget once compiled (peaks %s); solving "
+                     "against %d bytes", len(over), [p for _, p in over],
                      problem.memory_budget)
         try:
-            sols = predicted_plans(problem, options.validate_top, options.time_limit_s)
+            if any(s.status != UNRESHARDED for s, _ in over):
+                sols = predicted_plans(problem, options.validate_top, options.time_limit_s)
+            else:
+                sols = unresharded_plan(problem, options.time_limit_s)
         except CfpError:  # nothing composes within the calibrated budget
             sols = [s for s, _ in over] if not fitting else []
             break
-        sols = [s for s in sols if s.choices not in compiled]  # known to be over
+        sols = [s for s in sols if s.choices not in compiled]  # known to be over, or kept
     return [dataclasses.replace(s, memory=evaluate(composed, s.choices)[1])
             for s in fitting + sols], compiled
 
@@ -429,22 +433,28 @@ def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool
 
 def predicted_plans(problem: Problem, k: int, time_limit_s: float) -> list[Solution]:
     """The ``k`` cheapest plans (``top_plans``) and, when every one of them reshards between
-    blocks, the cheapest plan that reshards nothing (status ``UNRESHARDED``), if one fits the
-    budget. The composition prices a boundary resharding alone, after a producer op; inside a
-    whole step the same resharding can cost more (README, *Why the composition's picks
-    lose*). Validating the best plan that needs none keeps a plan predicted faster by a few
-    percent, but with reshardings, from winning unmeasured against it."""
+    blocks, the cheapest plan that reshards nothing (``unresharded_plan``). The composition
+    prices a boundary resharding alone, after a producer op; inside a whole step the same
+    resharding can cost more (README, *Why the composition's picks lose*). Validating the best
+    plan that needs none keeps a plan predicted faster by a few percent, but with
+    reshardings, from winning unmeasured against it."""
     sols = top_plans(problem, k, time_limit_s)
     if not problem.reshards or not all(resharded(problem, s.strategies) for s in sols):
         return sols
+    return sols + unresharded_plan(problem, time_limit_s)
+
+
+def unresharded_plan(problem: Problem, time_limit_s: float) -> list[Solution]:
+    """The cheapest plan that reshards nothing between blocks (status ``UNRESHARDED``), if one
+    fits the budget: a list of it, or an empty one."""
     try:
         sol = top_plans(penalizing_reshardings(problem), 1, time_limit_s)[0]
-    except CfpError:  # out of time: the top plans are the candidates
-        return sols
+    except CfpError:  # out of time, or none fits
+        return []
     if resharded(problem, sol.strategies):
-        return sols
-    return sols + [dataclasses.replace(sol, objective=evaluate(problem, sol.choices)[0],
-                                       status=UNRESHARDED)]
+        return []
+    return [dataclasses.replace(sol, objective=evaluate(problem, sol.choices)[0],
+                                status=UNRESHARDED)]
 
 
 def resharded(problem: Problem, strategies) -> bool:
