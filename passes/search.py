@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import statistics
 import time
 
@@ -124,9 +125,9 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
         args_host = real_inputs(workload)
     with phases("solving"):
         problem, _ = build_problem(analysis, profile, options.memory_budget_bytes)
-        sols, compiled = fitting_predictions(analysis, problem, profile, options, program, mesh)
+        sols, compiled, status = fitting_predictions(analysis, problem, profile, options,
+                                                     program, mesh)
         solve_s = time.perf_counter() - start
-        status = next((s.status for s in sols if s.status != UNRESHARDED), sols[0].status)
         if options.validate_baselines:
             sols += [sol for _, sol in baseline_candidates(analysis, problem,
                                                            [s.choices for s in sols])]
@@ -168,12 +169,15 @@ CALIBRATIONS = 4  # most solves against a composition calibrated to what XLA hol
 
 
 def fitting_predictions(analysis, problem: Problem, profile, options: SearchOptions, program,
-                        mesh) -> tuple[list[Solution], dict]:
-    """``predicted_plans`` that fit the budget once compiled. The composition can count less
-    than XLA holds. Every prediction is compiled; where some are over the budget, the
-    composition is calibrated on those and they are solved again (the top plans again when a
-    top plan was over, else the best plan without reshardings alone), up to ``CALIBRATIONS``
-    solves in all. The predictions that fit are kept beside the new ones. A calibration:
+                        mesh) -> tuple[list[Solution], dict, str]:
+    """``predicted_plans`` that fit the budget once compiled, the compiled steps (choices ->
+    ``PlannedStep``, compiled, not run, for validation to run) and the first solve's status.
+    The composition can count less than XLA holds. Under a budget every prediction is
+    compiled; where some are over it, the composition is calibrated on those and they are
+    solved again (the top plans again when a top plan was over, else the best plan without
+    reshardings alone), never to a plan compiled already, up to ``CALIBRATIONS`` solves in
+    all. The predictions that fit are returned, or where none does, the last ones. A
+    calibration:
 
     - The first time, where every prediction over the budget keeps parameters whole, what
       their steps hold beyond the composition is attributed to those parameters (state
@@ -185,39 +189,36 @@ def fitting_predictions(analysis, problem: Problem, profile, options: SearchOpti
       the solver composes against is scaled by the composed / compiled ratio of the one
       closest to fitting.
 
-    Each prediction is compiled, not run; the compiled steps are returned too (choices ->
-    ``PlannedStep``), for validation to run. The solutions' memory is the uncalibrated
-    composition."""
+    The solutions' memory is the uncalibrated composition."""
     from cfp.execute import PlannedStep
     from cfp.measure import memory_of
     budget, composed = problem.memory_budget, problem
     sols, compiled = predicted_plans(problem, options.validate_top, options.time_limit_s), {}
-    fitting: list[Solution] = []
-    whole = None  # ``whole_param_bytes``, once a calibration needs it
+    status = sols[0].status
+    if budget is None:
+        return sols, compiled, status
 
     def peak(sol) -> int:
-        if sol.choices not in compiled:
-            ps = PlannedStep(program, analysis, sol.strategies, mesh,
-                             plan_storage(analysis, problem, profile.windows, sol.choices))
-            ps.compile()
-            compiled[sol.choices] = ps
-        return memory_of(compiled[sol.choices].compiled)["peak_bytes"]
+        ps = PlannedStep(program, analysis, sol.strategies, mesh,
+                         plan_storage(analysis, problem, profile.windows, sol.choices))
+        ps.compile()
+        compiled[sol.choices] = ps
+        return memory_of(ps.compiled)["peak_bytes"]
 
-    for n in range(CALIBRATIONS - 1 if budget is not None else 0):
+    fitting: list[Solution] = []
+    for n in range(CALIBRATIONS):
         peaks = [peak(s) for s in sols]
         fitting += [s for s, p in zip(sols, peaks) if p <= budget]
         over = [(s, p) for s, p in zip(sols, peaks) if p > budget]
-        sols = []
-        if not over:
+        if not over or n == CALIBRATIONS - 1:
             break
-        whole = whole or whole_param_bytes(analysis, problem, profile.windows)
-        kept_whole = [sum(w[c] for w, c in zip(whole, s.choices)) for s, _ in over]
-        if n == 0 and all(kept_whole):
-            per_byte = max(0.0, min((p - s.memory) / k
-                                    for (s, p), k in zip(over, kept_whole)))
+        whole = whole_param_bytes(analysis, problem, profile.windows) if n == 0 else None
+        kept_whole = whole and [sum(w[c] for w, c in zip(whole, s.choices)) for s, _ in over]
+        if kept_whole and all(kept_whole):
+            per_byte = min((p - s.memory) / k for (s, p), k in zip(over, kept_whole))
             problem = dataclasses.replace(problem, groups=[
                 dataclasses.replace(grp, options=[
-                    dataclasses.replace(o, memory=o.memory + int(per_byte * w[k]))
+                    dataclasses.replace(o, memory=o.memory + math.ceil(per_byte * w[k]))
                     for k, o in enumerate(grp.options)])
                 for grp, w in zip(problem.groups, whole)])
             log.info("%d predictions over the budget once compiled (peaks %s); parameters "
@@ -230,17 +231,18 @@ def fitting_predictions(analysis, problem: Problem, profile, options: SearchOpti
             log.info("%d predictions over the budget once compiled (peaks %s); solving "
                      "against %d bytes", len(over), [p for _, p in over],
                      problem.memory_budget)
+        seen = list(compiled)
         try:
-            if any(s.status != UNRESHARDED for s, _ in over):
-                sols = predicted_plans(problem, options.validate_top, options.time_limit_s)
-            else:
-                sols = unresharded_plan(problem, options.time_limit_s)
+            sols = (predicted_plans(problem, options.validate_top, options.time_limit_s, seen)
+                    if any(s.status != UNRESHARDED for s, _ in over)
+                    else unresharded_plan(problem, options.time_limit_s, seen))
         except CfpError:  # nothing composes within the calibrated budget
-            sols = [s for s, _ in over] if not fitting else []
             break
-        sols = [s for s in sols if s.choices not in compiled]  # known to be over, or kept
+        if not sols:
+            break
+    kept = fitting or [s for s, _ in over]
     return [dataclasses.replace(s, memory=evaluate(composed, s.choices)[1])
-            for s in fitting + sols], compiled
+            for s in kept], compiled, status
 
 
 def whole_param_bytes(analysis, problem: Problem, windows) -> list[list[int]]:
@@ -385,7 +387,8 @@ def _options(problem: Problem) -> int:
     return sum(len(g.options) for g in problem.groups)
 
 
-def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool = False):
+def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool = False,
+              exclude=()):
     """The ``k`` cheapest plans, cheapest first. A large problem (deep, or on a large mesh)
     starts each from the cheapest plan whose repeated layers are alike (``solve_alike``:
     quick at any depth); unless ``alike_only``, the whole problem then runs from it within
@@ -398,8 +401,8 @@ def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool
         k = 0  # a lower bound already over the budget: no solve can succeed
     for _ in range(k):
         t0 = time.perf_counter()
-        exclude = [s.choices for s in sols]
-        start = solve_alike(problem, time_limit_s=time_limit_s, exclude=exclude) \
+        excluded = list(exclude) + [s.choices for s in sols]
+        start = solve_alike(problem, time_limit_s=time_limit_s, exclude=excluded) \
             if problem.alike and (alike_only or _options(problem) > ALIKE_FROM_OPTIONS) \
             else None
         if alike_only and start is not None:
@@ -407,7 +410,7 @@ def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool
                                                     f"repeated layers are alike")
         else:
             try:
-                sol = solve(problem, time_limit_s=time_limit_s, exclude=exclude,
+                sol = solve(problem, time_limit_s=time_limit_s, exclude=excluded,
                             hint=start.choices if start else None)
             except CfpError:  # out of time: the plans found so far are the candidates
                 if start is None and sols:
@@ -431,24 +434,26 @@ def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool
     return sols
 
 
-def predicted_plans(problem: Problem, k: int, time_limit_s: float) -> list[Solution]:
-    """The ``k`` cheapest plans (``top_plans``) and, when every one of them reshards between
-    blocks, the cheapest plan that reshards nothing (``unresharded_plan``). The composition
-    prices a boundary resharding alone, after a producer op; inside a whole step the same
-    resharding can cost more (README, *Why the composition's picks lose*). Validating the best
-    plan that needs none keeps a plan predicted faster by a few percent, but with
-    reshardings, from winning unmeasured against it."""
-    sols = top_plans(problem, k, time_limit_s)
+def predicted_plans(problem: Problem, k: int, time_limit_s: float, exclude=()
+                    ) -> list[Solution]:
+    """The ``k`` cheapest plans (``top_plans``) but those in ``exclude`` and, when every one
+    of them reshards between blocks, the cheapest plan that reshards nothing
+    (``unresharded_plan``). The composition prices a boundary resharding alone, after a
+    producer op; inside a whole step the same resharding can cost more (README, *Why the
+    composition's picks lose*). Validating the best plan that needs none keeps a plan
+    predicted faster by a few percent, but with reshardings, from winning unmeasured against
+    it."""
+    sols = top_plans(problem, k, time_limit_s, exclude=exclude)
     if not problem.reshards or not all(resharded(problem, s.strategies) for s in sols):
         return sols
-    return sols + unresharded_plan(problem, time_limit_s)
+    return sols + unresharded_plan(problem, time_limit_s, exclude)
 
 
-def unresharded_plan(problem: Problem, time_limit_s: float) -> list[Solution]:
-    """The cheapest plan that reshards nothing between blocks (status ``UNRESHARDED``), if one
-    fits the budget: a list of it, or an empty one."""
+def unresharded_plan(problem: Problem, time_limit_s: float, exclude=()) -> list[Solution]:
+    """The cheapest plan but those in ``exclude`` that reshards nothing between blocks (status
+    ``UNRESHARDED``), if one fits the budget: a list of it, or an empty one."""
     try:
-        sol = top_plans(penalizing_reshardings(problem), 1, time_limit_s)[0]
+        sol = top_plans(penalizing_reshardings(problem), 1, time_limit_s, exclude=exclude)[0]
     except CfpError:  # out of time, or none fits
         return []
     if resharded(problem, sol.strategies):
