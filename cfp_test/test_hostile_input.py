@@ -707,6 +707,7 @@ def test_a_ctrl_c_in_the_garbage_collector_stops_the_run_at_once(tmp_path, capsy
         "cfp: interrupted; everything measured so far is kept in the work dir"]
 
 
+@pytest.mark.slow
 def test_the_readme_s_first_cluster_case_runs_every_pass_as_recorded(tmp_path, capsys):
     """LLaMA-2-13B on alpa-50x4 (scripts/cluster_cases.sh, the README's), whose arrays this
     host need not hold, is analysed, priced and searched as recorded in

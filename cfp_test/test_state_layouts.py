@@ -181,28 +181,6 @@ def xla_stand_in(analytic_problem, monkeypatch):
     return problem, analysis, profile, xla_peak
 
 
-def test_where_xla_holds_more_than_composed_search_calibrates_and_fits(xla_stand_in,
-                                                                      monkeypatch):
-    """Under a budget that the first predictions fit only as composed, search calibrates the
-    composition from their compiled peaks and solves again: the predictions it returns fit,
-    and their memory stays the uncalibrated composition. Control: without calibrating, none
-    fits."""
-    import dataclasses
-    import cfp.passes.search as search
-    from cfp.solver import evaluate
-    problem, analysis, profile, xla_peak = xla_stand_in
-    free = search.predicted_plans(problem, 3, 30.0)
-    budget = min(xla_peak(s.choices) for s in free) - 1  # the free predictions do not fit
-    options = search.SearchOptions(budget, time_limit_s=30.0)
-    tight = dataclasses.replace(problem, memory_budget=budget)
-    sols, _, _ = search.fitting_predictions(analysis, tight, profile, options, None, None)
-    assert sols and max(xla_peak(s.choices) for s in sols) <= budget
-    assert all(s.memory == evaluate(problem, s.choices)[1] for s in sols)
-    monkeypatch.setattr(search, "CALIBRATIONS", 1)  # control
-    sols, _, _ = search.fitting_predictions(analysis, tight, profile, options, None, None)
-    assert max(s.memory for s in sols) <= budget < min(xla_peak(s.choices) for s in sols)
-
-
 def test_a_prediction_over_the_budget_once_compiled_is_replaced(xla_stand_in, monkeypatch):
     """Where some predictions fit once compiled and others do not, search keeps those that fit
     and solves again for the others, to plans it has not compiled: it returns more plans that
@@ -232,20 +210,24 @@ def test_a_prediction_over_the_budget_once_compiled_is_replaced(xla_stand_in, mo
     assert {s.choices for s in sols} == fit_first
 
 
-def test_where_calibrated_predictions_are_over_still_search_scales_the_budget(
-        xla_stand_in, caplog):
-    """XLA holding a fixed amount more besides, which no per-byte factor accounts for: after
-    the per-byte calibration predictions are over the budget still, and search then solves
-    against a budget scaled down; it returns plans that fit. Control: where the per-byte
-    factor accounts for all XLA holds, the budget is not scaled."""
+def test_where_xla_holds_more_than_composed_search_calibrates_and_fits(
+        xla_stand_in, monkeypatch, caplog):
+    """Under a budget that the first predictions fit only as composed, search calibrates the
+    composition from their compiled peaks and solves again: the predictions it returns fit,
+    and their memory stays the uncalibrated composition. Where XLA holds as much again per
+    byte of the parameters kept whole, the per-byte calibration suffices; where it holds a
+    fixed amount more besides, predictions are over the budget still after it, and search
+    solves against a budget scaled down. Controls: without calibrating, none fits; where the
+    per-byte factor accounts for all XLA holds, the budget is not scaled."""
     import dataclasses
     import logging
     import cfp.passes.search as search
+    from cfp.solver import evaluate
     problem, analysis, profile, xla_peak = xla_stand_in
     free = search.predicted_plans(problem, 3, 30.0)
-    for extra, scaled in ((2**18, True), (0, False)):  # the second: control
+    for extra, scaled in ((2**18, True), (0, False)):
         xla_peak.extra = extra
-        budget = min(xla_peak(s.choices) for s in free) - 1
+        budget = min(xla_peak(s.choices) for s in free) - 1  # the free predictions are over
         options = search.SearchOptions(budget, time_limit_s=30.0)
         tight = dataclasses.replace(problem, memory_budget=budget)
         caplog.clear()
@@ -253,6 +235,10 @@ def test_where_calibrated_predictions_are_over_still_search_scales_the_budget(
             sols, _, _ = search.fitting_predictions(analysis, tight, profile, options, None,
                                                     None)
         assert sols and max(xla_peak(s.choices) for s in sols) <= budget, extra
+        assert all(s.memory == evaluate(problem, s.choices)[1] for s in sols)
         calibrations = [r.getMessage() for r in caplog.records]
         assert "times their bytes more" in calibrations[0]
         assert any("solving against" in m for m in calibrations[1:]) == scaled, calibrations
+    monkeypatch.setattr(search, "CALIBRATIONS", 1)  # control: no calibration
+    sols, _, _ = search.fitting_predictions(analysis, tight, profile, options, None, None)
+    assert max(s.memory for s in sols) <= budget < min(xla_peak(s.choices) for s in sols)
