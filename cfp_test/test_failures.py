@@ -133,6 +133,7 @@ def _saved_results(workdir) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_a_budget_cut_profile_is_finished_by_the_next_run(tmp_path):
     analysis = run_analysis(MLP, (4,))
     wd = WorkDir(tmp_path, run_fingerprint(MLP, (4,)))
@@ -185,6 +186,7 @@ def test_a_window_type_is_timed_in_batches_of_even_size():
     assert [i for i, _ in even_batches(list(range(34)), 16)] == [0, 12, 24]
 
 
+@pytest.mark.slow
 def test_timings_taken_on_a_busy_machine_are_told(capsys):
     """Every timed combination carries the share of the cores other processes took while it
     was timed; one over ``BUSY_SHARE`` is reported as timed on a busy machine, naming its

@@ -124,6 +124,7 @@ def test_search_errors(tmp_path, capsys):
     assert "another run" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_passes_chain_records_in_memory():
     """Each pass takes the previous pass's record and returns its own; no work dir."""
     from cfp.passes.profile import ProfileOptions, run_profile
