@@ -5,7 +5,8 @@
 measured combinations (time, memory), and one edge per pair of blocks that a boundary tensor
 joins, priced from the resharding table. It solves it, asks for the next-best plans too
 (``validate_top``) and, when all of those reshard, for the best plan that does not
-(``predicted_plans``), adds the baseline plans that are plans of the problem
+(``predicted_plans``), compiles them and solves again for those over the memory budget once
+compiled (``fitting_predictions``), adds the baseline plans that are plans of the problem
 (``baseline_candidates``), runs each end to end on the mesh in interleaved rounds, keeps the
 measured fastest, checks it against the single-device step, and returns a ``SearchRecord``.
 Across processes (``SearchOptions.runtime``) it runs in a worker that joins their runtime
