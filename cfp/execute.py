@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Sequence
 
 import numpy as np
@@ -133,7 +134,6 @@ class PlannedStep:
 
     def compile(self, compiler_options: dict | None = None):
         """Lower and compile the step (its seconds in ``compile_s``)."""
-        import time
         import jax
         t0 = time.perf_counter()
         g = self.analysis.graph

@@ -17,8 +17,8 @@ peak is the largest, over groups ``k`` in program order, of every group's memory
 plus held-for-backward bytes), less the held bytes of the groups after ``k`` (the backward
 pass reaches ``k`` after it has freed them), plus ``k``'s transient bytes; each of these is at
 most the budget; an edge may add bytes too (``edge_memory``: a resharded copy the backward
-pass reads, held until then), priced on the same transport booleans. Costs are integers (the caller scales seconds to its profiles' resolution),
-so the optimum is exact.
+pass reads, held until then), priced on the same transport booleans. Costs are integers (the
+caller scales seconds to its profiles' resolution), so the optimum is exact.
 
 ``solve_alike`` solves the quotient in which *alike* blocks (the same block of repeated layers)
 take one strategy: one group per window of one layer, whatever the depth. Its plan starts the

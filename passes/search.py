@@ -174,23 +174,11 @@ def fitting_predictions(analysis, problem: Problem, profile, options: SearchOpti
     """``predicted_plans`` that fit the budget once compiled, the compiled steps (choices ->
     ``PlannedStep``, compiled, not run, for validation to run) and the first solve's status.
     The composition can count less than XLA holds. Under a budget every prediction is
-    compiled; where some are over it, the composition is calibrated on those and they are
-    solved again (the top plans again when a top plan was over, else the best plan without
-    reshardings alone), never to a plan compiled already, up to ``CALIBRATIONS`` solves in
-    all. The predictions that fit are returned, or where none does, the last ones. A
-    calibration:
-
-    - The first time, where every prediction over the budget keeps parameters whole, what
-      their steps hold beyond the composition is attributed to those parameters (state
-      layouts ``plan`` and ``zero1``: XLA holds copies of them and their gradients, awaiting
-      one combined reduction, longer than their windows do; ``scripts/composed_memory.py
-      --peak-top`` lists them). Every option then counts its whole-kept parameters' bytes
-      times the smallest such excess per byte among them.
-    - Otherwise, or where the calibrated predictions are over the budget still, the budget
-      the solver composes against is scaled by the composed / compiled ratio of the one
-      closest to fitting.
-
-    The solutions' memory is the uncalibrated composition."""
+    compiled; where some are over it, the composition is calibrated on those (``calibrated``)
+    and they are solved again (the top plans again when a top plan was over, else the best
+    plan without reshardings alone), never to a plan compiled already, up to
+    ``CALIBRATIONS`` solves in all. The predictions that fit are returned, or where none
+    does, the last ones. The solutions' memory is the uncalibrated composition."""
     from cfp.execute import PlannedStep
     from cfp.measure import memory_of
     budget, composed = problem.memory_budget, problem
@@ -213,25 +201,7 @@ def fitting_predictions(analysis, problem: Problem, profile, options: SearchOpti
         over = [(s, p) for s, p in zip(sols, peaks) if p > budget]
         if not over or n == CALIBRATIONS - 1:
             break
-        whole = whole_param_bytes(analysis, problem, profile.windows) if n == 0 else None
-        kept_whole = whole and [sum(w[c] for w, c in zip(whole, s.choices)) for s, _ in over]
-        if kept_whole and all(kept_whole):
-            per_byte = min((p - s.memory) / k for (s, p), k in zip(over, kept_whole))
-            problem = dataclasses.replace(problem, groups=[
-                dataclasses.replace(grp, options=[
-                    dataclasses.replace(o, memory=o.memory + math.ceil(per_byte * w[k]))
-                    for k, o in enumerate(grp.options)])
-                for grp, w in zip(problem.groups, whole)])
-            log.info("%d predictions over the budget once compiled (peaks %s); parameters "
-                     "kept whole count %.2f times their bytes more", len(over),
-                     [p for _, p in over], per_byte)
-        else:
-            ratio = max(s.memory / p for s, p in over)
-            problem = dataclasses.replace(problem,
-                                          memory_budget=int(problem.memory_budget * ratio))
-            log.info("%d predictions over the budget once compiled (peaks %s); solving "
-                     "against %d bytes", len(over), [p for _, p in over],
-                     problem.memory_budget)
+        problem = calibrated(analysis, problem, profile.windows, over, first=n == 0)
         seen = list(compiled)
         try:
             sols = (predicted_plans(problem, options.validate_top, options.time_limit_s, seen)
@@ -246,15 +216,48 @@ def fitting_predictions(analysis, problem: Problem, profile, options: SearchOpti
             for s in kept], compiled, status
 
 
+def calibrated(analysis, problem: Problem, windows, over, *, first: bool) -> Problem:
+    """``problem`` calibrated on the predictions ``over`` the budget once compiled ((solution,
+    compiled peak) each, the solution's memory as ``problem`` composes it):
+
+    - The ``first`` time, where every one of them keeps parameters whole, what their steps
+      hold beyond the composition is attributed to those parameters (state layouts ``plan``
+      and ``zero1``: XLA holds copies of them and their gradients, awaiting one combined
+      reduction, longer than their windows do; ``scripts/composed_memory.py --peak-top``
+      lists them). Every option then counts its whole-kept parameters' bytes times the
+      smallest such excess per byte among them.
+    - Otherwise the budget the solver composes against is scaled by the composed / compiled
+      ratio of the one closest to fitting."""
+    peaks = [p for _, p in over]
+    if first:
+        whole = whole_param_bytes(analysis, problem, windows)
+        kept_whole = [sum(w[c] for w, c in zip(whole, s.choices)) for s, _ in over]
+        if all(kept_whole):
+            per_byte = min((p - s.memory) / k for (s, p), k in zip(over, kept_whole))
+            log.info("%d predictions over the budget once compiled (peaks %s); parameters "
+                     "kept whole count %.2f times their bytes more", len(over), peaks,
+                     per_byte)
+            return dataclasses.replace(problem, groups=[
+                dataclasses.replace(grp, options=[
+                    dataclasses.replace(o, memory=o.memory + math.ceil(per_byte * w[k]))
+                    for k, o in enumerate(grp.options)])
+                for grp, w in zip(problem.groups, whole)])
+    budget = int(problem.memory_budget * max(s.memory / p for s, p in over))
+    log.info("%d predictions over the budget once compiled (peaks %s); solving against %d "
+             "bytes", len(over), peaks, budget)
+    return dataclasses.replace(problem, memory_budget=budget)
+
+
 def whole_param_bytes(analysis, problem: Problem, windows) -> list[list[int]]:
     """Per group, per option: the bytes per device, as its blocks compute with them, of the
     parameters the window holds and its state layout keeps whole (``plan``, ``zero1``)."""
     from cfp.windows import held_params, term_sizers
     names = AXIS_NAMES[:len(analysis.mesh_shape)]
+    held = held_for_backward(analysis.graph)  # once, not per window
     out = []
     for w, grp in zip(windows, problem.groups):
         params = held_params(analysis, w)
-        terms = [t for t in memory_terms(analysis, w).adding if t[0] in params]
+        terms = [t for t in memory_terms(analysis, w, held=held).adding if t[0] in params]
         row = []
         for o in grp.options:
             if not terms or state_layout(analysis, w, o.strategies) == "fsdp":
