@@ -15,8 +15,9 @@ in r`` and ``sum_r e[r,c] = sum of x_j[t] over t in c`` (exactly one is true, an
 the pair): they grow with the distinct layouts, not with the strategies. Memory: the step's
 peak is the largest, over groups ``k`` in program order, of every group's memory (persistent
 plus held-for-backward bytes), less the held bytes of the groups after ``k`` (the backward
-pass reaches ``k`` after it has freed them), plus ``k``'s transient bytes; each of these is at
-most the budget; an edge may add bytes too (``edge_memory``: a resharded copy the backward
+pass reaches ``k`` after it has freed them), plus ``k``'s transient bytes and the bytes ``k``
+and the groups after it leave waiting for the step's end (gradients awaiting a combined
+reduction); each of these is at most the budget; an edge may add bytes too (``edge_memory``: a resharded copy the backward
 pass reads, held until then), priced on the same transport booleans. Costs are integers (the
 caller scales seconds to its profiles' resolution), so the optimum is exact.
 
@@ -51,6 +52,9 @@ class Option:
     memory: int = 0  # persistent + held-for-backward bytes: these add up over groups
     transient: int = 0  # bytes alive only while the group runs
     held: int = 0  # of ``memory``, the activations held for the backward pass
+    # made by the group's backward pass and held from then to the step's end (gradients
+    # awaiting a combined reduction)
+    waiting: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +85,13 @@ class Problem:
 
 
 def _sequence(problem: Problem) -> list:
+    """Per window in program order: (its group, the bytes its backward pass frees, per option:
+    its held activations less what it leaves waiting; the bytes beside the rest at its
+    transient, per option: its transient and what it leaves waiting)."""
     if problem.sequence is not None:
         return problem.sequence
-    return [(g, tuple(o.held for o in grp.options), tuple(o.transient for o in grp.options))
+    return [(g, tuple(o.held - o.waiting for o in grp.options),
+             tuple(o.transient + o.waiting for o in grp.options))
             for g, grp in enumerate(problem.groups)]
 
 
@@ -119,7 +127,8 @@ def evaluate(problem: Problem, choices) -> tuple[int, int, tuple[int, ...]]:
 
 def transient_peak(held, transient) -> int:
     """Over windows in program order, the largest transient less the held bytes of the
-    windows after it (the backward pass has freed them by then); at least 0."""
+    windows after it (the backward pass has freed them by then); at least 0. ``held`` and
+    ``transient`` are as ``_sequence`` gives them, net of the bytes left waiting."""
     above, freed = 0, 0
     for h, t in zip(reversed(held), reversed(transient)):
         above, freed = max(above, t - freed), freed + h
@@ -213,14 +222,18 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, exclude=(), workers: 
         # whose constraint counts. A window whose group has a later window with transients at
         # least as large, option by option, needs none: less is freed after that one (the
         # quotient of alike layers repeats its groups in every layer).
-        freed, pending, bound = 0, {}, sum(max(held) for _, held, _ in seq)
+        # Where a window frees less than it leaves waiting, freeing is not monotone and every
+        # window's constraint counts.
+        freed, pending = 0, {}
+        low = sum(min(0, *held) for _, held, _ in seq)
+        bound = sum(max(0, *held) for _, held, _ in seq)
         later_max: dict[int, tuple] = {}
         for k in reversed(range(len(seq))):
             g, held, transient = seq[k]
-            top = later_max.get(g)
+            top = later_max.get(g) if low == 0 else None
             if top is None or any(t > u for t, u in zip(transient, top)):
                 if pending:
-                    var = m.NewIntVar(0, bound, f"freed{k}")
+                    var = m.NewIntVar(low, bound, f"freed{k}")
                     m.Add(var == freed + sum(c * y[q][o] for (q, o), c in pending.items()))
                     freed, pending = var, {}
                 m.Add(total - freed + sum(t * y[g][o] for o, t in enumerate(transient) if t)

@@ -287,9 +287,9 @@ def inputs_read_earlier(analysis, windows: list[Window]) -> list[frozenset[int]]
 def option_memory(analysis, window: Window, combo, measured, axis_names,
                   read_earlier: frozenset[int] = frozenset(),
                   held: frozenset[int] | None = None,
-                  terms: "MemoryTerms | None" = None) -> tuple[int, int, int]:
-    """(bytes that add up over windows, transient bytes, held bytes) of a window under
-    ``combo``, per device.
+                  terms: "MemoryTerms | None" = None) -> tuple[int, int, int, int]:
+    """(bytes that add up over windows, transient bytes, held bytes, waiting bytes) of a
+    window under ``combo``, per device.
 
     Adding up: the window's parameters, optimizer state and batch coming in (those not in
     ``read_earlier``, held for an earlier window already; their updates take their place,
@@ -300,8 +300,12 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
     activations inside them (an analytic measurement's hold none); one window's transient counts
     in the step's peak at a time, beside the held activations of the windows up to it (those
     of later windows the backward pass has freed: ``solver``). Held: the activations among the
-    adding-up bytes. ``held`` and ``terms`` (``memory_terms``) are what the caller computed
-    already, for many combinations."""
+    adding-up bytes. Waiting: the gradients of the parameters the window holds and its state
+    layout keeps whole (``plan``, ``zero1``), at the layout its blocks compute with. XLA
+    combines their reductions into a few late ones, so each waits from the window's backward
+    pass to near the step's end (``scripts/composed_memory.py --peak-top`` lists them live at
+    the compiled peak); a split layout (``fsdp``) reduces each at once. ``held`` and ``terms``
+    (``memory_terms``) are what the caller computed already, for many combinations."""
     terms = terms or memory_terms(analysis, window, read_earlier, held)
     size, held_size, gathered_size = term_sizers(analysis, window, combo, axis_names)
     held_bytes = {t[0]: held_size(t) for t in terms.held}
@@ -313,7 +317,11 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
     # are its largest contraction's working set alone (``cfp.analytic``).
     held_internal = 0 if measured.note == "analytic" else sum(
         held_bytes.get(v, 0) for v in terms.internal)
-    return adding, max(0, measured.temp_bytes - held_internal), sum(held_bytes.values())
+    whole = (frozenset() if state_layout(analysis, window, combo) == "fsdp"
+             else held_params(analysis, window))
+    waiting = sum(size(*t, stored=False) for t in terms.adding if t[0] in whole)
+    return (adding, max(0, measured.temp_bytes - held_internal), sum(held_bytes.values()),
+            waiting)
 
 
 def gathered_params(analysis, window: Window, combo) -> frozenset[int]:

@@ -7,7 +7,8 @@ from cfp.solver import (Group, Option, Problem, brute_force, chain_dp, evaluate,
                         solve_alike)
 
 
-def _random_chain(rng, groups=4, blocks_per=2, strategies=3, budget=None, held=False):
+def _random_chain(rng, groups=4, blocks_per=2, strategies=3, budget=None, held=False,
+                  waiting=False):
     gs, nb = [], []
     for g in range(groups):
         blocks = tuple(range(len(nb), len(nb) + blocks_per))
@@ -16,7 +17,8 @@ def _random_chain(rng, groups=4, blocks_per=2, strategies=3, budget=None, held=F
         for c in np.ndindex(*(strategies,) * blocks_per):
             memory = rng.randint(1, 20)
             opts.append(Option(c, rng.randint(10, 100), memory, rng.randint(0, 10),
-                               rng.randint(0, memory) if held else 0))
+                               rng.randint(0, memory) if held else 0,
+                               rng.randint(0, 12) if waiting else 0))
         gs.append(Group(blocks, opts))
     edges = {}
     for g in range(groups - 1):
@@ -190,3 +192,47 @@ def test_alike_layers_keep_each_windows_memory_where_their_transients_differ():
     assert evaluate(p, (0, 0))[1] == 25
     sol = solve_alike(p)
     assert sol.objective == 40 and sol.memory <= 24
+
+
+def test_gradients_left_waiting_count_from_their_window_to_the_steps_end():
+    """Window 1 leaves 5 bytes waiting (gradients awaiting a combined reduction): they count
+    at its own transient (20 + 1 + 5 = 26) and at window 0's, which runs after it in the
+    backward pass (20 - (6 - 5) + 8 = 27), not 22. Within 26 bytes the plan does not fit;
+    the control, nothing waiting, fits."""
+    from cfp.solver import least_memory
+
+    def problem(waiting, budget=None):
+        return Problem([Group((0,), [Option((0,), 10, 10, 8)]),
+                        Group((1,), [Option((0,), 10, 10, 1, 6, waiting)])], [1, 1], {}, budget)
+    assert evaluate(problem(5), (0, 0))[1] == 27 and evaluate(problem(0), (0, 0))[1] == 22
+    assert solve(problem(5, 26)) is None and solve(problem(0, 26)) is not None
+    assert least_memory(problem(5)) == 27
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_solver_matches_brute_force_with_gradients_left_waiting(seed):
+    """Waiting bytes can exceed what a window frees, so freeing is not monotone; under a
+    budget that binds, the solver still finds brute force's plan, within the budget."""
+    rng = random.Random(700 + seed)
+    free = _random_chain(rng, groups=3, held=True, waiting=True)
+    best = brute_force(free)
+    tight = Problem(free.groups, free.num_strategies, free.edges,
+                    evaluate(free, best[1])[1] - 1)
+    want, sol = brute_force(tight), solve(tight)
+    assert (sol is None) == (want is None)
+    if sol is not None:
+        assert sol.objective == want[0] and evaluate(tight, sol.choices)[1] <= tight.memory_budget
+
+
+def test_alike_layers_check_every_window_where_gradients_wait():
+    """Two alike layers; their fast option leaves 5 bytes waiting and frees none. Both fast:
+    the last layer's window peaks at 20 + 2 + 5 = 27, the first's at 20 + 5 + 7 = 32, over a
+    budget of 30; so the quotient runs both lean (cost 40). Checking the quotient group at
+    its last window alone (its transients are no smaller) would admit the fast plan (cost
+    20); the control, nothing waiting, is fast within the budget."""
+    def problem(waiting):
+        layer = [Option((0,), 10, 10, 2, 0, waiting), Option((1,), 20, 10, 2)]
+        return Problem([Group((0,), layer), Group((1,), layer)], [2, 2], {}, 30, [], [(0, 1)])
+    assert evaluate(problem(5), (0, 0))[1] == 32
+    assert solve_alike(problem(5)).objective == 40
+    assert solve_alike(problem(0)).objective == 20

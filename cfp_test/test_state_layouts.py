@@ -140,7 +140,7 @@ def test_a_gradient_split_otherwise_by_its_block_keeps_its_layout():
 @pytest.fixture
 def xla_stand_in(analytic_problem, monkeypatch):
     """XLA's step can hold more than the composition counts for parameters kept whole
-    (copies, gradients awaiting one reduction). Standing in for XLA: a "compiled" peak of the
+    (copies laid out for its kernels). Standing in for XLA: a "compiled" peak of the
     composed memory plus half the bytes of the parameters each window keeps whole, plus
     ``xla_peak.extra`` bytes; nothing compiles. Returns (problem
     without a budget, analysis, profile, that peak of a plan's choices)."""
@@ -151,7 +151,6 @@ def xla_stand_in(analytic_problem, monkeypatch):
     spec, analysis, profile, build_problem = analytic_problem
     problem, _ = build_problem(analysis, profile, None)
     windows, g = profile.windows, analysis.graph
-    whole = search.whole_param_bytes(analysis, problem, windows)
 
     def choices(strategies, storage):
         layouts = storage.layouts(len(g.state_pairs()))
@@ -164,7 +163,7 @@ def xla_stand_in(analytic_problem, monkeypatch):
         return out
 
     def xla_peak(c):
-        kept = sum(w[k] for w, k in zip(whole, c))
+        kept = sum(grp.options[k].waiting for grp, k in zip(problem.groups, c))
         return evaluate(problem, c)[1] + kept // 2 + xla_peak.extra
 
     xla_peak.extra = 0

@@ -222,16 +222,16 @@ def calibrated(analysis, problem: Problem, windows, over, *, first: bool) -> Pro
 
     - The ``first`` time, where every one of them keeps parameters whole, what their steps
       hold beyond the composition is attributed to those parameters (state layouts ``plan``
-      and ``zero1``: XLA holds copies of them and their gradients, awaiting one combined
-      reduction, longer than their windows do; ``scripts/composed_memory.py --peak-top``
-      lists them). Every option then counts its whole-kept parameters' bytes times the
-      smallest such excess per byte among them.
+      and ``zero1``: XLA holds copies of them, laid out for its kernels, from the forward
+      pass to the backward; ``scripts/composed_memory.py --peak-top`` lists them). Every
+      option then counts its whole-kept parameters' bytes (its ``Option.waiting``, their
+      gradients' size) times the smallest such excess per byte among them.
     - Otherwise the budget the solver composes against is scaled by the composed / compiled
       ratio of the one closest to fitting."""
     peaks = [p for _, p in over]
     if first:
-        whole = whole_param_bytes(analysis, problem, windows)
-        kept_whole = [sum(w[c] for w, c in zip(whole, s.choices)) for s, _ in over]
+        kept_whole = [sum(g.options[c].waiting for g, c in zip(problem.groups, s.choices))
+                      for s, _ in over]
         if all(kept_whole):
             per_byte = min((p - s.memory) / k for (s, p), k in zip(over, kept_whole))
             log.info("%d predictions over the budget once compiled (peaks %s); parameters "
@@ -239,34 +239,13 @@ def calibrated(analysis, problem: Problem, windows, over, *, first: bool) -> Pro
                      per_byte)
             return dataclasses.replace(problem, groups=[
                 dataclasses.replace(grp, options=[
-                    dataclasses.replace(o, memory=o.memory + math.ceil(per_byte * w[k]))
-                    for k, o in enumerate(grp.options)])
-                for grp, w in zip(problem.groups, whole)])
+                    dataclasses.replace(o, memory=o.memory + math.ceil(per_byte * o.waiting))
+                    for o in grp.options])
+                for grp in problem.groups])
     budget = int(problem.memory_budget * max(s.memory / p for s, p in over))
     log.info("%d predictions over the budget once compiled (peaks %s); solving against %d "
              "bytes", len(over), peaks, budget)
     return dataclasses.replace(problem, memory_budget=budget)
-
-
-def whole_param_bytes(analysis, problem: Problem, windows) -> list[list[int]]:
-    """Per group, per option: the bytes per device, as its blocks compute with them, of the
-    parameters the window holds and its state layout keeps whole (``plan``, ``zero1``)."""
-    from cfp.windows import held_params, term_sizers
-    names = AXIS_NAMES[:len(analysis.mesh_shape)]
-    held = held_for_backward(analysis.graph)  # once, not per window
-    out = []
-    for w, grp in zip(windows, problem.groups):
-        params = held_params(analysis, w)
-        terms = [t for t in memory_terms(analysis, w, held=held).adding if t[0] in params]
-        row = []
-        for o in grp.options:
-            if not terms or state_layout(analysis, w, o.strategies) == "fsdp":
-                row.append(0)
-                continue
-            size = term_sizers(analysis, w, o.strategies, names)[0]
-            row.append(sum(size(*t, stored=False) for t in terms))
-        out.append(row)
-    return out
 
 
 def plan_storage(analysis, problem: Problem, windows, choices) -> Storage:
@@ -313,9 +292,8 @@ def build_problem(analysis, profile, memory_budget_bytes: int | None
         for combo, m in sorted(seg.results.items()):
             if m.status != "ok":
                 continue
-            mem, transient, held_bytes = option_memory(analysis, w, combo, m, names,
-                                                       terms=terms)
-            opts.append(Option(combo, int(round(m.time_s * SCALE)), mem, transient, held_bytes))
+            opts.append(Option(combo, int(round(m.time_s * SCALE)),
+                               *option_memory(analysis, w, combo, m, names, terms=terms)))
             table.append(combo)
         if not opts:
             statuses = {m.status for m in seg.results.values()}

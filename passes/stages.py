@@ -317,9 +317,9 @@ class _SubmeshPricing:
         return plans
 
     def _tables(self, strategies):
-        """Per group of a candidate plan: its option, cost, memory, transient and held bytes;
-        per edge its cost."""
-        choices, cost, memory, transient, held = [], [], [], [], []
+        """Per group of a candidate plan: its option, cost, memory, transient, held and waiting
+        bytes; per edge its cost."""
+        choices, cost, memory, transient, held, waiting = [], [], [], [], [], []
         for g, grp in enumerate(self.problem.groups):
             want = tuple(strategies[b] for b in grp.blocks)
             c = next(o for o, opt in enumerate(grp.options)
@@ -327,12 +327,12 @@ class _SubmeshPricing:
             opt = grp.options[c]
             choices.append(c)
             cost.append(opt.cost), memory.append(opt.memory), transient.append(opt.transient)
-            held.append(opt.held)
+            held.append(opt.held), waiting.append(opt.waiting)
         edges = np.array([(i, j, int(t[strategies[i], strategies[j]]))
                           for (i, j), t in self.problem.edges.items()],
                          dtype=np.int64).reshape(-1, 3)
         return (tuple(strategies), np.array(cost), np.array(memory), np.array(transient),
-                np.array(held), edges)
+                np.array(held), np.array(waiting), edges)
 
     def block_range(self, k: int, i: int) -> tuple[int, int]:
         n = len(self.analysis.blocks.blocks)
@@ -350,11 +350,12 @@ class _SubmeshPricing:
         lo, hi = self.block_range(k, i)
         inside = (self.group_start >= lo) & (self.group_start < hi)
         best = None
-        for strategies, cost, memory, transient, held, edges in self.candidates:
+        for strategies, cost, memory, transient, held, waiting, edges in self.candidates:
             within = (edges[:, 0] >= lo) & (edges[:, 0] < hi) & (edges[:, 1] >= lo) & \
                 (edges[:, 1] < hi)
             total = int(cost[inside].sum() + edges[within, 2].sum())
-            mem = int(memory[inside].sum() + transient_peak(held[inside], transient[inside]))
+            mem = int(memory[inside].sum() + transient_peak(  # as ``solver._sequence`` nets
+                held[inside] - waiting[inside], transient[inside] + waiting[inside]))
             budget = self.options.memory_budget_bytes
             if (budget is None or mem <= budget) and (best is None or total < best[0]):
                 best = (total, mem, int(held[inside].sum()), strategies[lo:hi])

@@ -98,11 +98,9 @@ def main(argv=None) -> None:
             combo += (STATE_LAYOUTS.index(layout),) if held_state(analysis, w) else ()
             exe, _ = WindowProgram(program, analysis, w, mesh).compile(combo)
             terms = memory_terms(analysis, w, earlier[k], held)
-            mem, transient, held_bytes = option_memory(
+            groups.append(Group(tuple(range(w.start, w.end)), [Option(combo, 0, *option_memory(
                 analysis, w, combo, Measurement("ok", **memory_of(exe)), mesh.axis_names,
-                terms=terms)
-            groups.append(Group(tuple(range(w.start, w.end)),
-                                [Option(combo, 0, mem, transient, held_bytes)]))
+                terms=terms))]))
         composed = evaluate(Problem(groups, [len(b.strategies) for b in blocks]),
                             [0] * len(groups))[1]
         step = PlannedStep(program, analysis, idx, mesh, Storage(layout))
