@@ -71,10 +71,13 @@ class Problem:
     memory_budget: int | None = None
     ties: list = dataclasses.field(default_factory=list)  # (i, j): same strategy (one scan)
     alike: list = dataclasses.field(default_factory=list)  # (i, j): same block, repeated layer
-    # Per window in program order: (its group, held bytes per option, transient bytes per
-    # option). None: one window per group, in the groups' order (a quotient's group stands
-    # for several windows, ``solve_alike``).
+    # Per window in program order: (its group, held, transient and waiting bytes per option).
+    # None: one window per group, in the groups' order (a quotient's group stands for
+    # several windows, ``solve_alike``).
     sequence: list | None = None
+    # The most gradient bytes that wait at once: XLA combines reductions into groups of at
+    # most this many bytes (``windows.COMBINED_REDUCTION_BYTES``). None: no bound.
+    waiting_cap: int | None = None
     # (i, j) -> bool array [S_i, S_j]: some tensor between the two blocks changes layout (a
     # resharding priced 0 is still one). Empty: not known.
     reshards: dict = dataclasses.field(default_factory=dict)
@@ -85,14 +88,10 @@ class Problem:
 
 
 def _sequence(problem: Problem) -> list:
-    """Per window in program order: (its group, the bytes its backward pass frees, per option:
-    its held activations less what it leaves waiting; the bytes beside the rest at its
-    transient, per option: its transient and what it leaves waiting)."""
     if problem.sequence is not None:
         return problem.sequence
-    return [(g, tuple(o.held - o.waiting for o in grp.options),
-             tuple(o.transient + o.waiting for o in grp.options))
-            for g, grp in enumerate(problem.groups)]
+    return [(g, tuple(o.held for o in grp.options), tuple(o.transient for o in grp.options),
+             tuple(o.waiting for o in grp.options)) for g, grp in enumerate(problem.groups)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,31 +119,38 @@ def evaluate(problem: Problem, choices) -> tuple[int, int, tuple[int, ...]]:
         cost += int(table[strat[i], strat[j]])
     for (i, j), table in problem.edge_memory.items():
         mem += int(table[strat[i], strat[j]])
-    seq = _sequence(problem)
-    return cost, mem + transient_peak([h[choices[g]] for g, h, _ in seq],
-                                      [t[choices[g]] for g, _, t in seq]), tuple(strat)
+    held, transient, waiting = ([row[k][choices[g]] for g, *row in _sequence(problem)]
+                                for k in range(3))
+    return (cost, mem + transient_peak(held, transient, waiting, problem.waiting_cap),
+            tuple(strat))
 
 
-def transient_peak(held, transient) -> int:
+def transient_peak(held, transient, waiting=None, cap: int | None = None) -> int:
     """Over windows in program order, the largest transient less the held bytes of the
-    windows after it (the backward pass has freed them by then); at least 0. ``held`` and
-    ``transient`` are as ``_sequence`` gives them, net of the bytes left waiting."""
-    above, freed = 0, 0
-    for h, t in zip(reversed(held), reversed(transient)):
-        above, freed = max(above, t - freed), freed + h
+    windows after it (the backward pass has freed them by then), plus the bytes it and the
+    windows after it leave waiting, at most ``cap``; at least 0."""
+    above, freed, waited = 0, 0, 0
+    for h, t, w in zip(reversed(held), reversed(transient),
+                       reversed([0] * len(held) if waiting is None else waiting)):
+        waited += w
+        above = max(above, t - freed + (waited if cap is None else min(waited, cap)))
+        freed += h
     return above
 
 
 def least_memory(problem: Problem) -> int:
     """A lower bound on the memory of every plan (for the error when none fits): at each
     window, every group at its least memory less what the later windows free, plus the
-    window's least transient."""
+    window's least transient and the least the windows from it on leave waiting."""
     seq = _sequence(problem)
     freed = {g: [0] * len(grp.options) for g, grp in enumerate(problem.groups)}
     least = {g: min(o.memory for o in grp.options) for g, grp in enumerate(problem.groups)}
-    total, bound = sum(least.values()), 0
-    for g, held, transient in reversed(seq):
-        bound = max(bound, total + min(transient))
+    total, bound, waited = sum(least.values()), 0, 0
+    cap = problem.waiting_cap
+    for g, held, transient, waiting in reversed(seq):
+        waited += min(waiting)
+        bound = max(bound, total + min(transient) + (waited if cap is None else
+                                                     min(waited, cap)))
         freed[g] = [f + h for f, h in zip(freed[g], held)]
         new = min(o.memory - f for o, f in zip(problem.groups[g].options, freed[g]))
         total += new - least[g]
@@ -218,26 +224,38 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, exclude=(), workers: 
         m.Add(total == sum(opt.memory * y[g][o] for g, grp in enumerate(problem.groups)
                            for o, opt in enumerate(grp.options))
               + sum(n * v for n, v in held_across))
-        # Held bytes of the windows after this one: a chain of variables, one per window
-        # whose constraint counts. A window whose group has a later window with transients at
-        # least as large, option by option, needs none: less is freed after that one (the
-        # quotient of alike layers repeats its groups in every layer).
-        # Where a window frees less than it leaves waiting, freeing is not monotone and every
-        # window's constraint counts.
-        freed, pending = 0, {}
-        low = sum(min(0, *held) for _, held, _ in seq)
-        bound = sum(max(0, *held) for _, held, _ in seq)
+        # Held bytes of the windows after this one, and waiting bytes of this one and those
+        # after it: chains of variables, one per window whose constraint counts. A window
+        # whose group has a later window with transients at least as large, option by
+        # option, needs none where nothing waits: less is freed after that one (the quotient
+        # of alike layers repeats its groups in every layer).
+        cap, waits = problem.waiting_cap, any(any(w) for *_, w in seq)
+        bound = sum(max(held) for _, held, _, _ in seq)
+        most = sum(max(w) for *_, w in seq)
+        freed, pending, waited, pending_wait = 0, {}, 0, {}
         later_max: dict[int, tuple] = {}
         for k in reversed(range(len(seq))):
-            g, held, transient = seq[k]
-            top = later_max.get(g) if low == 0 else None
+            g, held, transient, waiting = seq[k]
+            for o, w in enumerate(waiting):
+                if w:
+                    pending_wait[g, o] = pending_wait.get((g, o), 0) + w
+            top = None if waits else later_max.get(g)
             if top is None or any(t > u for t, u in zip(transient, top)):
                 if pending:
-                    var = m.NewIntVar(low, bound, f"freed{k}")
+                    var = m.NewIntVar(0, bound, f"freed{k}")
                     m.Add(var == freed + sum(c * y[q][o] for (q, o), c in pending.items()))
                     freed, pending = var, {}
+                if pending_wait:
+                    var = m.NewIntVar(0, most, f"waited{k}")
+                    m.Add(var == waited + sum(c * y[q][o]
+                                              for (q, o), c in pending_wait.items()))
+                    waited, pending_wait = var, {}
+                wait = waited
+                if cap is not None and waits and most > cap:
+                    wait = m.NewIntVar(0, cap, f"waiting{k}")
+                    m.AddMinEquality(wait, [waited, cap])
                 m.Add(total - freed + sum(t * y[g][o] for o, t in enumerate(transient) if t)
-                      <= problem.memory_budget)
+                      + wait <= problem.memory_budget)
                 later_max[g] = transient if top is None else tuple(map(max, transient, top))
             for o, h in enumerate(held):
                 if h:
@@ -338,7 +356,8 @@ def solve_alike(problem: Problem, *, time_limit_s: float = 60.0, exclude=()
             picked = [next(o for o in problem.groups[g].options if o.strategies == st)
                       for g in gs]
             opts.append(Option(st, sum(o.cost for o in picked), sum(o.memory for o in picked),
-                               max(o.transient for o in picked), sum(o.held for o in picked)))
+                               max(o.transient for o in picked), sum(o.held for o in picked),
+                               sum(o.waiting for o in picked)))
         groups.append(Group(first.blocks, opts))
         origin.append(gs)
     position = {b: (q, k) for q, grp in enumerate(groups) for k, b in enumerate(grp.blocks)}
@@ -364,13 +383,14 @@ def solve_alike(problem: Problem, *, time_limit_s: float = 60.0, exclude=()
                    if rep_of[i] != rep_of[j]})
     quotient_of = {g: q for q, gs in enumerate(origin) for g in gs}
     sequence = []  # the whole step's windows, each priced by its quotient group's choice
-    for g, held, transient in _sequence(problem):
+    for g, *row in _sequence(problem):
         q = quotient_of[g]
         index = [next(o for o, opt in enumerate(problem.groups[g].options)
                       if opt.strategies == qo.strategies) for qo in groups[q].options]
-        sequence.append((q, tuple(held[o] for o in index), tuple(transient[o] for o in index)))
+        sequence.append((q, *(tuple(x[o] for o in index) for x in row)))
     quotient = Problem(groups, problem.num_strategies, edges, problem.memory_budget, ties,
-                       sequence=sequence, edge_memory=edge_memory)
+                       sequence=sequence, edge_memory=edge_memory,
+                       waiting_cap=problem.waiting_cap)
 
     def lift(choices_q):
         out = [0] * len(problem.groups)

@@ -284,6 +284,12 @@ def inputs_read_earlier(analysis, windows: list[Window]) -> list[frozenset[int]]
     return out
 
 
+# XLA's default threshold for combining all-reduces and reduce-scatters
+# (xla/service/collective_utils.h): gradients left waiting for a combined reduction are at
+# most this many bytes at once.
+COMBINED_REDUCTION_BYTES = 30 * 2**20
+
+
 def option_memory(analysis, window: Window, combo, measured, axis_names,
                   read_earlier: frozenset[int] = frozenset(),
                   held: frozenset[int] | None = None,
@@ -302,8 +308,9 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
     of later windows the backward pass has freed: ``solver``). Held: the activations among the
     adding-up bytes. Waiting: the gradients of the parameters the window holds and its state
     layout keeps whole (``plan``, ``zero1``), at the layout its blocks compute with. XLA
-    combines their reductions into a few late ones, so each waits from the window's backward
-    pass to near the step's end (``scripts/composed_memory.py --peak-top`` lists them live at
+    combines their reductions into groups of up to ``COMBINED_REDUCTION_BYTES``, so each
+    waits from the window's backward pass until its group is complete (on a small model, to
+    near the step's end) (``scripts/composed_memory.py --peak-top`` lists them live at
     the compiled peak); a split layout (``fsdp``) reduces each at once. ``held`` and ``terms``
     (``memory_terms``) are what the caller computed already, for many combinations."""
     terms = terms or memory_terms(analysis, window, read_earlier, held)

@@ -211,13 +211,14 @@ def test_gradients_left_waiting_count_from_their_window_to_the_steps_end():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_solver_matches_brute_force_with_gradients_left_waiting(seed):
-    """Waiting bytes can exceed what a window frees, so freeing is not monotone; under a
-    budget that binds, the solver still finds brute force's plan, within the budget."""
+    """Waiting bytes can exceed what a window frees, and a bound on them is not linear; under
+    a budget that binds, the solver still finds brute force's plan, within the budget."""
     rng = random.Random(700 + seed)
     free = _random_chain(rng, groups=3, held=True, waiting=True)
+    free.waiting_cap = 10 if seed % 2 else None  # groups of at most 10 bytes, or none
     best = brute_force(free)
     tight = Problem(free.groups, free.num_strategies, free.edges,
-                    evaluate(free, best[1])[1] - 1)
+                    evaluate(free, best[1])[1] - 1, waiting_cap=free.waiting_cap)
     want, sol = brute_force(tight), solve(tight)
     assert (sol is None) == (want is None)
     if sol is not None:
@@ -236,3 +237,21 @@ def test_alike_layers_check_every_window_where_gradients_wait():
     assert evaluate(problem(5), (0, 0))[1] == 32
     assert solve_alike(problem(5)).objective == 40
     assert solve_alike(problem(0)).objective == 20
+
+
+def test_gradients_waiting_at_once_are_at_most_the_combined_reductions_size():
+    """Three windows each leave 5 bytes waiting; XLA combines reductions into groups of at
+    most ``waiting_cap`` bytes, so no more than 8 wait at once: the first window's peak is
+    20 + 4 + 8 (32), not 20 + 4 + 15. Within 32 bytes it fits; the control, no bound,
+    does not."""
+    from cfp.solver import least_memory
+
+    def problem(cap, budget=None):
+        return Problem([Group((b,), [Option((0,), 10, 20 if b == 0 else 0,
+                                            4 if b == 0 else 0, 0, 5)]) for b in range(3)],
+                       [1, 1, 1], {}, budget, waiting_cap=cap)
+    assert evaluate(problem(8), (0, 0, 0))[1] == 32
+    assert evaluate(problem(None), (0, 0, 0))[1] == 39
+    assert solve(problem(8, 32)) is not None and solve(problem(None, 32)) is None
+    assert least_memory(problem(8)) == 32
+    assert solve_alike(problem(8, 31)) is None and solve_alike(problem(8, 32)) is not None

@@ -31,8 +31,9 @@ from cfp.execute import Storage
 from cfp.sharding import STATE_LAYOUTS
 from cfp.jax_compat import itemsize
 from cfp.workloads import AXIS_NAMES
-from cfp.windows import (held_for_backward, held_state, inputs_read_earlier, layouts,
-                         memory_terms, option_memory, shard_bytes, state_layout)
+from cfp.windows import (COMBINED_REDUCTION_BYTES, held_for_backward, held_state,
+                         inputs_read_earlier, layouts, memory_terms, option_memory,
+                         shard_bytes, state_layout)
 
 log = logging.getLogger(__name__)
 
@@ -341,7 +342,7 @@ def build_problem(analysis, profile, memory_budget_bytes: int | None
     ties = [(c[k], c[k + 1]) for c in copies.values() for k in range(len(c) - 1)]
     problem = Problem(groups, [len(b.strategies) for b in blocks], edges, memory_budget_bytes,
                       ties, alike_blocks(analysis), reshards=reshards,
-                      edge_memory=edge_memory)
+                      edge_memory=edge_memory, waiting_cap=COMBINED_REDUCTION_BYTES)
     return problem, combos
 
 

@@ -354,8 +354,8 @@ class _SubmeshPricing:
             within = (edges[:, 0] >= lo) & (edges[:, 0] < hi) & (edges[:, 1] >= lo) & \
                 (edges[:, 1] < hi)
             total = int(cost[inside].sum() + edges[within, 2].sum())
-            mem = int(memory[inside].sum() + transient_peak(  # as ``solver._sequence`` nets
-                held[inside] - waiting[inside], transient[inside] + waiting[inside]))
+            mem = int(memory[inside].sum() + transient_peak(
+                held[inside], transient[inside], waiting[inside], self.problem.waiting_cap))
             budget = self.options.memory_budget_bytes
             if (budget is None or mem <= budget) and (best is None or total < best[0]):
                 best = (total, mem, int(held[inside].sum()), strategies[lo:hi])

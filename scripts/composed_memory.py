@@ -70,8 +70,8 @@ def main(argv=None) -> None:
     from cfp.measure import Measurement, WindowProgram, memory_of
     from cfp.passes.analysis import run_analysis
     from cfp.solver import Group, Option, Problem, evaluate
-    from cfp.windows import (held_for_backward, inputs_read_earlier, memory_terms,
-                             option_memory, split_windows)
+    from cfp.windows import (COMBINED_REDUCTION_BYTES, held_for_backward,
+                             inputs_read_earlier, memory_terms, option_memory, split_windows)
     from cfp.workloads import WorkloadSpec, make_mesh, trace_step
     spec = WorkloadSpec(a.model, a.config, a.batch_size, a.dtype, tuple(
         (k, getattr(a, k)) for k in ("num_layers", "seq_len", "hidden_size", "num_heads",
@@ -101,7 +101,8 @@ def main(argv=None) -> None:
             groups.append(Group(tuple(range(w.start, w.end)), [Option(combo, 0, *option_memory(
                 analysis, w, combo, Measurement("ok", **memory_of(exe)), mesh.axis_names,
                 terms=terms))]))
-        composed = evaluate(Problem(groups, [len(b.strategies) for b in blocks]),
+        composed = evaluate(Problem(groups, [len(b.strategies) for b in blocks],
+                                    waiting_cap=COMBINED_REDUCTION_BYTES),
                             [0] * len(groups))[1]
         step = PlannedStep(program, analysis, idx, mesh, Storage(layout))
         dump = tempfile.mkdtemp(prefix="cfp-composed-memory-") if a.peak_top else None
