@@ -299,20 +299,21 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
 
     Adding up: the window's parameters, optimizer state and batch coming in (those not in
     ``read_earlier``, held for an earlier window already; their updates take their place,
-    donated), the step outputs it makes that are not state, plus the
-    activations it produces in the forward pass and holds for the backward pass
-    (``held_for_backward``, each in the layout ``MemoryTerms`` says XLA keeps) or holds
-    gathered (``MemoryTerms.gathered``). Transient: the compiled temporaries less the held
-    activations inside them (an analytic measurement's hold none); one window's transient counts
-    in the step's peak at a time, beside the held activations of the windows up to it (those
-    of later windows the backward pass has freed: ``solver``). Held: the activations among the
-    adding-up bytes. Waiting: the gradients of the parameters the window holds and its state
-    layout keeps whole (``plan``, ``zero1``), at the layout its blocks compute with. XLA
-    combines their reductions into groups of up to ``COMBINED_REDUCTION_BYTES``, so each
-    waits from the window's backward pass until its group is complete (on a small model, to
-    near the step's end) (``scripts/composed_memory.py --peak-top`` lists them live at
-    the compiled peak); a split layout (``fsdp``) reduces each at once. ``held`` and ``terms``
-    (``memory_terms``) are what the caller computed already, for many combinations."""
+    donated), the step outputs it makes that are not state, the gradients of its tables
+    (``MemoryTerms``), plus the activations it produces in the forward pass and holds for the
+    backward pass (``held_for_backward``, each in the layout ``MemoryTerms`` says XLA keeps)
+    or holds gathered (``MemoryTerms.gathered``). Transient: the compiled temporaries less
+    the held activations inside them (an analytic measurement's hold none); one window's
+    transient counts in the step's peak at a time, beside the held activations of the
+    windows up to it (those of later windows the backward pass has freed: ``solver``). Held:
+    the activations among the adding-up bytes. Waiting: the gradients of the parameters the
+    window holds and its state layout keeps whole (``plan``, ``zero1``), at the layout its
+    blocks compute with. XLA combines their reductions into groups of up to
+    ``COMBINED_REDUCTION_BYTES``, so each waits from the window's backward pass until its
+    group is complete, on a small model to near the step's end (``scripts/composed_memory.py
+    --peak-top`` lists them live at the compiled peak); a split layout (``fsdp``) reduces each
+    at once. ``held`` and ``terms`` (``memory_terms``) are what the caller computed already,
+    for many combinations."""
     terms = terms or memory_terms(analysis, window, read_earlier, held)
     size, held_size, gathered_size = term_sizers(analysis, window, combo, axis_names)
     held_bytes = {t[0]: held_size(t) for t in terms.held}
@@ -324,8 +325,11 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
     # are its largest contraction's working set alone (``cfp.analytic``).
     held_internal = 0 if measured.note == "analytic" else sum(
         held_bytes.get(v, 0) for v in terms.internal)
+    # A table's gradient is held from the step's start (``MemoryTerms``), as its blocks
+    # compute with it, whatever its state layout; it does not wait besides.
+    adding += sum(size(*t, stored=False) for t in terms.adding if t[0] in terms.tables)
     whole = (frozenset() if state_layout(analysis, window, combo) == "fsdp"
-             else held_params(analysis, window))
+             else held_params(analysis, window) - terms.tables)
     waiting = sum(size(*t, stored=False) for t in terms.adding if t[0] in whole)
     return (adding, max(0, measured.temp_bytes - held_internal), sum(held_bytes.values()),
             waiting)
@@ -410,12 +414,18 @@ class MemoryTerms:
     fusion cannot recompute past the all-gather, and XLA keeps the gathered copy from the
     forward pass to the backward (``scripts/diagnostics/memory_gap.py`` lists these at the
     compiled peak).
-    Otherwise it is recomputed and counts nothing."""
+    Otherwise it is recomputed and counts nothing.
+
+    A table is a parameter that a gather reads in the forward pass (an embedding). Its
+    gradient is a scatter-add into a zeroed buffer of its size, which XLA allocates at the
+    step's start and holds to the gradient's reduction (``scripts/composed_memory.py
+    --peak-top`` lists it live at the compiled peak)."""
 
     adding: tuple  # step inputs not read earlier, step outputs
     held: tuple = ()  # activations the window holds for its backward pass
     internal: frozenset = frozenset()  # the held and gathered ones that do not leave the window
     gathered: tuple = ()  # residuals held where a backward reader gathers them
+    tables: frozenset = frozenset()  # the step's parameters a forward gather reads
 
 
 def memory_terms(analysis, window: Window, read_earlier: frozenset[int] = frozenset(),
@@ -456,8 +466,13 @@ def memory_terms(analysis, window: Window, read_earlier: frozenset[int] = frozen
                 continue
             if v not in leaving:
                 internal.add(v)
+    from cfp.sharding import state_kinds
+    pairs = g.state_pairs()
+    params = {pairs[k][0] for k, kind in enumerate(state_kinds(g)) if kind == "param"}
+    tables = frozenset(op.inputs[0] for op in g.ops[:backward_from]
+                       if op.primitive == "gather" and op.inputs[0] in params)
     return MemoryTerms(tuple(adding), tuple(held_terms), frozenset(internal),
-                       tuple(gathered))
+                       tuple(gathered), tables)
 
 
 # Elementwise ops XLA does not duplicate into another fusion (``IsExpensive``): a backward op

@@ -241,3 +241,38 @@ def test_where_xla_holds_more_than_composed_search_calibrates_and_fits(
     monkeypatch.setattr(search, "CALIBRATIONS", 1)  # control: no calibration
     sols, _, _ = search.fitting_predictions(analysis, tight, profile, options, None, None)
     assert max(s.memory for s in sols) <= budget < min(xla_peak(s.choices) for s in sols)
+
+
+def test_a_tables_gradient_is_held_and_a_whole_kept_gradient_waits(analytic_problem):
+    """The embedding table's gradient (a scatter-add into zeros of its size) adds up in the
+    window that gathers from it, whatever its layout, and waits nowhere; the gradients of the
+    other parameters a window keeps whole (plan, zero1) wait, and fsdp's do not. Control: with
+    no tables the embedding window adds up less by exactly the table's bytes, and under zero1
+    its gradient waits instead."""
+    import dataclasses
+    from cfp.windows import (held_params, memory_terms, option_memory, state_layout,
+                             term_sizers)
+    spec, analysis, profile, _ = analytic_problem
+    names = analysis.mesh().axis_names
+    seen = {"plan": 0, "zero1": 0, "fsdp": 0}
+    for w in profile.windows:
+        terms = memory_terms(analysis, w)
+        plain = dataclasses.replace(terms, tables=frozenset())
+        table = [t for t in terms.adding if t[0] in terms.tables]
+        for combo, m in profile.window_profiles[w.type].results.items():
+            if m.status != "ok":
+                continue
+            layout = state_layout(analysis, w, combo)
+            mem, _, _, waiting = option_memory(analysis, w, combo, m, names, terms=terms)
+            mem0, _, _, waiting0 = option_memory(analysis, w, combo, m, names, terms=plain)
+            size = term_sizers(analysis, w, combo, names)[0]
+            table_bytes = sum(size(*t, stored=False) for t in table)
+            assert mem - mem0 == table_bytes
+            held_table = any(t[0] in held_params(analysis, w) for t in table)
+            assert waiting0 - waiting == (table_bytes if held_table and layout != "fsdp" else 0)
+            if held_params(analysis, w) - terms.tables:
+                seen[layout] = max(seen[layout], waiting)
+            if table and held_table and layout == "zero1":
+                seen["table"] = table_bytes
+    assert seen["table"] > 0  # the embedding window was checked under zero1
+    assert seen["plan"] > 0 and seen["zero1"] > 0 and seen["fsdp"] == 0
