@@ -16,8 +16,8 @@ the pair): they grow with the distinct layouts, not with the strategies. Memory:
 peak is the largest, over groups ``k`` in program order, of every group's memory (persistent
 plus held-for-backward bytes), less the held bytes of the groups after ``k`` (the backward
 pass reaches ``k`` after it has freed them), plus ``k``'s transient bytes and the bytes ``k``
-and the groups after it leave waiting for the step's end (gradients awaiting a combined
-reduction); each of these is at most the budget; an edge may add bytes too (``edge_memory``: a resharded copy the backward
+and the groups after it leave waiting (gradients awaiting a combined reduction, at most
+``Problem.waiting_cap`` of them); each of these is at most the budget; an edge may add bytes too (``edge_memory``: a resharded copy the backward
 pass reads, held until then), priced on the same transport booleans. Costs are integers (the
 caller scales seconds to its profiles' resolution), so the optimum is exact.
 
@@ -52,8 +52,8 @@ class Option:
     memory: int = 0  # persistent + held-for-backward bytes: these add up over groups
     transient: int = 0  # bytes alive only while the group runs
     held: int = 0  # of ``memory``, the activations held for the backward pass
-    # made by the group's backward pass and held from then to the step's end (gradients
-    # awaiting a combined reduction)
+    # made by the group's backward pass and held from then until their combined reduction
+    # (gradients; at most ``Problem.waiting_cap`` of all groups' wait at once)
     waiting: int = 0
 
 
@@ -228,11 +228,13 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, exclude=(), workers: 
         # after it: chains of variables, one per window whose constraint counts. A window
         # whose group has a later window with transients at least as large, option by
         # option, needs none where nothing waits: less is freed after that one (the quotient
-        # of alike layers repeats its groups in every layer).
+        # of alike layers repeats its groups in every layer). Where anything waits, more waits
+        # at the earlier window, so every window's constraint counts.
         cap, waits = problem.waiting_cap, any(any(w) for *_, w in seq)
         bound = sum(max(held) for _, held, _, _ in seq)
         most = sum(max(w) for *_, w in seq)
         freed, pending, waited, pending_wait = 0, {}, 0, {}
+        wait, capped_of = 0, None
         later_max: dict[int, tuple] = {}
         for k in reversed(range(len(seq))):
             g, held, transient, waiting = seq[k]
@@ -250,9 +252,10 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, exclude=(), workers: 
                     m.Add(var == waited + sum(c * y[q][o]
                                               for (q, o), c in pending_wait.items()))
                     waited, pending_wait = var, {}
-                wait = waited
-                if cap is not None and waits and most > cap:
-                    wait = m.NewIntVar(0, cap, f"waiting{k}")
+                if cap is None or most <= cap:
+                    wait = waited
+                elif waited is not capped_of:  # a new sum: its own bound
+                    wait, capped_of = m.NewIntVar(0, cap, f"waiting{k}"), waited
                     m.AddMinEquality(wait, [waited, cap])
                 m.Add(total - freed + sum(t * y[g][o] for o, t in enumerate(transient) if t)
                       + wait <= problem.memory_budget)

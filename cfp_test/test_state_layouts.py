@@ -254,7 +254,7 @@ def test_a_tables_gradient_is_held_and_a_whole_kept_gradient_waits(analytic_prob
                              term_sizers)
     spec, analysis, profile, _ = analytic_problem
     names = analysis.mesh().axis_names
-    seen = {"plan": 0, "zero1": 0, "fsdp": 0}
+    seen = {"plan": 0, "zero1": 0, "fsdp": 0, "table": 0}
     for w in profile.windows:
         terms = memory_terms(analysis, w)
         plain = dataclasses.replace(terms, tables=frozenset())

@@ -226,7 +226,8 @@ def calibrated(analysis, problem: Problem, windows, over, *, first: bool) -> Pro
       and ``zero1``: XLA holds copies of them, laid out for its kernels, from the forward
       pass to the backward; ``scripts/composed_memory.py --peak-top`` lists them). Every
       option then counts its whole-kept parameters' bytes (its ``Option.waiting``, their
-      gradients' size) times the smallest such excess per byte among them.
+      gradients' size; a gathered table's is not among them) times the smallest such excess
+      per byte among them.
     - Otherwise the budget the solver composes against is scaled by the composed / compiled
       ratio of the one closest to fitting."""
     peaks = [p for _, p in over]
