@@ -17,9 +17,10 @@ peak is the largest, over groups ``k`` in program order, of every group's memory
 plus held-for-backward bytes), less the held bytes of the groups after ``k`` (the backward
 pass reaches ``k`` after it has freed them), plus ``k``'s transient bytes and the bytes ``k``
 and the groups after it leave waiting (gradients awaiting a combined reduction, at most
-``Problem.waiting_cap`` of them); each of these is at most the budget; an edge may add bytes too (``edge_memory``: a resharded copy the backward
-pass reads, held until then), priced on the same transport booleans. Costs are integers (the
-caller scales seconds to its profiles' resolution), so the optimum is exact.
+``Problem.waiting_cap`` of them); each of these is at most the budget; an edge may add bytes
+too (``edge_memory``: a resharded copy the backward pass reads, held until then), priced on
+the same transport booleans. Costs are integers (the caller scales seconds to its profiles'
+resolution), so the optimum is exact.
 
 ``solve_alike`` solves the quotient in which *alike* blocks (the same block of repeated layers)
 take one strategy: one group per window of one layer, whatever the depth. Its plan starts the
@@ -133,9 +134,14 @@ def transient_peak(held, transient, waiting=None, cap: int | None = None) -> int
     for h, t, w in zip(reversed(held), reversed(transient),
                        reversed([0] * len(held) if waiting is None else waiting)):
         waited += w
-        above = max(above, t - freed + (waited if cap is None else min(waited, cap)))
+        above = max(above, t - freed + _capped(waited, cap))
         freed += h
     return above
+
+
+def _capped(waiting: int, cap: int | None) -> int:
+    """The waiting bytes held at once (``Problem.waiting_cap``)."""
+    return waiting if cap is None else min(waiting, cap)
 
 
 def least_memory(problem: Problem) -> int:
@@ -149,8 +155,7 @@ def least_memory(problem: Problem) -> int:
     cap = problem.waiting_cap
     for g, held, transient, waiting in reversed(seq):
         waited += min(waiting)
-        bound = max(bound, total + min(transient) + (waited if cap is None else
-                                                     min(waited, cap)))
+        bound = max(bound, total + min(transient) + _capped(waited, cap))
         freed[g] = [f + h for f, h in zip(freed[g], held)]
         new = min(o.memory - f for o, f in zip(problem.groups[g].options, freed[g]))
         total += new - least[g]

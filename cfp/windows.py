@@ -466,13 +466,20 @@ def memory_terms(analysis, window: Window, read_earlier: frozenset[int] = frozen
                 continue
             if v not in leaving:
                 internal.add(v)
-    from cfp.sharding import state_kinds
-    pairs = g.state_pairs()
-    params = {pairs[k][0] for k, kind in enumerate(state_kinds(g)) if kind == "param"}
-    tables = frozenset(op.inputs[0] for op in g.ops[:backward_from]
-                       if op.primitive == "gather" and op.inputs[0] in params)
     return MemoryTerms(tuple(adding), tuple(held_terms), frozenset(internal),
-                       tuple(gathered), tables)
+                       tuple(gathered), gather_tables(g, backward_from))
+
+
+def gather_tables(g, backward_from: int) -> frozenset[int]:
+    """The step's parameters that a gather before ``backward_from`` reads as its table
+    (``MemoryTerms``), found once per graph."""
+    def make():
+        from cfp.sharding import state_kinds
+        pairs = g.state_pairs()
+        params = {pairs[k][0] for k, kind in enumerate(state_kinds(g)) if kind == "param"}
+        return frozenset(op.inputs[0] for op in g.ops[:backward_from]
+                         if op.primitive == "gather" and op.inputs[0] in params)
+    return memo(g, "gather_tables", make)
 
 
 # Elementwise ops XLA does not duplicate into another fusion (``IsExpensive``): a backward op
