@@ -94,7 +94,7 @@ def window_measurement(analysis, window: Window, combo, cost: CostModel,
     arg_b = sum(nbytes(v, s) for v, s in zip(sub.live_ins, ins))
     out_b = sum(nbytes(v, s) for v, s in zip(sub.live_outs, outs))
     return Measurement("ok", seconds, seconds, seconds, 0, 0.0, arg_b + out_b + temp, arg_b,
-                       out_b, temp, tuple(colls), note="analytic")
+                       out_b, temp, collectives=tuple(colls), note="analytic")
 
 
 def reshard_s(shape, dtype: str, src, dst, mesh_shape, axis_names, cost: CostModel) -> float:

@@ -31,10 +31,10 @@ import numpy as np
 from cfp import dims as dimrules
 from cfp.errors import CfpError
 from cfp.jax_compat import cost_analysis, is_key, random_keys, to_dtype
-from cfp.sharding import (SubProgram, collectives, op_name, sub_function, sub_program,
+from cfp.sharding import (HLO_BYTES, SubProgram, collectives, op_name, sub_function, sub_program,
                           tagged_op, unnamed_collectives)
-from cfp.windows import (Window, apply_state, held_state, state_layout, window_layouts,
-                         window_ops)
+from cfp.windows import (Window, apply_state, held_state, param_values, state_layout,
+                         window_layouts, window_ops)
 
 _FLOAT_LOW, _FLOAT_HIGH = 0.5, 1.5  # positive, away from zero: safe for log, sqrt, division
 
@@ -55,6 +55,8 @@ class Measurement:
     argument_bytes: int = 0
     output_bytes: int = 0
     temp_bytes: int = 0
+    # of the temporaries, the weight copies a whole step holds from its start (weight_copy_bytes)
+    weight_copy_bytes: int = 0
     collectives: tuple = ()  # ((kind, axes, bytes), ...)
     note: str = ""
     unnamed_collectives: tuple = ()  # described; see WindowProgram.unnamed_collectives
@@ -177,8 +179,16 @@ class WindowProgram:
                                      sharding=shard(s)) for v, s in zip(self.sub.live_ins, ins)]
         jitted = jax.jit(fn, in_shardings=[shard(s) for s in ins],
                          out_shardings=[shard(s) for s in outs],
-                         donate_argnums=self.donated(combo))
+                         donate_argnums=self.donated(combo), keep_unused=True)
         return jitted.lower(*args).compile(), [shard(s) for s in ins]
+
+    def weight_copy_bytes(self, compiled) -> int:
+        """``weight_copy_bytes`` of a compiled combination, whose weights are the step's
+        parameters among the live-ins (``compile`` keeps every live-in, so the entry
+        parameters are numbered as the live-ins)."""
+        params = param_values(self.graph)
+        return weight_copy_bytes(compiled.as_text(), [
+            k for k, v in enumerate(self.sub.live_ins) if v in params])
 
     def expected_contractions(self, combo) -> list[tuple[int, tuple[int, ...]]]:
         """(op index, per-device result dims) of each contraction under ``combo`` (outer
@@ -327,6 +337,51 @@ def memory_of(compiled) -> dict:
                             get("temp_size_in_bytes"), get("alias_size_in_bytes"))
     return {"peak_bytes": arg + out + tmp - alias, "argument_bytes": arg,
             "output_bytes": out, "temp_bytes": tmp}
+
+
+_INSTRUCTION_RE = re.compile(
+    r"^\s*(?:ROOT )?%([\w.\-]+) = ([a-z]+\d*)\[([\d,]*)\](\{[\d,]*\})? ([\w\-]+)\(([^)]*)\)")
+_FREE_OPERANDS = ("constant", "iota", "partition-id", "replica-id")  # made from no buffer
+_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
+                "collective-permute", "all-gather-start", "all-reduce-start",
+                "collective-permute-start")
+
+
+def weight_copy_bytes(hlo_text: str, weights: Sequence[int]) -> int:
+    """Bytes of a compiled program's weight copies: the buffers its entry computation makes
+    from one weight alone (an entry parameter whose number is in ``weights``) that change the
+    weight's layout, shape or type (a transposing copy, a convert; a copy that only
+    duplicates the weight is left out), through no collective (a gathered weight counts as
+    gathered: ``cfp.windows.gathered_params``). Per weight the largest counts. These depend
+    on nothing the step computes, so the whole step makes them early and holds them to their
+    last reader, often in the backward pass (``scripts/composed_memory.py --peak-top`` lists
+    them live at the compiled peak): XLA on CPU copies a weight whose contraction wants its
+    dimensions in another order, and converts a bfloat16 weight to float32."""
+    start = hlo_text.find("\nENTRY")
+    source, shape, largest = {}, {}, {}
+    for line in hlo_text[start:].splitlines()[1:] if start >= 0 else ():
+        m = _INSTRUCTION_RE.match(line)
+        if not m:
+            continue
+        name, dtype, dims, layout, opcode, operands = m.groups()
+        shape[name] = (dtype, dims, layout)
+        if opcode == "parameter":
+            if int(operands) in weights:
+                source[name] = int(operands)
+            continue
+        if opcode in _FREE_OPERANDS:
+            source[name] = None
+            continue
+        names = re.findall(r"%([\w.\-]+)", operands)
+        found = {source.get(n, -1) for n in names} - {None}
+        if len(found) != 1 or -1 in found or opcode in _COLLECTIVES:
+            continue
+        source[name] = weight = found.pop()
+        if opcode == "bitcast" or (opcode == "copy" and shape.get(names[0]) == shape[name]):
+            continue  # no new buffer, or the same weight again (to donate its buffer)
+        nbytes = HLO_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
+        largest[weight] = max(largest.get(weight, 0), nbytes)
+    return sum(largest.values())
 
 
 def valid_inputs(graph, sub: SubProgram, seed: int = 0) -> list[np.ndarray]:

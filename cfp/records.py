@@ -23,7 +23,7 @@ from typing import Any
 
 from cfp.errors import CfpError
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 
 @dataclasses.dataclass(frozen=True)

@@ -296,7 +296,7 @@ class Collective:
 _COLL_RE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+(" +
                       "|".join(COLLECTIVE_KINDS) + r")(-start)?\(")
 _TYPE_RE = re.compile(r"(pred|[a-z]+\d+)\[([\d,]*)\]")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
+HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
           "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 
 
@@ -311,7 +311,7 @@ def collectives(hlo_text: str, mesh_shape: tuple[int, ...]) -> list[Collective]:
         shapes = [(t, [int(d) for d in dims.split(",") if d]) for t, dims in _TYPE_RE.findall(types)]
         if start and len(shapes) > 1:  # async start: (operands..., results...)
             shapes = shapes[len(shapes) // 2:]
-        nbytes = sum(_BYTES.get(t, 4) * math.prod(d) for t, d in shapes)
+        nbytes = sum(HLO_BYTES.get(t, 4) * math.prod(d) for t, d in shapes)
         found.append(Collective(kind, nbytes, _axes_of(line, kind, mesh_shape), line.strip()))
     return found
 

@@ -306,7 +306,10 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
     the held activations inside them (an analytic measurement's hold none); one window's
     transient counts in the step's peak at a time, beside the held activations of the
     windows up to it (those of later windows the backward pass has freed: ``solver``). Held:
-    the activations among the adding-up bytes. Waiting: the gradients of the parameters the
+    the activations among the adding-up bytes. The weight copies of a compiled window
+    (``cfp.measure.weight_copy_bytes``: a weight in another layout or type, made from nothing
+    the step computes) add up, taken out of its transient: the whole step makes them at its
+    start. Waiting: the gradients of the parameters the
     window holds and its state layout keeps whole (``plan``, ``zero1``), at the layout its
     blocks compute with. XLA combines their reductions into groups of up to
     ``COMBINED_REDUCTION_BYTES``, so each waits from the window's backward pass until its
@@ -331,8 +334,11 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
     whole = (frozenset() if state_layout(analysis, window, combo) == "fsdp"
              else held_params(analysis, window) - terms.tables)
     waiting = sum(size(*t, stored=False) for t in terms.adding if t[0] in whole)
-    return (adding, max(0, measured.temp_bytes - held_internal), sum(held_bytes.values()),
-            waiting)
+    # The weight copies among the temporaries are held from the step's start
+    # (``cfp.measure.weight_copy_bytes``).
+    copies = measured.weight_copy_bytes
+    return (adding + copies, max(0, measured.temp_bytes - held_internal - copies),
+            sum(held_bytes.values()), waiting)
 
 
 def gathered_params(analysis, window: Window, combo) -> frozenset[int]:
@@ -474,12 +480,19 @@ def gather_tables(g, backward_from: int) -> frozenset[int]:
     """The step's parameters that a gather before ``backward_from`` reads as its table
     (``MemoryTerms``), found once per graph."""
     def make():
-        from cfp.sharding import state_kinds
-        pairs = g.state_pairs()
-        params = {pairs[k][0] for k, kind in enumerate(state_kinds(g)) if kind == "param"}
+        params = param_values(g)
         return frozenset(op.inputs[0] for op in g.ops[:backward_from]
                          if op.primitive == "gather" and op.inputs[0] in params)
     return memo(g, "gather_tables", make)
+
+
+def param_values(g) -> frozenset[int]:
+    """The step inputs that are parameters (``cfp.sharding.state_kinds``)."""
+    def make():
+        from cfp.sharding import state_kinds
+        pairs = g.state_pairs()
+        return frozenset(pairs[k][0] for k, kind in enumerate(state_kinds(g)) if kind == "param")
+    return memo(g, "param_values", make)
 
 
 # Elementwise ops XLA does not duplicate into another fusion (``IsExpensive``): a backward op

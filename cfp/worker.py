@@ -422,7 +422,8 @@ def _compile_one(wp, combo):
     colls = tuple((c.kind, c.axes, c.bytes) for c in collectives(exe.as_text(), wp.mesh_shape))
     program = (normalized_hlo(exe), repr(shardings), repr(exe.output_shardings),
                wp.donated(combo))
-    mem = dict(memory_of(exe), unnamed_collectives=tuple(wp.unnamed_collectives(exe, combo)),
+    mem = dict(memory_of(exe), weight_copy_bytes=wp.weight_copy_bytes(exe),
+               unnamed_collectives=tuple(wp.unnamed_collectives(exe, combo)),
                program_sha1=hashlib.sha1(program[0].encode()).hexdigest())
     return (exe, shardings, _time.perf_counter() - t0, mem, colls,
             wp.check_compiled(exe, combo), program)

@@ -232,7 +232,7 @@ def test_a_step_input_counts_once_in_composed_memory():
     from cfp.sharding import sub_program
     a = _analysis("gpt", (4,), num_layers=2)
     g, windows = a.graph, split_windows(a, 32)[0]
-    measured = types.SimpleNamespace(temp_bytes=0, note="")
+    measured = types.SimpleNamespace(temp_bytes=0, weight_copy_bytes=0, note="")
     every = frozenset(g.inputs)
     earlier = inputs_read_earlier(a, windows)
 
@@ -319,7 +319,7 @@ def test_a_residual_a_backward_reader_gathers_counts_gathered():
     terms = memory_terms(a, w)
     without = dataclasses.replace(terms, gathered=())
     blocks = [a.blocks.blocks[b] for b in range(w.start, w.end)]
-    measured = types.SimpleNamespace(temp_bytes=0, note="")
+    measured = types.SimpleNamespace(temp_bytes=0, weight_copy_bytes=0, note="")
     seen = {"gathered": 0, "recomputed": 0}
     for v, made, backward in terms.gathered:
         for combo in _combos_over(blocks, {made[0]} | {k for k, _ in backward}):

@@ -96,11 +96,13 @@ def main(argv=None) -> None:
         for k, w in enumerate(windows):
             combo = tuple(idx[b] for b in range(w.start, w.end))
             combo += (STATE_LAYOUTS.index(layout),) if held_state(analysis, w) else ()
-            exe, _ = WindowProgram(program, analysis, w, mesh).compile(combo)
+            wp = WindowProgram(program, analysis, w, mesh)
+            exe, _ = wp.compile(combo)
             terms = memory_terms(analysis, w, earlier[k], held)
+            measured = Measurement("ok", weight_copy_bytes=wp.weight_copy_bytes(exe),
+                                   **memory_of(exe))
             groups.append(Group(tuple(range(w.start, w.end)), [Option(combo, 0, *option_memory(
-                analysis, w, combo, Measurement("ok", **memory_of(exe)), mesh.axis_names,
-                terms=terms))]))
+                analysis, w, combo, measured, mesh.axis_names, terms=terms))]))
         composed = evaluate(Problem(groups, [len(b.strategies) for b in blocks],
                                     waiting_cap=COMBINED_REDUCTION_BYTES),
                             [0] * len(groups))[1]
