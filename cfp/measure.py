@@ -182,12 +182,12 @@ class WindowProgram:
                          donate_argnums=self.donated(combo), keep_unused=True)
         return jitted.lower(*args).compile(), [shard(s) for s in ins]
 
-    def weight_copy_bytes(self, compiled) -> int:
-        """``weight_copy_bytes`` of a compiled combination, whose weights are the step's
-        parameters among the live-ins (``compile`` keeps every live-in, so the entry
+    def weight_copy_bytes(self, hlo_text: str) -> int:
+        """``weight_copy_bytes`` of a compiled combination's HLO text, whose weights are the
+        step's parameters among the live-ins (``compile`` keeps every live-in, so the entry
         parameters are numbered as the live-ins)."""
         params = param_values(self.graph)
-        return weight_copy_bytes(compiled.as_text(), [
+        return weight_copy_bytes(hlo_text, [
             k for k, v in enumerate(self.sub.live_ins) if v in params])
 
     def expected_contractions(self, combo) -> list[tuple[int, tuple[int, ...]]]:

@@ -419,10 +419,11 @@ def _compile_one(wp, combo):
         exe, shardings = wp.compile(combo)
     except JAX_ERRORS as e:  # a strategy XLA cannot compile; anything else is cfp's bug
         return Measurement("compile_error", note=f"{type(e).__name__}: {str(e)[:300]}")
-    colls = tuple((c.kind, c.axes, c.bytes) for c in collectives(exe.as_text(), wp.mesh_shape))
+    text = exe.as_text()
+    colls = tuple((c.kind, c.axes, c.bytes) for c in collectives(text, wp.mesh_shape))
     program = (normalized_hlo(exe), repr(shardings), repr(exe.output_shardings),
                wp.donated(combo))
-    mem = dict(memory_of(exe), weight_copy_bytes=wp.weight_copy_bytes(exe),
+    mem = dict(memory_of(exe), weight_copy_bytes=wp.weight_copy_bytes(text),
                unnamed_collectives=tuple(wp.unnamed_collectives(exe, combo)),
                program_sha1=hashlib.sha1(program[0].encode()).hexdigest())
     return (exe, shardings, _time.perf_counter() - t0, mem, colls,

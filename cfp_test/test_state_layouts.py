@@ -339,7 +339,8 @@ def test_composed_memory_of_whole_kept_plans_counts_the_weight_copies():
                 (STATE_LAYOUTS.index(layout),) if held_state(analysis, w) else ())
             wp = WindowProgram(program, analysis, w, mesh)
             compiled, _ = wp.compile(combo)
-            measured.append((w, combo, wp.weight_copy_bytes(compiled), memory_of(compiled)))
+            measured.append((w, combo, wp.weight_copy_bytes(compiled.as_text()),
+                             memory_of(compiled)))
         copies = sum(m[2] for m in measured) - 8 * 256 * 256 * 4  # q, k, v, o of 2 layers
         assert 0 <= copies < 64, copies  # and the optimizer's step count, converted
         w, combo, n, mem = max(measured, key=lambda m: m[2])

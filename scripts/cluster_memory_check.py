@@ -9,6 +9,9 @@
 3. Composes that plan's memory from the small models' analytic profiles and compiles their
    steps on 8 virtual CPU devices (compile only: ``Compiled.memory_analysis``, exact on CPU);
    the per-layer growth is the 4-layer figure less the 2-layer one, over 2.
+   It composes the plan a second time with each window's memory from its program compiled
+   here at true shapes (what a measured profile counts: temporaries and weight copies), in
+   place of the analytic temporaries, which tells the composition's error from theirs.
 4. Does the same at 2 layers in float32 with the same strategies and state layouts: XLA on
    CPU computes bfloat16 dots and their neighbours in float32 (its temporaries are float32
    either way), which a GPU does not, so float32 compares like with like.
@@ -105,6 +108,33 @@ def composed_and_compiled(problem, choices, analysis, profile, dump: str | None 
     return composed, memory_of(compiled)["peak_bytes"]
 
 
+def windows_compiled(problem, choices, analysis, profile) -> int:
+    """The plan's composed bytes with each window's memory taken from its program compiled
+    here at true shapes (compile only), as a measured profile would compose it, in place of
+    the analytic temporaries."""
+    import dataclasses
+    from cfp.measure import Measurement, WindowProgram, memory_of
+    from cfp.solver import evaluate
+    from cfp.windows import inputs_read_earlier, option_memory
+    from cfp.workloads import make_mesh, trace_step
+    program, mesh = trace_step(analysis.spec.build()), make_mesh((8,))
+    earlier = inputs_read_earlier(analysis, profile.windows)
+    groups = []
+    for k, (w, grp, c) in enumerate(zip(profile.windows, problem.groups, choices)):
+        combo = grp.options[c].strategies
+        wp = WindowProgram(program, analysis, w, mesh)
+        exe, _ = wp.compile(combo)
+        measured = Measurement("ok", weight_copy_bytes=wp.weight_copy_bytes(exe.as_text()),
+                               **memory_of(exe))
+        adding, transient, held, waiting = option_memory(analysis, w, combo, measured,
+                                                         mesh.axis_names, earlier[k])
+        options = list(grp.options)
+        options[c] = dataclasses.replace(options[c], memory=adding, transient=transient,
+                                         held=held, waiting=waiting)
+        groups.append(dataclasses.replace(grp, options=options))
+    return evaluate(dataclasses.replace(problem, groups=groups), choices)[1]
+
+
 def largest_at_peak(dump: str, top: int) -> list[str]:
     """The largest buffers live at the compiled peak, from XLA's dump (its debug output)."""
     import contextlib
@@ -154,13 +184,19 @@ def main() -> None:
             at[layers] += (composed, compiled)
             say(f"  {layers} layers, bfloat16: composed {gb(composed)}, compiled peak "
                 f"{gb(compiled)}, composed/compiled {composed / compiled:.3f}")
+        for layers in (2, 4):
+            n = windows_compiled(*at[layers][:4])
+            at[layers] += (n,)
+            say(f"  {layers} layers, bfloat16, each window's memory from its program compiled "
+                f"here: composed {gb(n)}, composed/compiled {n / at[layers][5]:.3f}")
         f32 = in_dtype(at[2][:4], records(Path(d) / "2f32", 2, "float32"))
         composed, compiled = composed_and_compiled(*f32)
         say(f"  2 layers, float32 (the same strategies and state layouts; XLA on CPU computes "
             f"bfloat16 in float32, so this compares like with like): composed {gb(composed)}, "
             f"compiled peak {gb(compiled)}, composed/compiled {composed / compiled:.3f}")
         say("per layer, from 2 to 4 layers: composed "
-            f"{gb((at[4][4] - at[2][4]) / 2)}, compiled {gb((at[4][5] - at[2][5]) / 2)}")
+            f"{gb((at[4][4] - at[2][4]) / 2)}, compiled {gb((at[4][5] - at[2][5]) / 2)}, "
+            f"composed from the windows compiled {gb((at[4][6] - at[2][6]) / 2)}")
         say("the largest buffers live at the 2-layer bfloat16 step's compiled peak:")
         for line in largest_at_peak(str(Path(d) / "dump"), 8):
             say("  " + line.strip())
