@@ -31,7 +31,7 @@ import numpy as np
 from cfp import dims as dimrules
 from cfp.errors import CfpError
 from cfp.jax_compat import cost_analysis, is_key, random_keys, to_dtype
-from cfp.sharding import (HLO_BYTES, SubProgram, collectives, op_name, sub_function, sub_program,
+from cfp.sharding import (COLLECTIVE_KINDS, HLO_BYTES, SubProgram, collectives, op_name, sub_function, sub_program,
                           tagged_op, unnamed_collectives)
 from cfp.windows import (Window, apply_state, held_state, param_values, state_layout,
                          window_layouts, window_ops)
@@ -182,13 +182,15 @@ class WindowProgram:
                          donate_argnums=self.donated(combo), keep_unused=True)
         return jitted.lower(*args).compile(), [shard(s) for s in ins]
 
-    def weight_copy_bytes(self, hlo_text: str) -> int:
-        """``weight_copy_bytes`` of a compiled combination's HLO text, whose weights are the
-        step's parameters among the live-ins (``compile`` keeps every live-in, so the entry
-        parameters are numbered as the live-ins)."""
+    def memory(self, compiled, hlo_text: str | None = None) -> dict:
+        """The memory fields of a compiled combination's ``Measurement``: ``memory_of`` and
+        the ``weight_copy_bytes`` of its HLO text (``hlo_text`` when the caller has it), whose
+        weights are the step's parameters among the live-ins (``compile`` keeps every
+        live-in, so the entry parameters are numbered as the live-ins)."""
         params = param_values(self.graph)
-        return weight_copy_bytes(hlo_text, [
-            k for k, v in enumerate(self.sub.live_ins) if v in params])
+        weights = [k for k, v in enumerate(self.sub.live_ins) if v in params]
+        return dict(memory_of(compiled), weight_copy_bytes=weight_copy_bytes(
+            compiled.as_text() if hlo_text is None else hlo_text, weights))
 
     def expected_contractions(self, combo) -> list[tuple[int, tuple[int, ...]]]:
         """(op index, per-device result dims) of each contraction under ``combo`` (outer
@@ -340,30 +342,32 @@ def memory_of(compiled) -> dict:
 
 
 _INSTRUCTION_RE = re.compile(
-    r"^\s*(?:ROOT )?%([\w.\-]+) = ([a-z]+\d*)\[([\d,]*)\](\{[\d,]*\})? ([\w\-]+)\(([^)]*)\)")
+    r"^\s*(ROOT )?%([\w.\-]+) = ([a-z][a-z0-9]*)\[([\d,]*)\](\{[^}]*\})? ([\w\-]+)\(([^)]*)\)")
 _FREE_OPERANDS = ("constant", "iota", "partition-id", "replica-id")  # made from no buffer
-_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
-                "collective-permute", "all-gather-start", "all-reduce-start",
-                "collective-permute-start")
 
 
 def weight_copy_bytes(hlo_text: str, weights: Sequence[int]) -> int:
-    """Bytes of a compiled program's weight copies: the buffers its entry computation makes
-    from one weight alone (an entry parameter whose number is in ``weights``) that change the
-    weight's layout, shape or type (a transposing copy, a convert; a copy that only
-    duplicates the weight is left out), through no collective (a gathered weight counts as
-    gathered: ``cfp.windows.gathered_params``). Per weight the largest counts. These depend
-    on nothing the step computes, so the whole step makes them early and holds them to their
-    last reader, often in the backward pass (``scripts/composed_memory.py --peak-top`` lists
-    them live at the compiled peak): XLA on CPU copies a weight whose contraction wants its
-    dimensions in another order, and converts a bfloat16 weight to float32."""
+    """Bytes of a compiled program's weight copies: the temporaries its entry computation
+    makes from one weight alone (an entry parameter whose number is in ``weights``) that
+    change the weight's layout, shape or type (a transposing copy, a convert; a copy that
+    only duplicates the weight is left out, and so is an output), through no collective (a
+    gathered weight counts as gathered: ``cfp.windows.gathered_params``). Per weight the
+    largest counts. These depend on nothing the step computes, so the whole step makes them
+    early and holds them to their last reader, often in the backward pass
+    (``scripts/composed_memory.py --peak-top`` lists them live at the compiled peak): XLA on
+    CPU copies a weight whose contraction wants its dimensions in another order, and converts
+    a bfloat16 weight to float32. What an instruction made from constants alone feeds (an
+    offset computed from the partition id, say) is not followed."""
     start = hlo_text.find("\nENTRY")
-    source, shape, largest = {}, {}, {}
+    source, shape, made, outputs = {}, {}, [], set()
     for line in hlo_text[start:].splitlines()[1:] if start >= 0 else ():
         m = _INSTRUCTION_RE.match(line)
         if not m:
             continue
-        name, dtype, dims, layout, opcode, operands = m.groups()
+        root, name, dtype, dims, layout, opcode, operands = m.groups()
+        names = re.findall(r"%([\w.\-]+)", operands)
+        if root:
+            outputs.update(names if opcode == "tuple" else [name])
         shape[name] = (dtype, dims, layout)
         if opcode == "parameter":
             if int(operands) in weights:
@@ -372,15 +376,18 @@ def weight_copy_bytes(hlo_text: str, weights: Sequence[int]) -> int:
         if opcode in _FREE_OPERANDS:
             source[name] = None
             continue
-        names = re.findall(r"%([\w.\-]+)", operands)
         found = {source.get(n, -1) for n in names} - {None}
-        if len(found) != 1 or -1 in found or opcode in _COLLECTIVES:
+        if len(found) != 1 or -1 in found or opcode.removesuffix("-start") in COLLECTIVE_KINDS:
             continue
         source[name] = weight = found.pop()
         if opcode == "bitcast" or (opcode == "copy" and shape.get(names[0]) == shape[name]):
             continue  # no new buffer, or the same weight again (to donate its buffer)
         nbytes = HLO_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
-        largest[weight] = max(largest.get(weight, 0), nbytes)
+        made.append((weight, name, nbytes))
+    largest = {}
+    for weight, name, nbytes in made:
+        if name not in outputs:
+            largest[weight] = max(largest.get(weight, 0), nbytes)
     return sum(largest.values())
 
 

@@ -297,7 +297,7 @@ _COLL_RE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+(" +
                       "|".join(COLLECTIVE_KINDS) + r")(-start)?\(")
 _TYPE_RE = re.compile(r"(pred|[a-z]+\d+)\[([\d,]*)\]")
 HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
-          "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+             "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 
 
 def collectives(hlo_text: str, mesh_shape: tuple[int, ...]) -> list[Collective]:

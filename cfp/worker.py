@@ -412,7 +412,7 @@ def _measure_window(conn, state, options: WorkerOptions, window, combos, best_s,
 def _compile_one(wp, combo):
     import hashlib
     import time as _time
-    from cfp.measure import memory_of, normalized_hlo
+    from cfp.measure import normalized_hlo
     from cfp.sharding import collectives
     t0 = _time.perf_counter()
     try:
@@ -423,8 +423,7 @@ def _compile_one(wp, combo):
     colls = tuple((c.kind, c.axes, c.bytes) for c in collectives(text, wp.mesh_shape))
     program = (normalized_hlo(exe), repr(shardings), repr(exe.output_shardings),
                wp.donated(combo))
-    mem = dict(memory_of(exe), weight_copy_bytes=wp.weight_copy_bytes(text),
-               unnamed_collectives=tuple(wp.unnamed_collectives(exe, combo)),
+    mem = dict(wp.memory(exe, text), unnamed_collectives=tuple(wp.unnamed_collectives(exe, combo)),
                program_sha1=hashlib.sha1(program[0].encode()).hexdigest())
     return (exe, shardings, _time.perf_counter() - t0, mem, colls,
             wp.check_compiled(exe, combo), program)

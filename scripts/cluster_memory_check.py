@@ -108,12 +108,12 @@ def composed_and_compiled(problem, choices, analysis, profile, dump: str | None 
     return composed, memory_of(compiled)["peak_bytes"]
 
 
-def windows_compiled(problem, choices, analysis, profile) -> int:
+def composed_from_compiled_windows(problem, choices, analysis, profile) -> int:
     """The plan's composed bytes with each window's memory taken from its program compiled
     here at true shapes (compile only), as a measured profile would compose it, in place of
     the analytic temporaries."""
     import dataclasses
-    from cfp.measure import Measurement, WindowProgram, memory_of
+    from cfp.measure import Measurement, WindowProgram
     from cfp.solver import evaluate
     from cfp.windows import inputs_read_earlier, option_memory
     from cfp.workloads import make_mesh, trace_step
@@ -124,8 +124,7 @@ def windows_compiled(problem, choices, analysis, profile) -> int:
         combo = grp.options[c].strategies
         wp = WindowProgram(program, analysis, w, mesh)
         exe, _ = wp.compile(combo)
-        measured = Measurement("ok", weight_copy_bytes=wp.weight_copy_bytes(exe.as_text()),
-                               **memory_of(exe))
+        measured = Measurement("ok", **wp.memory(exe))
         adding, transient, held, waiting = option_memory(analysis, w, combo, measured,
                                                          mesh.axis_names, earlier[k])
         options = list(grp.options)
@@ -185,7 +184,7 @@ def main() -> None:
             say(f"  {layers} layers, bfloat16: composed {gb(composed)}, compiled peak "
                 f"{gb(compiled)}, composed/compiled {composed / compiled:.3f}")
         for layers in (2, 4):
-            n = windows_compiled(*at[layers][:4])
+            n = composed_from_compiled_windows(*at[layers][:4])
             at[layers] += (n,)
             say(f"  {layers} layers, bfloat16, each window's memory from its program compiled "
                 f"here: composed {gb(n)}, composed/compiled {n / at[layers][5]:.3f}")

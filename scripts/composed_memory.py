@@ -99,8 +99,7 @@ def main(argv=None) -> None:
             wp = WindowProgram(program, analysis, w, mesh)
             exe, _ = wp.compile(combo)
             terms = memory_terms(analysis, w, earlier[k], held)
-            measured = Measurement("ok", weight_copy_bytes=wp.weight_copy_bytes(exe.as_text()),
-                                   **memory_of(exe))
+            measured = Measurement("ok", **wp.memory(exe))
             groups.append(Group(tuple(range(w.start, w.end)), [Option(combo, 0, *option_memory(
                 analysis, w, combo, measured, mesh.axis_names, terms=terms))]))
         composed = evaluate(Problem(groups, [len(b.strategies) for b in blocks],
