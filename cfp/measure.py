@@ -33,8 +33,8 @@ from cfp.errors import CfpError
 from cfp.jax_compat import cost_analysis, is_key, random_keys, to_dtype
 from cfp.sharding import (COLLECTIVE_KINDS, HLO_BYTES, SubProgram, collectives, op_name, sub_function, sub_program,
                           tagged_op, unnamed_collectives)
-from cfp.windows import (Window, apply_state, held_state, param_values, state_layout,
-                         window_layouts, window_ops)
+from cfp.windows import (Window, apply_state, held_state, option_memory, param_values,
+                         state_layout, window_layouts, window_ops)
 
 _FLOAT_LOW, _FLOAT_HIGH = 0.5, 1.5  # positive, away from zero: safe for log, sqrt, division
 
@@ -191,6 +191,15 @@ class WindowProgram:
         weights = [k for k, v in enumerate(self.sub.live_ins) if v in params]
         return dict(memory_of(compiled), weight_copy_bytes=weight_copy_bytes(
             compiled.as_text() if hlo_text is None else hlo_text, weights))
+
+    def option_memory(self, combo, read_earlier: frozenset[int] = frozenset(),
+                      held: frozenset[int] | None = None) -> tuple[int, int, int, int]:
+        """``cfp.windows.option_memory`` of ``combo`` compiled here (nothing run): what a
+        measured profile composes for it."""
+        compiled, _ = self.compile(combo)
+        return option_memory(self.analysis, self.window, combo,
+                             Measurement("ok", **self.memory(compiled)), self.names,
+                             read_earlier, held)
 
     def expected_contractions(self, combo) -> list[tuple[int, tuple[int, ...]]]:
         """(op index, per-device result dims) of each contraction under ``combo`` (outer

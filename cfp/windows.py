@@ -322,8 +322,8 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
     held_bytes = {t[0]: held_size(t) for t in terms.held}
     held_bytes.update((t[0], n) for t in terms.gathered if (n := gathered_size(t)))
     adding = sum(size(*t) for t in terms.adding) + sum(held_bytes.values())
-    adding += sum(size(*t, stored=False) - size(*t) for t in terms.adding
-                  if t[0] in gathered_params(analysis, window, combo))
+    gathered = gathered_params(analysis, window, combo)
+    adding += sum(size(*t, stored=False) - size(*t) for t in terms.adding if t[0] in gathered)
     # A compiled window's temporaries include the activations it holds; an analytic one's
     # are its largest contraction's working set alone (``cfp.analytic``).
     held_internal = 0 if measured.note == "analytic" else sum(
@@ -331,8 +331,7 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
     # A table's gradient is held from the step's start (``MemoryTerms``), as its blocks
     # compute with it, whatever its state layout; it does not wait besides.
     adding += sum(size(*t, stored=False) for t in terms.adding if t[0] in terms.tables)
-    whole = (frozenset() if state_layout(analysis, window, combo) == "fsdp"
-             else held_params(analysis, window) - terms.tables)
+    whole = held_params(analysis, window) - gathered - terms.tables
     waiting = sum(size(*t, stored=False) for t in terms.adding if t[0] in whole)
     # The weight copies among the temporaries are held from the step's start
     # (``cfp.measure.weight_copy_bytes``).

@@ -423,7 +423,8 @@ def _compile_one(wp, combo):
     colls = tuple((c.kind, c.axes, c.bytes) for c in collectives(text, wp.mesh_shape))
     program = (normalized_hlo(exe), repr(shardings), repr(exe.output_shardings),
                wp.donated(combo))
-    mem = dict(wp.memory(exe, text), unnamed_collectives=tuple(wp.unnamed_collectives(exe, combo)),
+    mem = dict(wp.memory(exe, text),
+               unnamed_collectives=tuple(wp.unnamed_collectives(exe, combo)),
                program_sha1=hashlib.sha1(program[0].encode()).hexdigest())
     return (exe, shardings, _time.perf_counter() - t0, mem, colls,
             wp.check_compiled(exe, combo), program)

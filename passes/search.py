@@ -223,11 +223,12 @@ def calibrated(analysis, problem: Problem, windows, over, *, first: bool) -> Pro
 
     - The ``first`` time, where every one of them keeps parameters whole, what their steps
       hold beyond the composition is attributed to those parameters (state layouts ``plan``
-      and ``zero1``: XLA holds copies of them, laid out for its kernels, from the forward
-      pass to the backward; ``scripts/composed_memory.py --peak-top`` lists them). Every
-      option then counts its whole-kept parameters' bytes (its ``Option.waiting``, their
-      gradients' size; a gathered table's is not among them) times the smallest such excess
-      per byte among them.
+      and ``zero1``: the composition counts their gradients waiting and the weight copies
+      their windows make, and XLA may hold more of either, longer;
+      ``scripts/composed_memory.py --peak-top`` lists them). Every option then counts its
+      whole-kept parameters' bytes (its ``Option.waiting``, their gradients' size; a
+      gathered table's is not among them) times the smallest such excess per byte among
+      them.
     - Otherwise the budget the solver composes against is scaled by the composed / compiled
       ratio of the one closest to fitting."""
     peaks = [p for _, p in over]

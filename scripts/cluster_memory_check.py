@@ -113,20 +113,17 @@ def composed_from_compiled_windows(problem, choices, analysis, profile) -> int:
     here at true shapes (compile only), as a measured profile would compose it, in place of
     the analytic temporaries."""
     import dataclasses
-    from cfp.measure import Measurement, WindowProgram
+    from cfp.measure import WindowProgram
     from cfp.solver import evaluate
-    from cfp.windows import inputs_read_earlier, option_memory
+    from cfp.windows import inputs_read_earlier
     from cfp.workloads import make_mesh, trace_step
     program, mesh = trace_step(analysis.spec.build()), make_mesh((8,))
     earlier = inputs_read_earlier(analysis, profile.windows)
     groups = []
     for k, (w, grp, c) in enumerate(zip(profile.windows, problem.groups, choices)):
         combo = grp.options[c].strategies
-        wp = WindowProgram(program, analysis, w, mesh)
-        exe, _ = wp.compile(combo)
-        measured = Measurement("ok", **wp.memory(exe))
-        adding, transient, held, waiting = option_memory(analysis, w, combo, measured,
-                                                         mesh.axis_names, earlier[k])
+        adding, transient, held, waiting = WindowProgram(
+            program, analysis, w, mesh).option_memory(combo, earlier[k])
         options = list(grp.options)
         options[c] = dataclasses.replace(options[c], memory=adding, transient=transient,
                                          held=held, waiting=waiting)
@@ -171,7 +168,7 @@ def main() -> None:
             say(f"  {name:<10} predicted {seconds * 1e3:9.1f} ms, {nbytes / 2**30:7.2f} GB, "
                 f"{'fits' if nbytes <= pred.memory_budget_bytes else 'does not fit'}")
         fitting = [s for _, s, m in pred.hand_plans if m <= pred.memory_budget_bytes]
-        say(f"cfp over the fastest hand plan that fits: "
+        say("cfp over the fastest hand plan that fits: "
             + (f"{pred.predicted_s / min(fitting):.3f}" if fitting else "none fits"))
         say("the same plan at 2 and 4 layers on 8 CPU devices (compile only):")
         at = {}

@@ -67,11 +67,11 @@ def main(argv=None) -> None:
                                f"{math.prod(mesh_shape)}").strip()
     from cfp.baselines import baseline_strategy_indices
     from cfp.execute import PlannedStep
-    from cfp.measure import Measurement, WindowProgram, memory_of
+    from cfp.measure import WindowProgram, memory_of
     from cfp.passes.analysis import run_analysis
     from cfp.solver import Group, Option, Problem, evaluate
     from cfp.windows import (COMBINED_REDUCTION_BYTES, held_for_backward,
-                             inputs_read_earlier, memory_terms, option_memory, split_windows)
+                             inputs_read_earlier, split_windows)
     from cfp.workloads import WorkloadSpec, make_mesh, trace_step
     spec = WorkloadSpec(a.model, a.config, a.batch_size, a.dtype, tuple(
         (k, getattr(a, k)) for k in ("num_layers", "seq_len", "hidden_size", "num_heads",
@@ -96,12 +96,9 @@ def main(argv=None) -> None:
         for k, w in enumerate(windows):
             combo = tuple(idx[b] for b in range(w.start, w.end))
             combo += (STATE_LAYOUTS.index(layout),) if held_state(analysis, w) else ()
-            wp = WindowProgram(program, analysis, w, mesh)
-            exe, _ = wp.compile(combo)
-            terms = memory_terms(analysis, w, earlier[k], held)
-            measured = Measurement("ok", **wp.memory(exe))
-            groups.append(Group(tuple(range(w.start, w.end)), [Option(combo, 0, *option_memory(
-                analysis, w, combo, measured, mesh.axis_names, terms=terms))]))
+            groups.append(Group(tuple(range(w.start, w.end)), [Option(
+                combo, 0, *WindowProgram(program, analysis, w, mesh).option_memory(
+                    combo, earlier[k], held))]))
         composed = evaluate(Problem(groups, [len(b.strategies) for b in blocks],
                                     waiting_cap=COMBINED_REDUCTION_BYTES),
                             [0] * len(groups))[1]
