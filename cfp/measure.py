@@ -546,12 +546,14 @@ def time_rounds(programs: Sequence[tuple], *, best_s: float | None, warmup: int 
 
 
 def time_in_context(producer, with_reshard, args, *, min_rounds: int = 5,
-                    max_rounds: int = 15, rel_width: float = 0.1,
+                    max_rounds: int = 12, rel_width: float = 0.1,
                     warmup: int = 2) -> tuple[float, float, float]:
     """Seconds a resharding adds after the op producing its value: ``producer`` alone and
-    ``with_reshard`` (the same op, its result resharded) timed in pairs, interleaved, the
-    order alternating per round. Returns the median of the per-round differences and its
-    95% bootstrap interval; where the interval does not lie above 0, the resharding
+    ``with_reshard`` (the same op, its result resharded) timed interleaved. A round runs the
+    pair in both orders (producer, resharded, resharded, producer, after one untimed run)
+    and takes the mean of the two differences, so what a run's place in the round adds,
+    and any steady drift, cancel within the round. Returns the median of the rounds' differences and
+    its 95% bootstrap interval; where the interval does not lie above 0, the resharding
     counts as 0. Rounds stop after ``min_rounds`` once the interval is narrower than
     ``rel_width`` of the resharded program's median, or at ``max_rounds``.
 
@@ -562,11 +564,13 @@ def time_in_context(producer, with_reshard, args, *, min_rounds: int = 5,
         jax.block_until_ready(producer(*args)), jax.block_until_ready(with_reshard(*args))
     diffs, whole = [], []
     for r in range(max_rounds):
-        pair = {}
-        for name, fn in (("p", producer), ("r", with_reshard))[::1 if r % 2 else -1]:
-            pair[name] = run_once_s(fn, args)
-        diffs.append(pair["r"] - pair["p"])
-        whole.append(pair["r"])
+        seconds = {"p": [], "r": []}
+        jax.block_until_ready(producer(*args))  # untimed: the first run after a pause is slow
+        for name, fn in (("p", producer), ("r", with_reshard), ("r", with_reshard),
+                         ("p", producer)):
+            seconds[name].append(run_once_s(fn, args))
+        diffs.append(statistics.fmean(seconds["r"]) - statistics.fmean(seconds["p"]))
+        whole.extend(seconds["r"])
         if len(diffs) >= min_rounds:
             low, high = median_interval(diffs)
             if high - low <= rel_width * statistics.median(whole):
