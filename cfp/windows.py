@@ -500,6 +500,30 @@ EXPENSIVE = frozenset("""div rem pow exp exp2 log log1p expm1 tanh logistic sin 
 cbrt erf erfc erf_inv atan2 acos asin atan sinh cosh asinh acosh atanh lgamma digamma""".split())
 
 
+def read_back_across(analysis) -> frozenset[tuple[int, int, int]]:
+    """(value, the block reading it, the block making it) where a block's backward pass reads
+    a forward result another block makes. Where the reader wants it in a larger layout than
+    its maker makes, the resharded copy (an all-gather's result) is held from the reader's
+    forward pass to its backward, whether or not the forward pass holds the value itself: a
+    fusion that would recompute an elementwise result cannot recompute it past the
+    all-gather (the compiled peak of a step whose vocabulary projection gathers the batch
+    holds each of its final layer norm's values gathered: ``cfp_test/test_state_layouts.py``)."""
+    def make():
+        g = analysis.graph
+        loss = g.values[g.outputs[-1]] if g.outputs else None
+        if loss is None or loss.shape:
+            return frozenset()
+        backward_from = loss.producer
+        made_in = {v: b.index for b in analysis.blocks.blocks for m in b.members
+                   for v in g.ops[m.op].outputs}
+        return frozenset((v, b.index, made_in[v]) for b in analysis.blocks.blocks
+                         for m in b.members if m.op > backward_from
+                         for v in g.ops[m.op].inputs
+                         if made_in.get(v, b.index) != b.index
+                         and g.values[v].producer < backward_from)
+    return memo(analysis.blocks, "read_back_across", make)
+
+
 def held_for_backward(g, elementwise_residuals: bool = True) -> frozenset[int]:
     """The activations the forward pass holds for the backward pass: produced before the
     loss, read after it, and materialized. Held as they are: a contraction's or a reduction's

@@ -33,7 +33,7 @@ from cfp.jax_compat import itemsize
 from cfp.workloads import AXIS_NAMES
 from cfp.windows import (COMBINED_REDUCTION_BYTES, held_for_backward, held_state,
                          inputs_read_earlier, layouts, memory_terms, option_memory,
-                         shard_bytes, state_layout)
+                         read_back_across, shard_bytes, state_layout)
 
 log = logging.getLogger(__name__)
 
@@ -288,6 +288,11 @@ def build_problem(analysis, profile, memory_budget_bytes: int | None
     groups, combos = [], {}
     read_earlier = inputs_read_earlier(analysis, profile.windows)
     held = held_for_backward(analysis.graph)
+    # read back by another window's backward pass (within a window, ``memory_terms`` counts
+    # it as a gathered residual)
+    window_of = {b: k for k, w in enumerate(profile.windows) for b in range(w.start, w.end)}
+    read_back = {(v, b) for v, b, maker in read_back_across(analysis)
+                 if window_of[b] != window_of[maker]}
     for gi, w in enumerate(profile.windows):
         seg = profile.window_profiles[w.type]
         terms = memory_terms(analysis, w, read_earlier[gi], held)
@@ -329,7 +334,8 @@ def build_problem(analysis, profile, memory_budget_bytes: int | None
         key = (b.src, b.dst)
         edges[key] = edges.get(key, 0) + small[np.ix_(src_of, dst_of)]
         reshards[key] = reshards.get(key, False) | moved[np.ix_(src_of, dst_of)]
-        if b.value in held:  # read by the backward pass: a larger copy is held until then
+        if b.value in held or (b.value, b.dst) in read_back:
+            # read by the backward pass: a larger copy is held until then
             size = [shard_bytes(b.shape, itemsize(b.dtype), s, analysis.mesh_shape, names)
                     for s in src + dst]
             src_b, dst_b = size[:len(src)], size[len(src):]
