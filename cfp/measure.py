@@ -511,10 +511,12 @@ def time_rounds(programs: Sequence[tuple], *, best_s: float | None, warmup: int 
 
     Each round runs every program still being timed once, so a change of the machine's speed
     during the batch falls on all of them alike instead of on whichever ran then; the anchor
-    tells how fast the machine ran during the batch, against other batches. The order rotates
-    each round: the program run right after another one (the anchor, say) pays for what that
-    one left in the caches, and in a fixed order the first program, a window type's first
-    combination, would pay it in every round. A program leaves
+    tells how fast the machine ran during the batch, against other batches. Each timed run
+    follows an untimed run of the same program: in the step a window reads what the window
+    before it just wrote, while a program run right after another one (another combination,
+    the anchor) finds the caches holding that one's data, which made windows of a small
+    model time 11 to 17% slower than the step they compose (``scripts/composed_memory.py
+    --search``). The order rotates each round besides. A program leaves
     after ``min_rounds`` once its median's standard error is within ``rel_error`` (see
     ``time_runs``), or at ``max_rounds``."""
     import jax
@@ -530,7 +532,9 @@ def time_rounds(programs: Sequence[tuple], *, best_s: float | None, warmup: int 
         if anchor:
             anchor_times.append(run_once_s(*anchor))  # whole: a gauge, not a window
         for i in live[rounds % len(live):] + live[:rounds % len(live)]:
-            times[i].append(max(0.0, run_once_s(*programs[i]) - overhead_s))
+            fn, args = programs[i]
+            jax.block_until_ready(fn(*inputs(args)))  # untimed: the caches as in the step
+            times[i].append(max(0.0, run_once_s(fn, args) - overhead_s))
         rounds += 1
         best = min([statistics.median(t) for t, e in zip(times, early) if t and not e]
                    + ([best_s] if best_s else []))
