@@ -514,9 +514,9 @@ def time_rounds(programs: Sequence[tuple], *, best_s: float | None, warmup: int 
     tells how fast the machine ran during the batch, against other batches. Each timed run
     follows an untimed run of the same program: in the step a window reads what the window
     before it just wrote, while a program run right after another one (another combination,
-    the anchor) finds the caches holding that one's data, which made windows of a small
-    model time 11 to 17% slower than the step they compose (``scripts/composed_memory.py
-    --search``). The order rotates each round besides. A program leaves
+    the anchor) finds the caches holding that one's data, so that a small model's windows
+    add up to more than its step (``scripts/composed_memory.py --search``). The order
+    rotates each round besides. A program leaves
     after ``min_rounds`` once its median's standard error is within ``rel_error`` (see
     ``time_runs``), or at ``max_rounds``."""
     import jax
