@@ -555,8 +555,8 @@ def time_in_context(producer, with_reshard, args, *, min_rounds: int = 5,
     """Seconds a resharding adds after the op producing its value: ``producer`` alone and
     ``with_reshard`` (the same op, its result resharded) timed interleaved. A round runs the
     pair in both orders (producer, resharded, resharded, producer, after one untimed run)
-    and takes the mean of the two differences, so what a run's place in the round adds,
-    and any steady drift, cancel within the round. Returns the median of the rounds' differences and
+    and takes the mean of the two differences, so a steady drift, and what a run pays for
+    following the other program, cancel within the round. Returns the median of the rounds' differences and
     its 95% bootstrap interval; where the interval does not lie above 0, the resharding
     counts as 0. Rounds stop after ``min_rounds`` once the interval is narrower than
     ``rel_width`` of the resharded program's median, or at ``max_rounds``.
@@ -567,7 +567,7 @@ def time_in_context(producer, with_reshard, args, *, min_rounds: int = 5,
     for _ in range(warmup):
         jax.block_until_ready(producer(*args)), jax.block_until_ready(with_reshard(*args))
     diffs, whole = [], []
-    for r in range(max_rounds):
+    for _ in range(max(min_rounds, max_rounds)):
         seconds = {"p": [], "r": []}
         jax.block_until_ready(producer(*args))  # untimed: the first run after a pause is slow
         for name, fn in (("p", producer), ("r", with_reshard), ("r", with_reshard),

@@ -500,25 +500,26 @@ EXPENSIVE = frozenset("""div rem pow exp exp2 log log1p expm1 tanh logistic sin 
 cbrt erf erfc erf_inv atan2 acos asin atan sinh cosh asinh acosh atanh lgamma digamma""".split())
 
 
-def read_back_across(analysis) -> frozenset[tuple[int, int, int]]:
-    """(value, the block reading it, the block making it) where a block's backward pass reads
-    a forward result another block makes. Where the reader wants it in a larger layout than
+def read_back_across(analysis) -> frozenset[tuple[int, int, tuple]]:
+    """(value, block, labels) where a block's backward pass reads, under those labels, a
+    forward result another block makes. Where the reader wants it in a larger layout than
     its maker makes, the resharded copy (an all-gather's result) is held from the reader's
     forward pass to its backward, whether or not the forward pass holds the value itself: a
     fusion that would recompute an elementwise result cannot recompute it past the
     all-gather (the compiled peak of a step whose vocabulary projection gathers the batch
-    holds each of its final layer norm's values gathered: ``cfp_test/test_state_layouts.py``)."""
+    holds the final layer norm's values gathered: ``cfp_test/test_state_layouts.py``)."""
     def make():
         g = analysis.graph
         loss = g.values[g.outputs[-1]] if g.outputs else None
-        if loss is None or loss.shape:
-            return frozenset()
+        if loss is None or loss.shape or loss.producer is None:
+            return frozenset()  # no backward pass
         backward_from = loss.producer
         made_in = {v: b.index for b in analysis.blocks.blocks for m in b.members
                    for v in g.ops[m.op].outputs}
-        return frozenset((v, b.index, made_in[v]) for b in analysis.blocks.blocks
+        # a value no block makes (a step input) is skipped before its producer is read
+        return frozenset((v, b.index, labels) for b in analysis.blocks.blocks
                          for m in b.members if m.op > backward_from
-                         for v in g.ops[m.op].inputs
+                         for v, labels in zip(g.ops[m.op].inputs, m.ins)
                          if made_in.get(v, b.index) != b.index
                          and g.values[v].producer < backward_from)
     return memo(analysis.blocks, "read_back_across", make)

@@ -272,32 +272,40 @@ def test_benchmark_plans_take_turns_one_step_at_a_time():
     assert not take_turns(log)
 
 
-def test_a_profile_batch_rotates_which_combination_follows_the_anchor():
+def test_a_profile_batch_rotates_which_combination_follows_the_anchor(monkeypatch):
     """``time_rounds`` runs the anchor first in every round and then every combination still
-    timed, in an order that rotates each round: the one right after the anchor pays for the
-    caches the anchor left, and in a fixed order a window type's first combination (every
-    block at its first strategy, data parallelism in most models) paid it in every round.
-    Each timed run follows an untimed run of the same program. Controls: the log of a fixed
-    order fails the first check, and a log without the untimed runs the second."""
+    timed, in an order that rotates each round, each timed run right after an untimed run of
+    the same program: in a fixed order a window type's first combination (every block at its
+    first strategy, data parallelism in most models) would always follow the anchor, and
+    without the untimed run each program would be timed on the caches another one left.
+    Controls: the log of a fixed order fails the first check, and a log without the untimed
+    runs the second."""
+    import cfp.measure
     from cfp.measure import time_rounds
     log = []
+    timed = cfp.measure.run_once_s
+    monkeypatch.setattr(cfp.measure, "run_once_s",
+                        lambda fn, args: log.append("timed") or timed(fn, args))
 
     def program(name):
         return (lambda: log.append(name) or 0), ()
 
     def after_anchor(names):
+        names = [n for n in names if n != "timed"]
         return {names[i + 1] for i, n in enumerate(names[:-1]) if n == "anchor"}
+
+    def warm(names):  # every timed combination ran untimed just before
+        return all(names[i + 1] == names[i - 1] != "anchor" for i, n in enumerate(names)
+                   if n == "timed" and names[i + 1] != "anchor")
 
     time_rounds([program("a"), program("b"), program("c")], best_s=None, warmup=0,
                 min_rounds=3, max_rounds=3, anchor=program("anchor"))
-    def in_pairs(names):
-        runs = [n for n in names if n != "anchor"]
-        return len(runs) % 2 == 0 and runs[::2] == runs[1::2]
-
-    assert len(log) == 21 and log.count("anchor") == 3
-    assert after_anchor(log) == {"a", "b", "c"} and in_pairs(log)
-    assert after_anchor(["anchor", "a", "a", "b", "b", "c", "c"] * 3) == {"a"}
-    assert not in_pairs(["anchor", "a", "b", "c", "a", "b", "c"])
+    assert log.count("anchor") == 3 and log.count("timed") == 12
+    assert after_anchor(log) == {"a", "b", "c"} and warm(log)
+    fixed = ["timed", "anchor"] + ["a", "timed", "a", "b", "timed", "b", "c", "timed", "c"]
+    assert after_anchor(fixed * 3) == {"a"} and warm(fixed * 3)
+    cold = ["timed", "anchor", "timed", "a", "timed", "b", "timed", "c"]
+    assert not warm(cold * 3)
 
 
 def test_search_also_validates_the_best_plan_without_reshardings():

@@ -369,10 +369,10 @@ def test_a_value_a_later_window_gathers_for_its_backward_pass_is_held_gathered(m
     which splits the vocabulary and so reads the batch whole: the compiled step holds the
     final layer norm's values gathered from the projection's forward pass to its backward
     (five all-gathers of a [32, 128, 256] activation live at its peak). Composed from the
-    windows compiled here, the step counts the three that its forward pass does not hold
-    (the held one counted already), 4 MiB each, and a [32, 128, 1] one, and is still at most
-    the compiled peak.
-    Control: without them the composition is 7 points further below it."""
+    windows compiled here, the step counts four of them: the one its forward pass holds,
+    counted before, and the three it does not, 4 MiB each (with a [32, 128, 1] one), and is
+    still at most the compiled peak.
+    Control: without the three the composition is more than 6 points further below it."""
     import dataclasses
     import cfp.passes.search as search
     from cfp.baselines import baseline_strategy_indices

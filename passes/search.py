@@ -288,11 +288,7 @@ def build_problem(analysis, profile, memory_budget_bytes: int | None
     groups, combos = [], {}
     read_earlier = inputs_read_earlier(analysis, profile.windows)
     held = held_for_backward(analysis.graph)
-    # read back by another window's backward pass (within a window, ``memory_terms`` counts
-    # it as a gathered residual)
-    window_of = {b: k for k, w in enumerate(profile.windows) for b in range(w.start, w.end)}
-    read_back = {(v, b) for v, b, maker in read_back_across(analysis)
-                 if window_of[b] != window_of[maker]}
+    read_back = read_back_across(analysis)  # boundaries a backward pass reads
     for gi, w in enumerate(profile.windows):
         seg = profile.window_profiles[w.type]
         terms = memory_terms(analysis, w, read_earlier[gi], held)
@@ -334,8 +330,8 @@ def build_problem(analysis, profile, memory_budget_bytes: int | None
         key = (b.src, b.dst)
         edges[key] = edges.get(key, 0) + small[np.ix_(src_of, dst_of)]
         reshards[key] = reshards.get(key, False) | moved[np.ix_(src_of, dst_of)]
-        if b.value in held or (b.value, b.dst) in read_back:
-            # read by the backward pass: a larger copy is held until then
+        if b.value in held or (b.value, b.dst, b.dst_labels) in read_back:
+            # held for the backward pass, or read by the reader's: a larger copy is held
             size = [shard_bytes(b.shape, itemsize(b.dtype), s, analysis.mesh_shape, names)
                     for s in src + dst]
             src_b, dst_b = size[:len(src)], size[len(src):]

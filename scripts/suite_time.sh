@@ -6,10 +6,12 @@ cd "$(dirname "$0")/.."
 out=${1:-scripts/results/$(date +%F)-suite-cpu.txt}
 start=$(date +%s)
 tmp=$(mktemp)  # outside scripts/results, whose index the suite checks
-python3 -m pytest -q cfp_test --durations=15 -p no:cacheprovider 2>&1 | tee "$tmp"
+trap 'rm -f "$tmp"' EXIT
+status=0
+python3 -m pytest -q cfp_test --durations=15 -p no:cacheprovider 2>&1 | tee "$tmp" || status=$?
 end=$(date +%s)
 { echo "# $(nproc) cores; $(python3 -c 'import jax; print("jax", jax.__version__)')"
   echo "# wall: $((end - start)) s"
   cat "$tmp"; } > "$out"
-rm -f "$tmp"
 echo "wrote $out (wall $((end - start)) s)"
+exit $status
