@@ -501,7 +501,7 @@ def time_runs(fn, args, *, best_s: float | None, warmup: int = 1, min_runs: int 
 
 
 def time_rounds(programs: Sequence[tuple], *, best_s: float | None, warmup: int = 1,
-                min_rounds: int = 10, max_rounds: int = 30, rel_error: float = 0.02,
+                min_rounds: int = 7, max_rounds: int = 30, rel_error: float = 0.02,
                 anchor: tuple | None = None,
                 overhead_s: float = 0.0) -> tuple[list[tuple[list[float], bool]], list[float]]:
     """Timed runs of several ``(fn, args)`` in interleaved rounds: per program its times
