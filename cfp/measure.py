@@ -31,8 +31,8 @@ import numpy as np
 from cfp import dims as dimrules
 from cfp.errors import CfpError
 from cfp.jax_compat import cost_analysis, is_key, random_keys, to_dtype
-from cfp.sharding import (COLLECTIVE_KINDS, HLO_BYTES, SubProgram, collectives, op_name, sub_function, sub_program,
-                          tagged_op, unnamed_collectives)
+from cfp.sharding import (COLLECTIVE_KINDS, HLO_BYTES, SubProgram, collectives, op_name,
+                          sub_function, sub_program, tagged_op, unnamed_collectives)
 from cfp.windows import (Window, apply_state, held_state, option_memory, param_values,
                          state_layout, window_layouts, window_ops)
 
@@ -556,9 +556,9 @@ def time_in_context(producer, with_reshard, args, *, min_rounds: int = 5,
     ``with_reshard`` (the same op, its result resharded) timed interleaved. A round runs the
     pair in both orders (producer, resharded, resharded, producer, after one untimed run)
     and takes the mean of the two differences, so a steady drift, and what a run pays for
-    following the other program, cancel within the round. Returns the median of the rounds' differences and
-    its 95% bootstrap interval; where the interval does not lie above 0, the resharding
-    counts as 0. Rounds stop after ``min_rounds`` once the interval is narrower than
+    following the other program, cancel within the round. Returns the median of the rounds'
+    differences and its 95% bootstrap interval; where the interval does not lie above 0,
+    the resharding counts as 0. Rounds stop after ``min_rounds`` once the interval is narrower than
     ``rel_width`` of the resharded program's median, or at ``max_rounds``.
 
     Both programs launch alike, so the launch cost drops out of the difference, and the

@@ -439,9 +439,8 @@ def memory_terms(analysis, window: Window, read_earlier: frozenset[int] = frozen
     blocks = [analysis.blocks.blocks[b] for b in range(window.start, window.end)]
     sub = sub_program(g, window_ops(analysis, window))
     kept = held_for_backward(g) if held is None else held
-    loss = g.values[g.outputs[-1]] if g.outputs else None
-    loss_op = loss.producer if loss is not None and not loss.shape else None
-    backward_from = len(g.ops) if loss_op is None else loss_op  # no backward pass: none
+    loss = loss_op(g)
+    backward_from = len(g.ops) if loss is None else loss  # no backward pass: none
     want, made = {}, {}  # live-ins as their first reader wants them; results as made
     readers = {}  # value -> ([forward readers], [backward readers]) in the window
     for k, block in enumerate(blocks):
@@ -500,6 +499,14 @@ EXPENSIVE = frozenset("""div rem pow exp exp2 log log1p expm1 tanh logistic sin 
 cbrt erf erfc erf_inv atan2 acos asin atan sinh cosh asinh acosh atanh lgamma digamma""".split())
 
 
+def loss_op(g) -> int | None:
+    """Index of the op computing the step's loss, its last output when that is a scalar an
+    op computes: the backward pass comes after it. None where there is none (a forward
+    step, a loss passed through)."""
+    loss = g.values[g.outputs[-1]] if g.outputs else None
+    return None if loss is None or loss.shape else loss.producer
+
+
 def read_back_across(analysis) -> frozenset[tuple[int, int, tuple]]:
     """(value, block, labels) where a block's backward pass reads, under those labels, a
     forward result another block makes. Where the reader wants it in a larger layout than
@@ -509,19 +516,14 @@ def read_back_across(analysis) -> frozenset[tuple[int, int, tuple]]:
     all-gather (the compiled peak of a step whose vocabulary projection gathers the batch
     holds the final layer norm's values gathered: ``cfp_test/test_state_layouts.py``)."""
     def make():
-        g = analysis.graph
-        loss = g.values[g.outputs[-1]] if g.outputs else None
-        if loss is None or loss.shape or loss.producer is None:
-            return frozenset()  # no backward pass
-        backward_from = loss.producer
-        made_in = {v: b.index for b in analysis.blocks.blocks for m in b.members
-                   for v in g.ops[m.op].outputs}
-        # a value no block makes (a step input) is skipped before its producer is read
+        g, owner, loss = analysis.graph, analysis.blocks.owner, loss_op(analysis.graph)
+        if loss is None:
+            return frozenset()
         return frozenset((v, b.index, labels) for b in analysis.blocks.blocks
-                         for m in b.members if m.op > backward_from
+                         for m in b.members if m.op > loss
                          for v, labels in zip(g.ops[m.op].inputs, m.ins)
-                         if made_in.get(v, b.index) != b.index
-                         and g.values[v].producer < backward_from)
+                         if (made := g.values[v].producer) is not None and made < loss
+                         and owner.get(made, b.index) != b.index)
     return memo(analysis.blocks, "read_back_across", make)
 
 
@@ -535,8 +537,8 @@ def held_for_backward(g, elementwise_residuals: bool = True) -> frozenset[int]:
     so what that op reads is held instead, down to a materialized value. Without
     ``elementwise_residuals`` (the rule before these counted) such values are not held."""
     from cfp.blocks import LAYOUT_OPS
-    loss_op = g.values[g.outputs[-1]].producer if g.outputs else None
-    if loss_op is None or g.values[g.outputs[-1]].shape:
+    loss = loss_op(g)
+    if loss is None:
         return frozenset()
     recomputed = (dimrules.ELEMENTWISE - EXPENSIVE) | set(LAYOUT_OPS) | {"broadcast_in_dim",
                                                                           "iota"}
@@ -544,7 +546,7 @@ def held_for_backward(g, elementwise_residuals: bool = True) -> frozenset[int]:
 
     def read_late(v):  # by a backward fusion, which recomputes a cheap op's result
         producer = g.values[v].producer
-        if producer is None or producer > loss_op or v in seen:
+        if producer is None or producer > loss or v in seen:
             return
         seen.add(v)
         op = g.ops[producer]
@@ -554,10 +556,10 @@ def held_for_backward(g, elementwise_residuals: bool = True) -> frozenset[int]:
         else:
             out.add(v)
 
-    for op in g.ops[:loss_op]:
+    for op in g.ops[:loss]:
         stored = op.is_contraction or op.primitive in dimrules.REDUCTIONS
         for v in op.outputs:
-            late = [u for u in g.users.get(v, ()) if u > loss_op]
+            late = [u for u in g.users.get(v, ()) if u > loss]
             if late and (stored or any(_feeds_contraction(g, u) for u in late)):
                 out.add(v)
             elif late and elementwise_residuals:
