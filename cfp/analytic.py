@@ -15,7 +15,10 @@ implies (Alpa's cost model, ``../shared/REFERENCE.md``):
   destination does not, an all-to-all where they split different dims, nothing where only the
   destination splits (a local slice);
 - **memory**: arguments and results from the window's layouts; temporaries as the largest
-  contraction's per-device operands and result (XLA reuses the rest).
+  contraction's per-device operands and result (XLA reuses the rest), less those the window's
+  own program would not hold as temporaries: its arguments and results, and the activations
+  held for the backward pass (``cfp.windows.held_for_backward`` on the cost model's platform),
+  which the composition counts as held.
 
 All collectives use ``CostModel.collective_s`` with the alpha and beta of the slowest network
 level the mesh axes span (``cfp.cluster``).
@@ -28,7 +31,8 @@ from cfp import dims as dimrules
 from cfp.jax_compat import itemsize
 from cfp.measure import CostModel, Measurement
 from cfp.sharding import sub_program
-from cfp.windows import Window, apply_state, shard_bytes, window_layouts, window_ops
+from cfp.windows import (Window, apply_state, held_for_backward, shard_bytes,
+                         window_layouts, window_ops)
 
 
 def _axes_of(spec, axis_names) -> list[tuple[int, ...]]:
@@ -48,6 +52,11 @@ def window_measurement(analysis, window: Window, combo, cost: CostModel,
     strategies = [b.strategies[k] for b, k in zip(blocks, combo)]
     nbytes = lambda v, spec: shard_bytes(g.values[v].shape, itemsize(g.values[v].dtype),  # noqa
                                          spec, mesh_shape, axis_names)
+    sub = sub_program(g, window_ops(analysis, window))
+    # What the window's own program would hold as temporaries: not its arguments and
+    # results, nor the activations held for the backward pass (counted as held).
+    counted = (held_for_backward(g, platform=cost.platform) | set(sub.live_ins)
+               | set(sub.live_outs))
     seconds, temp, colls = 0.0, 0, []
     for block, st in zip(blocks, strategies):
         under = {m.op for m in block.members_under(st, mesh_shape)}
@@ -61,7 +70,9 @@ def window_measurement(analysis, window: Window, combo, cost: CostModel,
                 in_b = sum(nbytes(v, s) for v, s in zip(op.inputs, ins))
                 seconds += max(op.flops / split / cost.device_flops,
                                (in_b + out_b) / cost.device_bandwidth)
-                temp = max(temp, in_b + out_b)
+                temp = max(temp, sum(nbytes(v, s) for v, s in zip(op.inputs + op.outputs,
+                                                                    ins + outs)
+                                     if v not in counted))
                 axes = tuple(sorted({a for l in m.reduces for a in st.loop_axes(l)}))
                 if axes:
                     colls.append(("all-reduce", axes, out_b))
@@ -77,7 +88,6 @@ def window_measurement(analysis, window: Window, combo, cost: CostModel,
                     if axes:
                         whole = tuple(None for _ in spec)
                         colls.append(("all-gather", axes, nbytes(v, whole)))
-    sub = sub_program(g, window_ops(analysis, window))
     ins, outs, constraints = window_layouts(g, blocks, strategies, sub, axis_names)
     plain = dict(zip(sub.live_ins, ins))
     apply_state(analysis, window, combo, sub, ins, outs, constraints, axis_names)

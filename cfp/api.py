@@ -523,7 +523,7 @@ def _cost_model(options, mesh_shape, device_ids=None):
                    f"{fitted.device_flops:.3g} FLOP/s, {fitted.device_bandwidth:.3g} B/s")
         preset = {"alpha": fitted.alpha, "beta": fitted.beta,
                   "device_flops": fitted.device_flops,
-                  "device_bandwidth": fitted.device_bandwidth}
+                  "device_bandwidth": fitted.device_bandwidth, "platform": fitted.platform}
     else:
         preset = dict(DEVICE_PRESETS[options.device_preset or "a100"])
     n = len(mesh_shape)
@@ -536,7 +536,7 @@ def _cost_model(options, mesh_shape, device_ids=None):
 
     return CostModel(per_axis("alpha", preset["alpha"]), per_axis("beta", preset["beta"]),
                      options.device_flops or preset["device_flops"],
-                     options.device_bandwidth or preset["device_bandwidth"])
+                     options.device_bandwidth or preset["device_bandwidth"], preset["platform"])
 
 
 def _profile_options(opts: RunOptions, options):

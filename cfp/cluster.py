@@ -3,7 +3,8 @@ onto them.
 
 A ``Cluster`` is a stack of network *levels*, outermost first (``50 nodes x 4 GPUs``: a node
 level over a GPU level), each with its alpha (seconds per collective) and beta (seconds per
-byte), plus per-device memory, peak FLOP/s and memory bandwidth. Devices are numbered
+byte), plus per-device memory, peak FLOP/s and memory bandwidth; the devices are GPUs (their
+memory follows XLA's GPU fusion: ``cfp.windows.expensive``). Devices are numbered
 row-major over the levels (the innermost level varies fastest), and a logical mesh is laid
 over them row-major too, so its last axis is the fastest-varying one. A mesh axis whose devices
 differ in an outer level's coordinate crosses that level: it takes the slowest alpha and beta
@@ -88,7 +89,8 @@ class Cluster:
             lv = self.levels_of_axis(mesh_shape, a) or (len(self.levels) - 1,)
             alpha.append(max(self.levels[i].alpha_s for i in lv))
             beta.append(max(self.levels[i].beta_s_per_byte for i in lv))
-        return CostModel(tuple(alpha), tuple(beta), self.device_flops, self.device_bandwidth)
+        return CostModel(tuple(alpha), tuple(beta), self.device_flops, self.device_bandwidth,
+                         "gpu")
 
     @property
     def nodes(self) -> tuple[int, int]:

@@ -135,3 +135,22 @@ def constraint_mesh(mesh):
         return mesh
     return jax.sharding.Mesh(mesh.devices, mesh.axis_names,
                              **auto_axis_types(len(mesh.axis_names)))
+
+
+def deviceless_gpu_mesh(target_config: str, mesh_shape: tuple[int, ...],
+                        axis_names: tuple[str, ...]):
+    """A mesh of ``prod(mesh_shape)`` GPUs described by ``target_config`` (XLA's
+    ``GpuTargetConfigProto`` in text) that need not be here: programs lowered for it compile
+    only (``Compiled.memory_analysis``), as XLA compiles for those GPUs. Needs JAX's CUDA
+    plugin installed, loaded with ``JAX_PLATFORMS=cpu`` and
+    ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` set before JAX starts, so that no GPU is looked for;
+    ``None`` without it."""
+    from jax.experimental import topologies
+    n = int(np.prod(mesh_shape))
+    try:
+        topology = topologies.get_topology_desc(platform="cuda", target_config=target_config,
+                                                topology=f"1x1x{n}")
+    except (NotImplementedError, RuntimeError) as e:
+        log.info("no deviceless GPU topology: %s", e)
+        return None
+    return topologies.make_mesh(topology, tuple(mesh_shape), tuple(axis_names))

@@ -33,8 +33,8 @@ from cfp.errors import CfpError
 from cfp.jax_compat import cost_analysis, is_key, random_keys, to_dtype
 from cfp.sharding import (COLLECTIVE_KINDS, HLO_BYTES, SubProgram, collectives, op_name,
                           sub_function, sub_program, tagged_op, unnamed_collectives)
-from cfp.windows import (Window, apply_state, held_state, option_memory, param_values,
-                         state_layout, window_layouts, window_ops)
+from cfp.windows import (Window, apply_state, held_for_backward, held_state, option_memory,
+                         param_values, state_layout, window_layouts, window_ops)
 
 _FLOAT_LOW, _FLOAT_HIGH = 0.5, 1.5  # positive, away from zero: safe for log, sqrt, division
 
@@ -195,8 +195,11 @@ class WindowProgram:
     def option_memory(self, combo, read_earlier: frozenset[int] = frozenset(),
                       held: frozenset[int] | None = None) -> tuple[int, int, int, int]:
         """``cfp.windows.option_memory`` of ``combo`` compiled here (nothing run): what a
-        measured profile composes for it."""
+        measured profile composes for it; ``held`` by default as the mesh's platform holds
+        it (``cfp.windows.held_for_backward``)."""
         compiled, _ = self.compile(combo)
+        if held is None:
+            held = held_for_backward(self.graph, platform=self.mesh.devices.flat[0].platform)
         return option_memory(self.analysis, self.window, combo,
                              Measurement("ok", **self.memory(compiled)), self.names,
                              read_earlier, held)
@@ -649,6 +652,9 @@ class CostModel:
     beta: tuple[float, ...]  # seconds per byte, per mesh axis
     device_flops: float  # FLOP/s of one device
     device_bandwidth: float  # bytes/s of one device's memory
+    # the devices' XLA platform: which elementwise results its fusion recomputes
+    # (``cfp.windows.expensive``) and so which the forward pass holds
+    platform: str = "cpu"
 
     def collective_s(self, kind: str, axes: tuple[int, ...] | None, nbytes: int,
                      mesh_shape) -> float:
@@ -671,9 +677,9 @@ class CostModel:
 # alpha-beta for NVLink inside a node (axis 1) and the network across nodes (axis 0).
 DEVICE_PRESETS = {
     "a100": {"device_flops": 312e12, "device_bandwidth": 1.555e12,
-             "alpha": (5e-6, 5e-6), "beta": (1 / 25e9, 1 / 150e9)},
+             "alpha": (5e-6, 5e-6), "beta": (1 / 25e9, 1 / 150e9), "platform": "gpu"},
     "h100": {"device_flops": 989e12, "device_bandwidth": 3.35e12,
-             "alpha": (5e-6, 3e-6), "beta": (1 / 50e9, 1 / 450e9)},
+             "alpha": (5e-6, 3e-6), "beta": (1 / 50e9, 1 / 450e9), "platform": "gpu"},
 }
 
 
@@ -715,7 +721,8 @@ def fit_cost_model(mesh, sizes=(2**12, 2**15, 2**18, 2**21)) -> CostModel:
                                         max_runs=10)[0])
     flops = 2 * k * k * k / t_mm  # per device: each holds k rows
     bandwidth = 2 * 4 * k * k / t_add
-    return CostModel(tuple(alpha), tuple(beta), flops, bandwidth)
+    return CostModel(tuple(alpha), tuple(beta), flops, bandwidth,
+                     mesh.devices.flat[0].platform)
 
 
 def model_cost(compiled, mesh_shape, cost: CostModel) -> tuple[float, tuple]:

@@ -497,6 +497,7 @@ def param_values(g) -> frozenset[int]:
 # that reads their result reads it from memory, so the forward pass holds it.
 EXPENSIVE = frozenset("""div rem pow exp exp2 log log1p expm1 tanh logistic sin cos tan sqrt rsqrt
 cbrt erf erfc erf_inv atan2 acos asin atan sinh cosh asinh acosh atanh lgamma digamma""".split())
+GPU_CHEAP = frozenset({"div", "sqrt", "rsqrt", "exp"})
 
 
 def loss_op(g) -> int | None:
@@ -527,21 +528,37 @@ def read_back_across(analysis) -> frozenset[tuple[int, int, tuple]]:
     return memo(analysis.blocks, "read_back_across", make)
 
 
-def held_for_backward(g, elementwise_residuals: bool = True) -> frozenset[int]:
+def held_for_backward(g, elementwise_residuals: bool = True,
+                      platform: str = "cpu") -> frozenset[int]:
     """The activations the forward pass holds for the backward pass: produced before the
     loss, read after it, and materialized. Held as they are: a contraction's or a reduction's
     result, and an operand that a backward contraction (or remat's recomputation) reads. A
-    value only elementwise ops read after the loss is held where its op is expensive
-    (``EXPENSIVE``: a gelu's tanh, a softmax's exp); the result of a cheap elementwise or
-    layout op (a bias add, a scale) is recomputed inside the backward fusion that reads it,
-    so what that op reads is held instead, down to a materialized value. Without
-    ``elementwise_residuals`` (the rule before these counted) such values are not held."""
+    value only elementwise ops read after the loss is held where its op is expensive to
+    recompute on ``platform`` (``expensive``: a gelu's tanh; a softmax's exp on CPU); the
+    result of a cheap elementwise or layout op (a bias add, a scale) is recomputed inside the
+    backward fusion that reads it, so what that op reads is held instead, down to a
+    materialized value. Without ``elementwise_residuals`` (the rule before these counted)
+    such values are not held."""
+    return memo(g, ("held_for_backward", elementwise_residuals, platform),
+                lambda: _held_for_backward(g, elementwise_residuals, platform))
+
+
+def expensive(primitive: str, dtype: str, platform: str) -> bool:
+    """Whether XLA on ``platform`` keeps an elementwise op's result rather than duplicate the
+    op into each fusion that reads it (``IsExpensive``): ``EXPENSIVE``, less on GPU a
+    divide, square root, reciprocal square root or exp in float32 or float16, which XLA's
+    GPU fusion counts as cheap (single hardware instructions)."""
+    if platform == "gpu" and dtype in ("float32", "float16") and primitive in GPU_CHEAP:
+        return False
+    return primitive in EXPENSIVE
+
+
+def _held_for_backward(g, elementwise_residuals: bool, platform: str) -> frozenset[int]:
     from cfp.blocks import LAYOUT_OPS
     loss = loss_op(g)
     if loss is None:
         return frozenset()
-    recomputed = (dimrules.ELEMENTWISE - EXPENSIVE) | set(LAYOUT_OPS) | {"broadcast_in_dim",
-                                                                          "iota"}
+    recomputed = set(dimrules.ELEMENTWISE) | set(LAYOUT_OPS) | {"broadcast_in_dim", "iota"}
     out, seen = set(), set()
 
     def read_late(v):  # by a backward fusion, which recomputes a cheap op's result
@@ -550,7 +567,8 @@ def held_for_backward(g, elementwise_residuals: bool = True) -> frozenset[int]:
             return
         seen.add(v)
         op = g.ops[producer]
-        if op.primitive in recomputed:
+        if op.primitive in recomputed and not expensive(op.primitive, g.values[v].dtype,
+                                                        platform):
             for x in op.inputs:
                 read_late(x)
         else:

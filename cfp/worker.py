@@ -75,6 +75,7 @@ class Worker:
         self.proc = None
         self.overhead_s = 0.0
         self.device_ids: tuple[int, ...] = ()  # the worker's mesh's devices, in its order
+        self.platform = "cpu"  # theirs (``ProfileRecord.platform``)
         self.log_path = None  # the worker's output, across processes
 
     def _start(self):
@@ -124,7 +125,7 @@ class Worker:
                            f"{self.proc.exitcode}); a script that runs cfp must do so under "
                            f"`if __name__ == '__main__':`, since workers are spawned processes "
                            f"that import it again")
-        self.overhead_s, self.device_ids, setup_phases = payload
+        self.overhead_s, self.device_ids, self.platform, setup_phases = payload
         log.info("worker %d ready in %.1f s; launch overhead %.3f ms", self.proc.pid,
                  time.perf_counter() - t0, self.overhead_s * 1e3)
         self.phases.add(setup_phases)
@@ -280,7 +281,7 @@ def _main(conn, generation: int = 0, parent_pid: int | None = None):
         state["phases"] = phases
         conn.send(("ready", (state["overhead"],
                              tuple(int(d.id) for d in state["mesh"].devices.flat),
-                             phases.take())))
+                             state["mesh"].devices.flat[0].platform, phases.take())))
     except multihost.RuntimeLost:
         os._exit(multihost.PEER_LOST_EXIT)
     except CfpError as e:  # the step cannot be measured as analysed: the user's to fix

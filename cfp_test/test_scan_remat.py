@@ -164,6 +164,37 @@ def test_an_elementwise_residual_is_held_where_xla_cannot_recompute_it_cheaply()
     assert made_by(held_for_backward(g, elementwise_residuals=False)) == ["mul"]
 
 
+
+def test_a_softmax_exp_is_held_on_cpu_and_recomputed_on_gpu_in_float32():
+    """XLA's GPU fusion counts an exp in float32 or float16 as cheap and recomputes it in the
+    backward fusion that reads it, where XLA on CPU holds it: on GPU the held set keeps what
+    the exp reads (the logits, a contraction's result) instead. Control: in bfloat16 XLA's
+    GPU fusion counts the exp as expensive, so it is held on both."""
+    import jax.numpy as jnp
+    from cfp.graph import trace_program
+    from cfp.windows import held_for_backward
+
+    def loss(w, x):
+        logits = x @ w
+        shifted = logits - jax.lax.stop_gradient(logits.max(-1, keepdims=True))
+        p = jnp.exp(shifted)
+        return (jnp.log(p.sum(-1)) - shifted[:, 0]).sum().astype(jnp.float32)
+
+    def step(w, x):
+        value, grad = jax.value_and_grad(loss)(w, x)
+        return grad, value
+
+    def made_by(dtype, platform):
+        g = trace_program(step, jnp.ones((16, 8), dtype), jnp.ones((4, 16), dtype)).graph()
+        return {g.ops[g.values[v].producer].primitive
+                for v in held_for_backward(g, platform=platform)}
+
+    assert "exp" in made_by(jnp.float32, "cpu")
+    on_gpu = made_by(jnp.float32, "gpu")
+    assert "exp" not in on_gpu and "dot_general" in on_gpu, on_gpu
+    assert "exp" in made_by(jnp.bfloat16, "gpu")  # the control
+
+
 def _held(model):
     from cfp.windows import held_for_backward
     g = run_analysis(_spec(model, num_layers=4), (8,)).graph

@@ -84,6 +84,9 @@ class ProfileRecord:
     anchor_s: float = float("nan")
     # the ids of the devices measured on, in the mesh's order (empty: priced, nothing ran)
     device_ids: tuple[int, ...] = ()
+    # the XLA platform the memory follows: the devices compiled on, or those priced
+    # (``CostModel.platform``); it decides which activations the forward pass holds
+    platform: str = "cpu"
 
     def reshards_counted_zero(self) -> int:
         """Timed reshardings whose interval does not lie above 0, so counted as 0."""
@@ -158,7 +161,7 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
         timed = _profile_reshards(analysis, bounds, worker, checkpoint, options, start,
                                   notify)
         worker.ensure()
-        overhead, device_ids = worker.overhead_s, worker.device_ids
+        overhead, device_ids, platform = worker.overhead_s, worker.device_ids, worker.platform
     except BaseException:  # Ctrl-C included: what was measured is in the checkpoint
         worker.kill()
         raise
@@ -171,7 +174,7 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
                         dict(phases.seconds),
                         options.whole_segments,
                         {k: t[1:] for k, t in timed.items() if t and options.cost == "measure"},
-                        anchor_s, device_ids)
+                        anchor_s, device_ids, platform)
     log.info("profile pass: %.1f s, phases %s", rec.time_s, rec.phase_s)
     return rec
 
@@ -351,7 +354,8 @@ def _priced(analysis, options: ProfileOptions, windows, reps, start,
     reshard = _priced_reshards(analysis, bounds, cost)
     return ProfileRecord(tuple(windows), tuple(reps), window_profiles, tuple(bounds), reshard,
                          0.0, "analytic", options.max_combinations,
-                         time.perf_counter() - start, 0, {}, options.whole_segments)
+                         time.perf_counter() - start, 0, {}, options.whole_segments,
+                         platform=cost.platform)
 
 
 def _priced_reshards(analysis, bounds, cost: CostModel) -> dict:

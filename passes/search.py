@@ -287,7 +287,7 @@ def build_problem(analysis, profile, memory_budget_bytes: int | None
     blocks = analysis.blocks.blocks
     groups, combos = [], {}
     read_earlier = inputs_read_earlier(analysis, profile.windows)
-    held = held_for_backward(analysis.graph)
+    held = held_for_backward(analysis.graph, platform=profile.platform)
     read_back = read_back_across(analysis)  # boundaries a backward pass reads
     for gi, w in enumerate(profile.windows):
         seg = profile.window_profiles[w.type]

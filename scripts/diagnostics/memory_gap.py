@@ -212,17 +212,20 @@ def _print_peak(dump: str, top: int) -> None:
     assignment = open(glob.glob(f"{dump}/*after_optimizations-buffer-assignment.txt")[0]).read()
     live_range = open(glob.glob(f"{dump}/*after_optimizations-live-range.txt")[0]).read()
     hlo = open(glob.glob(f"{dump}/*after_optimizations.txt")[0]).read()
-    size, in_output, in_parameter, live_out = {}, set(), False, False
+    size, shape, in_output, in_parameter, live_out = {}, {}, set(), False, False
     for line in assignment.splitlines():
         if line.startswith("allocation"):
             in_parameter, live_out = "parameter" in line, "maybe-live-out" in line
-        m = re.match(r"\s*value: <\d+ (\S+) @0> \(size=(\d+)", line)
+        m = re.match(r"\s*value: <\d+ (\S+) @0> \(size=(\d+)[^)]*\): (\S+)", line)
         if m and not in_parameter:
             size[m.group(1)] = int(m.group(2))
+            shape[m.group(1)] = m.group(3)
             if live_out:
                 in_output.add(m.group(1))
-    ranges = [(name, int(s), int(e)) for name, s, e in re.findall(
-        r"^\s+(\S+?)\{\}:(\d+)-(\d+)", live_range.split("BufferLiveRange:")[1], re.M)
+    # A tuple element's buffer is named with its index (an async collective's result on GPU).
+    ranges = [(name, int(s), int(e)) for name, s, e in (
+        (n if i == "{}" else n + i, s, e) for n, i, s, e in re.findall(
+            r"^\s+(\S+?)(\{\d*\}):(\d+)-(\d+)", live_range.split("BufferLiveRange:")[1], re.M))
         if name in size]
     end = max(e for _, _, e in ranges)
     # A value in an output's buffer that dies before the step ends is a temporary placed there
@@ -240,12 +243,12 @@ def _print_peak(dump: str, top: int) -> None:
           f"live in non-parameter buffers (step outputs included); the largest:")
     for name, s, e in sorted((r for r in ranges if r[1] <= t_peak <= r[2]),
                              key=lambda r: -size[r[0]])[:top]:
-        m = re.search(r"\n\s*(?:ROOT )?%?" + re.escape(name) + r" = (\S+)([^\n]*)", hlo)
-        shape = m.group(1) if m else ""
+        m = re.search(r"\n\s*(?:ROOT )?%?" + re.escape(name.split("{")[0]) + r" = (\S+)([^\n]*)",
+                      hlo)
         op = re.search(r'op_name="([^"]*)"', m.group(2)) if m else None
         op = op.group(1) if op else ""
         where = " [in an output's buffer]" if name in placed_names else ""
-        print(f"    {size[name] / 1e6:5.2f} MB {name} {shape} live {s}-{e} ({op}){where}")
+        print(f"    {size[name] / 1e6:5.2f} MB {name} {shape[name]} live {s}-{e} ({op}){where}")
 
 
 if __name__ == "__main__":
