@@ -711,9 +711,9 @@ def test_a_ctrl_c_in_the_garbage_collector_stops_the_run_at_once(tmp_path, capsy
 def test_the_readme_s_first_cluster_case_runs_every_pass_as_recorded(tmp_path, capsys):
     """LLaMA-2-13B on alpa-50x4 (scripts/cluster_cases.sh, the README's), whose arrays this
     host need not hold, is analysed, priced and searched as recorded in
-    scripts/results/2026-11-24-cluster-cpu.txt: its search finds that no plan fits
+    scripts/results/2026-11-27-cluster-cpu.txt: its search finds that no plan fits
     the 32 GB of a device, the verdict it had before these checks (its least memory, about
-    72 GB then, moves as composed memory is refined)."""
+    72 GB at first, 47 GB now, moves as composed memory is refined)."""
     rc = main(["--model", "llama", "--config", "13b", "--dtype", "bfloat16", "--batch-size",
                "8", "--seq-len", "1024", "--cluster", "alpa-50x4", "--workdir", str(tmp_path)])
     out, err = capsys.readouterr()
