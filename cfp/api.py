@@ -713,7 +713,7 @@ def _local_cluster(opts: RunOptions, options):
                             Level("device", opts.num_devices, model.alpha[0], model.beta[0])),
                    _memory_budget_bytes(options, opts, required=True), model.device_flops,
                    model.device_bandwidth, ("priced by the " + (options.device_preset or "a100")
-                                            + " device preset",))
+                                            + " device preset",), model.platform)
 
 
 _RUNNERS = {"analysis": _run_analysis, "profile": _run_profile, "search": _run_search,

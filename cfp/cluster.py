@@ -3,8 +3,9 @@ onto them.
 
 A ``Cluster`` is a stack of network *levels*, outermost first (``50 nodes x 4 GPUs``: a node
 level over a GPU level), each with its alpha (seconds per collective) and beta (seconds per
-byte), plus per-device memory, peak FLOP/s and memory bandwidth; the devices are GPUs (their
-memory follows XLA's GPU fusion: ``cfp.windows.expensive``). Devices are numbered
+byte), plus per-device memory, peak FLOP/s and memory bandwidth; the devices are GPUs unless
+said otherwise (their memory follows XLA's GPU fusion: ``cfp.windows.expensive``). Devices
+are numbered
 row-major over the levels (the innermost level varies fastest), and a logical mesh is laid
 over them row-major too, so its last axis is the fastest-varying one. A mesh axis whose devices
 differ in an outer level's coordinate crosses that level: it takes the slowest alpha and beta
@@ -53,6 +54,7 @@ class Cluster:
     device_flops: float  # peak FLOP/s of one device
     device_bandwidth: float  # memory bytes/s of one device
     assumed: tuple[str, ...] = ()  # figures that are assumptions, not documented values
+    platform: str = "gpu"  # the devices' XLA platform (``cfp.measure.CostModel.platform``)
 
     @property
     def num_devices(self) -> int:
@@ -90,7 +92,7 @@ class Cluster:
             alpha.append(max(self.levels[i].alpha_s for i in lv))
             beta.append(max(self.levels[i].beta_s_per_byte for i in lv))
         return CostModel(tuple(alpha), tuple(beta), self.device_flops, self.device_bandwidth,
-                         "gpu")
+                         self.platform)
 
     @property
     def nodes(self) -> tuple[int, int]:

@@ -325,7 +325,7 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
     gathered = gathered_params(analysis, window, combo)
     adding += sum(size(*t, stored=False) - size(*t) for t in terms.adding if t[0] in gathered)
     # A compiled window's temporaries include the activations it holds; an analytic one's
-    # are its largest contraction's working set alone (``cfp.analytic``).
+    # leave them out (``cfp.analytic``).
     held_internal = 0 if measured.note == "analytic" else sum(
         held_bytes.get(v, 0) for v in terms.internal)
     # A table's gradient is held from the step's start (``MemoryTerms``), as its blocks
@@ -545,9 +545,11 @@ def held_for_backward(g, elementwise_residuals: bool = True,
 
 def expensive(primitive: str, dtype: str, platform: str) -> bool:
     """Whether XLA on ``platform`` keeps an elementwise op's result rather than duplicate the
-    op into each fusion that reads it (``IsExpensive``): ``EXPENSIVE``, less on GPU a
-    divide, square root, reciprocal square root or exp in float32 or float16, which XLA's
-    GPU fusion counts as cheap (single hardware instructions)."""
+    op into each fusion that reads it, by XLA's ``IsExpensive``: ``EXPENSIVE``, less on GPU
+    a divide, square root, reciprocal square root or exp in float32 or float16, which XLA's
+    GPU fusion names as cheap (single hardware instructions). A rule, not the fusion itself:
+    XLA's GPU priority fusion weighs a cost model too and can recompute more (a bfloat16 exp,
+    a tanh, in a deviceless A100 compile), which the composition then counts high."""
     if platform == "gpu" and dtype in ("float32", "float16") and primitive in GPU_CHEAP:
         return False
     return primitive in EXPENSIVE

@@ -166,10 +166,10 @@ def test_an_elementwise_residual_is_held_where_xla_cannot_recompute_it_cheaply()
 
 
 def test_a_softmax_exp_is_held_on_cpu_and_recomputed_on_gpu_in_float32():
-    """XLA's GPU fusion counts an exp in float32 or float16 as cheap and recomputes it in the
+    """XLA's GPU fusion names an exp in float32 or float16 as cheap and recomputes it in the
     backward fusion that reads it, where XLA on CPU holds it: on GPU the held set keeps what
-    the exp reads (the logits, a contraction's result) instead. Control: in bfloat16 XLA's
-    GPU fusion counts the exp as expensive, so it is held on both."""
+    the exp reads (the logits, a contraction's result) instead. Control: XLA's rule does not
+    name a bfloat16 exp as cheap, so the held set keeps it on GPU too."""
     import jax.numpy as jnp
     from cfp.graph import trace_program
     from cfp.windows import held_for_backward

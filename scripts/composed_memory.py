@@ -80,7 +80,7 @@ def main(argv=None) -> None:
     analysis = run_analysis(spec, mesh_shape)
     program, mesh = trace_step(spec.build()), make_mesh(mesh_shape)
     windows, _ = split_windows(analysis, a.max_combinations, a.whole_segments)
-    held = held_for_backward(analysis.graph)
+    held = held_for_backward(analysis.graph, platform=mesh.devices.flat[0].platform)
     earlier = inputs_read_earlier(analysis, windows)
     blocks = analysis.blocks.blocks
     print(f"{spec.label} mesh {a.mesh}: composed from {len(windows)} windows against the whole "

@@ -89,11 +89,11 @@ def main() -> None:
         analysis, "measure", args.max_combinations, args.whole_segments)
     problem, _ = build_problem(analysis, profile, None)
     g, ba, names = analysis.graph, analysis.blocks, AXIS_NAMES[:len(mesh_shape)]
-    held = held_for_backward(g)
+    held = held_for_backward(g, platform=profile.platform)
     member = {m.op: m for b in ba.blocks for m in b.members}
     read_earlier = inputs_read_earlier(analysis, profile.windows)
     terms = [memory_terms(analysis, w, read_earlier[k], held) for k, w in enumerate(profile.windows)]
-    held_before = held_for_backward(g, elementwise_residuals=False)
+    held_before = held_for_backward(g, elementwise_residuals=False, platform=profile.platform)
     terms_before = [memory_terms(analysis, w, read_earlier[k], held_before)
                     for k, w in enumerate(profile.windows)]
     print(f"held activations: {len(held)}; without elementwise residuals: {len(held_before)}")
@@ -225,7 +225,7 @@ def _print_peak(dump: str, top: int) -> None:
     # A tuple element's buffer is named with its index (an async collective's result on GPU).
     ranges = [(name, int(s), int(e)) for name, s, e in (
         (n if i == "{}" else n + i, s, e) for n, i, s, e in re.findall(
-            r"^\s+(\S+?)(\{\d*\}):(\d+)-(\d+)", live_range.split("BufferLiveRange:")[1], re.M))
+            r"^\s+(\S+?)(\{[\d,]*\}):(\d+)-(\d+)", live_range.split("BufferLiveRange:")[1], re.M))
         if name in size]
     end = max(e for _, _, e in ranges)
     # A value in an output's buffer that dies before the step ends is a temporary placed there
