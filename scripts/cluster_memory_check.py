@@ -90,15 +90,28 @@ def records(workdir: Path, layers: int | None, dtype: str = "bfloat16"):
                                            60.0)
 
 
+def program_of(analysis):
+    """The analysed step's program, traced once per analysis."""
+    from cfp.sharding import memo
+    from cfp.workloads import trace_step
+    return memo(analysis, "program", lambda: trace_step(analysis.spec.build()))
+
+
+def problem_of(analysis, profile):
+    """The search problem of ``profile`` (no budget), built once per profile."""
+    from cfp.passes.search import build_problem
+    from cfp.sharding import memo
+    return memo(profile, "problem", lambda: build_problem(analysis, profile, None)[0])
+
+
 def whole_plans(full, mesh) -> list[tuple]:
     """(name, predicted seconds, composed bytes, compiled peak bytes on ``mesh`` or None) of
     cfp's plan and each hand plan of the full model, fastest first."""
     from cfp.execute import PlannedStep
     from cfp.measure import memory_of
-    from cfp.passes.search import baseline_candidates, build_problem, plan_storage
-    from cfp.workloads import trace_step
+    from cfp.passes.search import baseline_candidates, plan_storage
     analysis, profile, pred = full
-    problem, _ = build_problem(analysis, profile, None)
+    problem = problem_of(analysis, profile)
     plans = [("cfp", pred.predicted_s, pred.memory_bytes, pred.strategies, pred.storage)]
     hand = dict(baseline_candidates(analysis, problem, [], within_budget=False))
     for name, seconds, nbytes in pred.hand_plans:
@@ -109,8 +122,7 @@ def whole_plans(full, mesh) -> list[tuple]:
     for name, seconds, nbytes, strategies, storage in sorted(plans, key=lambda p: p[1]):
         peak = None
         if mesh is not None:
-            step = PlannedStep(trace_step(analysis.spec.build()), analysis, strategies, mesh,
-                               storage)
+            step = PlannedStep(program_of(analysis), analysis, strategies, mesh, storage)
             peak = memory_of(step.compile())["peak_bytes"]
         out.append((name, seconds, nbytes, peak))
     return out
@@ -119,14 +131,13 @@ def whole_plans(full, mesh) -> list[tuple]:
 def transfer(full, small) -> tuple:
     """The small model's problem and, per window, the combination ``full``'s plan gives the
     window that computes the same operators (``cfp.windows._operators``)."""
-    from cfp.passes.search import build_problem
     from cfp.windows import _operators
     (fa, fp, pred), (sa, sp, _) = full, small
-    fprob, _ = build_problem(fa, fp, None)
+    fprob = problem_of(fa, fp)
     by_ops = {}
     for w, grp, c in zip(fp.windows, fprob.groups, pred.choices):
         by_ops.setdefault(_operators(fa, w.start, w.end), grp.options[c].strategies)
-    sprob, _ = build_problem(sa, sp, None)
+    sprob = problem_of(sa, sp)
     choices = [next(i for i, o in enumerate(grp.options)
                     if o.strategies == by_ops[_operators(sa, w.start, w.end)])
                for w, grp in zip(sp.windows, sprob.groups)]
@@ -136,12 +147,11 @@ def transfer(full, small) -> tuple:
 def in_dtype(small, other) -> tuple:
     """``other`` (the small model in another dtype, the same blocks and windows) and the
     combinations ``small`` = (problem, choices, analysis, profile) gives its windows."""
-    from cfp.passes.search import build_problem
     sprob, choices, _, sp = small
     oa, op = other[:2]
     if [(w.start, w.end) for w in op.windows] != [(w.start, w.end) for w in sp.windows]:
         raise SystemExit("the two dtypes split the model into different windows")
-    oprob, _ = build_problem(oa, op, None)
+    oprob = problem_of(oa, op)
     picked = tuple(next(i for i, o in enumerate(grp.options)
                         if o.strategies == sgrp.options[c].strategies)
                    for grp, sgrp, c in zip(oprob.groups, sprob.groups, choices))
@@ -155,10 +165,9 @@ def composed_and_compiled(problem, choices, analysis, profile, mesh,
     from cfp.measure import memory_of
     from cfp.passes.search import plan_storage
     from cfp.solver import evaluate
-    from cfp.workloads import trace_step
     _, composed, strategies = evaluate(problem, choices)
     storage = plan_storage(analysis, problem, profile.windows, choices)
-    step = PlannedStep(trace_step(analysis.spec.build()), analysis, strategies, mesh, storage)
+    step = PlannedStep(program_of(analysis), analysis, strategies, mesh, storage)
     compiled = step.compile({"xla_dump_to": dump, "xla_dump_hlo_as_text": True} if dump
                             else None)
     return composed, memory_of(compiled)["peak_bytes"]
@@ -170,13 +179,11 @@ def composed_from_compiled_windows(problem, choices, analysis, profile, mesh) ->
     place of the analytic temporaries; the activations held as ``mesh``'s platform holds
     them."""
     from cfp.measure import WindowProgram
-    from cfp.passes.search import build_problem
     from cfp.solver import evaluate
     from cfp.windows import inputs_read_earlier
-    from cfp.workloads import trace_step
     platform = mesh.devices.flat[0].platform
-    problem = build_problem(analysis, dataclasses.replace(profile, platform=platform), None)[0]
-    program = trace_step(analysis.spec.build())
+    problem = problem_of(analysis, dataclasses.replace(profile, platform=platform))
+    program = program_of(analysis)
     earlier = inputs_read_earlier(analysis, profile.windows)
     groups = []
     for k, (w, grp, c) in enumerate(zip(profile.windows, problem.groups, choices)):
