@@ -586,6 +586,8 @@ def _run_profile(opts: RunOptions, options) -> None:
         report.say(f"priced for {opts.cluster.name} ({cost}): {why}")
         options = dataclasses.replace(options, cost=cost,
                                       cost_model=opts.cluster.cost_model(opts.mesh_shape))
+    if opts.cluster is None and options.cost == "measure" and opts.runtime is None:
+        _check_step(analysis)  # (several processes: search's check, on the global mesh)
     checkpoint = (wd.profile_checkpoint(analysis, options.cost, options.max_combinations,
                                         options.whole_segments)
                   if opts.reports else MemoryCheckpoint())
@@ -600,6 +602,23 @@ def _run_profile(opts: RunOptions, options) -> None:
     report.profile_console(rec, analysis.plan_space_log10(), verbose)
     if verbose or opts.modes == ("profile",):
         report.say(f"wrote {out / 'profile.pkl'} and {out / 'profile.csv'}")
+
+
+def _check_step(analysis) -> None:
+    """Refuse, before any profile, a step whose data-parallel hand plan does not match one
+    device (``cfp.execute.compare_numerics``): no plan of it could pass search's check."""
+    from cfp.baselines import applies, baseline_plan, load_rules
+    from cfp.execute import checkable, compare_numerics
+    if not checkable(analysis):
+        return
+    rules = load_rules()
+    rule = rules["dp"] if applies(rules["dp"], analysis) else rules["batch_only"]
+    hand = baseline_plan(rule, analysis)
+    check = compare_numerics(analysis.spec.build(), analysis, hand.strategies, analysis.mesh(),
+                             hand.storage)
+    if not check.ok:
+        raise CfpError(f"the step cannot be checked against one device: under the "
+                       f"{rule.name} hand plan its {check.describe()}")
 
 
 def _run_search(opts: RunOptions, options) -> None:

@@ -19,7 +19,12 @@ Built from the graph alone, with no knowledge of any model:
    that block, its labels derived by ``cfp.dims.forward``. *Rule for operators fed by several
    blocks: the block of the operand computed last takes it* (the nearest upstream one, which in
    the backward pass is the gradient just computed); the other operands enter it as boundary
-   values.
+   values. *Shared scalars:* an operator whose operands and results are all scalars, fed by
+   several blocks or by a shared scalar (a global norm's sum over every layer's gradient, the
+   clip factor made from it, a ``cond``'s predicate), joins no block, nor does a scalar member
+   read only by shared ones (the sum's first term): every layer reads such a value, and it
+   must not pull the layers' update work into one block. Rules speak of sizes and
+   dependencies, not of optimizers.
 4. **Backward attach.** In reverse program order, an unclaimed operator all of whose results are
    read by block members joins the block of its readers, labelled by ``cfp.dims.backward``. *Rule
    for operators read by several blocks: the block of the first reader in program order takes
@@ -27,8 +32,8 @@ Built from the graph alone, with no knowledge of any model:
 5. **Refinement.** Non-contraction members are re-labelled forwards, so a dim that backward inference
    could not label (a reduced one) takes its operands' label, with the requirement that goes
    with it.
-6. Whatever is left (nothing reachable from a contraction, e.g. step-counter arithmetic read by
-   nobody, or opaque operators between blocks) is listed as *unclaimed*. Operators that only
+6. Whatever is left (nothing reachable from a contraction, e.g. step-counter arithmetic, shared
+   scalars, or opaque operators between blocks) is listed as *unclaimed*. Operators that only
    make PRNG keys (wrap, split, fold in) are always left: a key is replicated data, and the
    data drawn from it (``random_bits``) joins the block that reads it like any operand.
 
@@ -42,6 +47,7 @@ that does not exist.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 from cfp import dims as dimrules
@@ -49,7 +55,7 @@ from cfp.graph import Graph, Op
 from cfp.jax_compat import is_key
 from cfp.strategies import LoopDim, Strategy, enumerate_strategies, op_loop_dims
 
-Role = Literal["seed", "input-grad", "weight-grad", "recompute", "flow", "attached"]
+Role = Literal["seed", "repeat", "input-grad", "weight-grad", "recompute", "flow", "attached"]
 LAYOUT_OPS = ("reshape", "transpose", "convert_element_type", "copy", "copy_p", "squeeze", "rev")
 
 
@@ -80,7 +86,7 @@ class Block:
     @property
     def contractions(self) -> tuple[Member, ...]:
         return tuple(m for m in self.members
-                     if m.role in ("seed", "input-grad", "weight-grad", "recompute"))
+                     if m.role in ("seed", "repeat", "input-grad", "weight-grad", "recompute"))
 
     def members_under(self, strategy: Strategy, mesh_shape) -> tuple[Member, ...]:
         """The members that need no collective under ``strategy`` (contractions always stay;
@@ -118,6 +124,7 @@ def group_blocks(graph: Graph) -> BlockAnalysis:
     b = _Builder(graph)
     b.seed_and_match()
     b.forward_flow()
+    b.share_scalar_feeders()
     b.backward_attach()
     b.refine()
     return b.finish()
@@ -151,11 +158,14 @@ class _Builder:
         self.members: list[dict[int, Member]] = []
         self.labels: list[dict[int, tuple]] = []  # block -> value -> labels
         self.seeds: list[int] = []
+        self.forwards: list[list[int]] = []  # per block: its seed and the seed's repeats
+        self._sources: dict[int, frozenset | None] = {}
         self.loop_dims: list[tuple[LoopDim, ...]] = []
         self._chains: dict[int, list[Op]] = {}
         self.repeats = _repeats(graph)
         self.varying = computed_from_inputs(graph)
         self.comparisons = 0
+        self.shared: set[int] = set()  # scalar operators several blocks feed (no owner)
 
     # -- helpers ------------------------------------------------------------------------------
     def shape(self, v):
@@ -245,6 +255,7 @@ class _Builder:
         contractions = [op for op in self.g.ops if op.is_contraction]
         candidates = {}
         by_root: dict[int, list[int]] = {}  # root of a seed's operand -> its blocks
+        by_signature: dict[tuple, list[int]] = {}  # what a seed computes -> its blocks
         for c in contractions:
             repeated = self.g.values[self.original(c.outputs[0])].producer
             if repeated != c.index:  # a remat recomputation joins the block it repeats
@@ -257,15 +268,27 @@ class _Builder:
             found = []
             # A backward reads one of its seed's operands: only seeds sharing a root can match,
             # so the comparisons per contraction do not grow with depth.
-            for bi in sorted({bi for v in c.inputs[:2] for bi in by_root.get(self.root(v), ())}):
-                self.comparisons += 1
-                m = self.match_backward(c, self.g.ops[self.seeds[bi]], bi)
-                if m is not None:
-                    found.append((bi, m))
+            near = sorted({bi for v in c.inputs[:2] for bi in by_root.get(self.root(v), ())})
+            for bi in near:
+                for f in self.forwards[bi]:
+                    self.comparisons += 1
+                    m = self.match_backward(c, self.g.ops[f], bi)
+                    if m is not None:
+                        found.append((bi, m))
+                        break
             if not found:
-                self.new_block(c)
+                alike = near + by_signature.get(self.signature(c), [])
+                bi = next((bi for bi in alike if self.repeats_seed(c, bi)), None)
+                if bi is None:
+                    self.new_block(c)
+                    bi = len(self.seeds) - 1
+                    by_signature.setdefault(self.signature(c), []).append(bi)
+                else:  # the same weight, another micro-batch: the seed's layer, its labels
+                    seed = self.members[bi][self.seeds[bi]]
+                    self.add(bi, dataclasses.replace(seed, op=c.index, role="repeat"))
+                    self.forwards[bi].append(c.index)
                 for v in c.inputs[:2]:
-                    by_root.setdefault(self.root(v), []).append(len(self.seeds) - 1)
+                    by_root.setdefault(self.root(v), []).append(bi)
             else:
                 candidates[c.index] = found
                 if len(found) == 1:
@@ -285,10 +308,54 @@ class _Builder:
             best = [it for it in found if paired(it)] or found
             self.attach_backward(c, *best[0])
 
+    def signature(self, op: Op) -> tuple:
+        return (op.primitive, op.attrs, tuple(self.shape(v) for v in op.inputs))
+
+    def repeats_seed(self, c: Op, bi: int) -> bool:
+        """Whether ``c`` computes what block ``bi``'s seed computes, for another micro-batch:
+        the same operator on operands of the same shapes, one of them a layout change of the
+        same step input (a weight), or each computed from contractions of the same blocks as
+        the seed's (attention's scores, from the layer's projections). Gradient accumulation
+        runs each layer's forward pass once per micro-batch; each run is the layer's, under
+        its strategy."""
+        f = self.g.ops[self.seeds[bi]]
+        if self.signature(c) != self.signature(f):
+            return False
+        if any(self.root(a) == self.root(b) and self.g.values[self.root(a)].input_index
+               is not None for a, b in zip(c.inputs[:2], f.inputs[:2])):
+            return True
+        sources = [(self.source_blocks(a), self.source_blocks(b))
+                   for a, b in zip(c.inputs[:2], f.inputs[:2])]
+        return all(x is not None and x == y and x for x, y in sources)
+
+    def source_blocks(self, v: int, most: int = 64) -> frozenset | None:
+        """The blocks of the nearest contractions ``v`` is computed from (None when they
+        are farther than ``most`` operators, or one belongs to no block yet)."""
+        if v in self._sources:
+            return self._sources[v]
+        found, seen, stack = set(), set(), [v]
+        while stack and found is not None:
+            op = self.g.producer_op(stack.pop())
+            if op is None or op.index in seen:
+                continue
+            seen.add(op.index)
+            if op.is_contraction:
+                if op.index not in self.owner:
+                    found = None
+                else:
+                    found.add(self.owner[op.index])
+            elif len(seen) > most:
+                found = None
+            else:
+                stack += op.inputs
+        self._sources[v] = None if found is None else frozenset(found)
+        return self._sources[v]
+
     def new_block(self, op: Op):
         dims = op_loop_dims(op, self.g.values)
         bi = len(self.seeds)
         self.seeds.append(op.index)
+        self.forwards.append([op.index])
         self.loop_dims.append(dims)
         self.members.append({})
         self.labels.append({})
@@ -302,7 +369,8 @@ class _Builder:
         self.add(bi, Member(op.index, "seed", (out,), (lhs, rhs), (), reduces))
 
     def match_backward(self, c: Op, f: Op, bi: int):
-        """How contraction ``c`` is a backward of seed ``f`` (block ``bi``), or None."""
+        """How contraction ``c`` is a backward of seed ``f`` (block ``bi``; or a repeat of
+        its seed), or None."""
         seed_member = self.members[bi][f.index]
         f_out = self.shape(f.outputs[0])
         for a_pos in (0, 1):
@@ -368,12 +436,28 @@ class _Builder:
                 self.add(bi, Member(op.index, "flow", flow.outs, flow.ins, flow.reqs))
 
     # -- 3. forward flow --------------------------------------------------------------------
+    def scalar_only(self, op: Op) -> bool:
+        """Whether every operand and result of ``op`` is a scalar (one element)."""
+        return all(math.prod(self.shape(v)) <= 1 for v in (*op.inputs, *op.outputs))
+
+    def shared_scalar(self, op: Op, producers: list[int]) -> bool:
+        """Whether ``op`` computes a scalar that several blocks feed (a global norm's sum over
+        every layer's gradient, the clip factor made from it), or from such a scalar: every
+        layer reads it, and no block owns it, so it neither pulls the layers' update work
+        into one block nor widens the cuts between them."""
+        return self.scalar_only(op) and (
+            len({self.owner[p] for p in producers}) > 1
+            or any(self.g.values[v].producer in self.shared for v in op.inputs))
+
     def forward_flow(self):
         for op in self.g.ops:
             if op.index in self.owner or op.is_contraction or self.moves_keys(op):
                 continue
             producers = [p for v in op.inputs
                          if (p := self.g.values[v].producer) is not None and p in self.owner]
+            if self.shared_scalar(op, producers):
+                self.shared.add(op.index)
+                continue
             if not producers:
                 continue
             bi = self.owner[max(producers)]
@@ -383,10 +467,26 @@ class _Builder:
                                     [self.shape(v) for v in op.outputs], in_labels)
             self.add(bi, Member(op.index, "flow", flow.outs, flow.ins, flow.reqs))
 
+    def share_scalar_feeders(self):
+        """A scalar-only member whose every reader is a shared scalar (the first term of a sum
+        over all layers' gradients) is shared too: it is the sum's, not its block's."""
+        for op in reversed(self.g.ops):
+            k = op.index
+            readers = [u for v in op.outputs for u in self.g.users.get(v, ())]
+            if (k in self.owner and self.scalar_only(op) and readers
+                    and all(u in self.shared for u in readers)
+                    and self.members[self.owner[k]][k].role == "flow"):
+                bi = self.owner.pop(k)
+                del self.members[bi][k]
+                for v in op.outputs:
+                    self.labels[bi].pop(v, None)
+                self.shared.add(k)
+
     # -- 4. backward attach -----------------------------------------------------------------
     def backward_attach(self):
         for op in reversed(self.g.ops):
-            if op.index in self.owner or op.is_contraction or self.moves_keys(op):
+            if (op.index in self.owner or op.is_contraction or self.moves_keys(op)
+                    or op.index in self.shared):
                 continue
             readers = [u for v in op.outputs for u in self.g.users.get(v, ())]
             if not readers or any(u not in self.owner for u in readers):

@@ -26,7 +26,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from cfp.errors import CfpError
-from cfp.jax_compat import dtype_name, itemsize
+from cfp.jax_compat import bind_equation, dtype_name, itemsize
 
 CONTRACTIONS = ("dot_general", "conv_general_dilated")
 
@@ -189,6 +189,20 @@ class Program:
     def scans(self) -> bool:
         """Whether the step has a scan (unrolled here, one copy of its body per iteration)."""
         return any(e.in_scan for e in self.eqns)
+
+    def restricted(self, outputs: list[int]) -> tuple["Program", list[int]]:
+        """The program computing ``outputs`` alone (the equations they need, in order), and
+        per equation of it its index here."""
+        live, kept = set(outputs), []
+        for i in reversed(range(len(self.eqns))):
+            eqn = self.eqns[i]
+            if getattr(eqn, "effects", None) or any(o in live for o in eqn.outputs):
+                kept.append(i)
+                live.update(eqn.inputs)
+        kept.reverse()
+        out = dataclasses.replace(self, eqns=[self.eqns[i] for i in kept],
+                                  outputs=list(outputs), _graph=None)
+        return out, kept
 
     def copies(self) -> dict[int, list[int]]:
         """Origin -> the equations that are its copies (one per iteration of its scans)."""
@@ -360,6 +374,17 @@ class _Builder:
                 outs = self.inline(body, consts, ins, path + (id(eqn),))
                 env.update(zip(eqn.outvars, outs))
                 continue
+            if name == "cond" and not _contains_contraction(eqn):
+                parts = _independent_parts(eqn)
+                if len(parts) > 1:  # one cond per part, each reading only its own operands
+                    outs = [None] * len(eqn.outvars)
+                    for part_outs, part_ins in parts:
+                        for k, o in zip(part_outs, self.traced_many(
+                                _cond_part(eqn, part_outs, part_ins),
+                                ins[0], *[ins[1 + i] for i in part_ins])):
+                            outs[k] = o
+                    env.update(zip(eqn.outvars, outs))
+                    continue
             if name in _REFUSED and _contains_contraction(eqn):
                 what, change = _REFUSED[name]
                 raise CfpError(f"the step puts contractions inside {what}, which cfp cannot "
@@ -373,10 +398,14 @@ class _Builder:
 
     def traced(self, fn: Callable, *in_ids: int) -> int:
         """Inline ``fn`` applied to the values ``in_ids``; its one result's id."""
+        return self.traced_many(fn, *in_ids)[0]
+
+    def traced_many(self, fn: Callable, *in_ids: int) -> list[int]:
+        """Inline ``fn`` applied to the values ``in_ids``; its results' ids."""
         structs = [jax.ShapeDtypeStruct(self.avals[j][0], self.dtypes[j]) for j in in_ids]
         closed = jax.make_jaxpr(fn)(*structs)
         self.helpers.append(closed)  # alive, so no later equation reuses its eqns' ids
-        return self.inline(closed.jaxpr, closed.consts, list(in_ids))[0]
+        return self.inline(closed.jaxpr, closed.consts, list(in_ids))
 
     def origin(self, key: tuple) -> int:
         return self.origins.setdefault(key, len(self.origins))
@@ -439,6 +468,79 @@ def _inlinable_body(eqn):
             return body
         return jcore.ClosedJaxpr(body, ())
     return None
+
+
+def _independent_parts(eqn) -> list[tuple[list[int], list[int]]]:
+    """The parts of a ``cond`` that share no work: (its results, its operands, by position
+    after the branch index) per part, in the order of their first result. Two results are in
+    one part when, in some branch, they are computed from a common operand or intermediate
+    value of more than one element; scalars (a step count, a predicate) are recomputed in
+    each part that needs them. A cond whose branches act leaf by leaf (``optax.MultiSteps``:
+    accumulate, or apply the inner optimizer) so splits into one cond per leaf, which follows
+    its leaf's block."""
+    n_out = len(eqn.outvars)
+    parent = list(range(n_out))
+
+    def find(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    reads: list[set[int]] = [set() for _ in range(n_out)]  # operand positions per result
+    claims: dict = {}  # (branch, variable) -> the first result computed from it
+    for b, branch in enumerate(eqn.params["branches"]):
+        jaxpr = branch.jaxpr
+        position = {v: i for i, v in enumerate(jaxpr.invars)}
+        for k, out in enumerate(jaxpr.outvars):
+            cone_vars, cone_ins = _cone(jaxpr, out)
+            reads[k] |= {position[v] for v in cone_ins}
+            for v in cone_vars:
+                if math.prod(v.aval.shape) > 1:
+                    parent[find(k)] = find(claims.setdefault((b, v), k))
+    groups: dict[int, list[int]] = {}
+    for k in range(n_out):
+        groups.setdefault(find(k), []).append(k)
+    return [(outs, sorted(set().union(*(reads[k] for k in outs))))
+            for outs in groups.values()]
+
+
+def _cone(jaxpr, out) -> tuple[list, set]:
+    """(the variables ``out`` is computed from, inputs and intermediates; the inputs among
+    them) in ``jaxpr``."""
+    inputs = set(jaxpr.invars)
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    seen, stack = set(), [out]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, jcore.Literal) or v in seen:
+            continue
+        seen.add(v)
+        if v in producer:
+            stack += list(producer[v].invars)
+    return list(seen), seen & inputs
+
+
+def _cond_part(eqn, outs: list[int], operands: list[int]) -> Callable:
+    """``f(index, *operands) -> results``: the ``cond`` ``eqn`` restricted to the results
+    ``outs``, each branch evaluating only the equations they need."""
+    def branch_fn(branch):
+        jaxpr, consts = branch.jaxpr, branch.consts
+        wanted = [jaxpr.outvars[k] for k in outs]
+        needed = set().union(*(_cone(jaxpr, v)[0] for v in wanted))
+
+        def run(*xs):
+            env = dict(zip(jaxpr.constvars, consts))
+            env.update((jaxpr.invars[i], x) for i, x in zip(operands, xs))
+            read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
+            for e in jaxpr.eqns:
+                if any(v in needed for v in e.outvars):
+                    env.update(zip(e.outvars, bind_equation(e, map(read, e.invars))))
+            return [read(v) for v in wanted]
+        return run
+
+    branches = [branch_fn(b) for b in eqn.params["branches"]]
+    return lambda index, *xs: jax.lax.switch(index, branches, *xs)
 
 
 def _contains_contraction(eqn) -> bool:

@@ -137,6 +137,16 @@ def constraint_mesh(mesh):
                              **auto_axis_types(len(mesh.axis_names)))
 
 
+def bind_equation(eqn, args) -> list:
+    """The results of a jaxpr equation applied to ``args``, as ``jax.core.eval_jaxpr`` binds
+    it: ``get_bind_params`` gives the bind parameters (0.10+), or before that the
+    sub-functions and parameters."""
+    got = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, params = got if isinstance(got, tuple) else ((), got)
+    out = eqn.primitive.bind(*subfuns, *args, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
 def deviceless_gpu_mesh(target_config: str, mesh_shape: tuple[int, ...],
                         axis_names: tuple[str, ...]):
     """A mesh of ``prod(mesh_shape)`` GPUs described by ``target_config`` (XLA's

@@ -32,7 +32,8 @@ from cfp import dims as dimrules
 from cfp.errors import CfpError
 from cfp.jax_compat import cost_analysis, is_key, random_keys, to_dtype
 from cfp.sharding import (COLLECTIVE_KINDS, HLO_BYTES, SubProgram, collectives, op_name,
-                          sub_function, sub_program, tagged_op, unnamed_collectives)
+                          state_updates, sub_function, sub_program, tagged_op,
+                          unnamed_collectives, update_statistics)
 from cfp.windows import (Window, apply_state, held_for_backward, held_state, option_memory,
                          param_values, state_layout, window_layouts, window_ops)
 
@@ -282,9 +283,10 @@ class WindowProgram:
         held, untagged = held_state(self.analysis, self.window), frozenset()
         if held:  # the state returned as it came in: gathered there, with no operator's tag
             untagged = frozenset({"all-gather"})
+        if held:  # the update's own statistics, under any layout (a norm, Adafactor's)
+            excused |= {r for r, k in update_statistics(g).items() if k in set(held)}
         if held and state_layout(self.analysis, self.window, combo) != "plan":
             # split state: gathers and reduce-scatters at its update
-            from cfp.sharding import state_updates
             pairs = set(held)
             excused |= {g.values[u].producer for u, k in state_updates(g).items() if k in pairs}
         ins, _, _ = self.layouts(combo)

@@ -283,13 +283,15 @@ def jit(train_step: Callable, plan: dict, mesh, *args) -> Callable:
     from cfp.sharding import step_function
     check_mesh(plan, mesh)
     in_shardings, out_shardings = step_shardings(plan, mesh, *args)  # checks the arguments
-    program = trace_program(train_step, *args)
-    g = program.graph()
-    if g.fingerprint() != plan["step"]["fingerprint"]:
+    # Traced from shapes and dtypes alone: arrays placed on a mesh of Explicit axes carry
+    # their sharding in their types, and the analysed step was traced without.
+    program = trace_program(train_step, *jax.tree_util.tree_map(_abstract, args))
+    index = _analysed_ops(program, plan["step"]["fingerprint"])
+    if index is None:
         raise CfpError("this train_step is not the step the plan was made for (its traced "
                        "program differs): analyse and search this step")
-    constraints = {int(op): ([None if s is None else _from_json(s) for s in operands],
-                             [None if s is None else _from_json(s) for s in results])
+    constraints = {index[int(op)]: ([None if s is None else _from_json(s) for s in operands],
+                                    [None if s is None else _from_json(s) for s in results])
                    for op, (operands, results) in plan["constraints"].items()}
     flat_step, _ = step_function(program, constraints=constraints,
                                  mesh=constraint_mesh(mesh))
@@ -299,5 +301,57 @@ def jit(train_step: Callable, plan: dict, mesh, *args) -> Callable:
         return jax.tree_util.tree_unflatten(program.out_tree, outs)
 
     step = auto_inside(step, mesh, out_shardings)
-    return jax.jit(step, in_shardings=in_shardings, out_shardings=out_shardings,
-                   donate_argnums=DONATE_ARGNUMS if len(args) == len(PARTS) else ())
+    return PlacingStep(jax.jit(step, in_shardings=in_shardings, out_shardings=out_shardings,
+                               donate_argnums=DONATE_ARGNUMS if len(args) == len(PARTS) else ()),
+                       in_shardings)
+
+
+def _analysed_ops(program, fingerprint: str) -> list[int] | None:
+    """Per operator of the analysed step, its index in ``program``, the user's step as
+    traced; None when it is another step. A step that returns metrics beside the loss (a
+    dict holding it under ``loss``, with the gradient norm, the learning rate) was analysed
+    as the program of its state and loss alone: the same operators, less those only the
+    other metrics need."""
+    import jax
+    if program.graph().fingerprint() == fingerprint:
+        return list(range(len(program.eqns)))
+    out = jax.tree_util.tree_unflatten(program.out_tree, program.outputs)
+    if not (isinstance(out, tuple) and len(out) == 3 and isinstance(out[2], dict)
+            and "loss" in out[2]):
+        return None
+    analysed, kept = program.restricted(jax.tree_util.tree_leaves(out[:2]) + [out[2]["loss"]])
+    return kept if analysed.graph().fingerprint() == fingerprint else None
+
+
+def _abstract(x):
+    """``x``'s shape and dtype, without its placement."""
+    import jax
+    return jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "dtype") else x
+
+
+class PlacingStep:
+    """A jitted planned step that takes its arguments wherever they live: an array placed in
+    other shardings than the plan's (a checkpoint restored in another layout) is copied into
+    the plan's before the call, once, since the step returns the state in the plan's layout;
+    arrays in the plan's layout, uncommitted ones and host arrays go in as they are. Anything
+    else (``lower``, ``trace``) is the jitted function's."""
+
+    def __init__(self, jitted, in_shardings):
+        self.jitted, self.in_shardings = jitted, in_shardings
+
+    def __call__(self, *args):
+        import jax
+        return self.jitted(*jax.tree_util.tree_map(_placed, args, self.in_shardings[:len(args)]))
+
+    def __getattr__(self, name):
+        return getattr(self.jitted, name)
+
+
+def _placed(x, sharding):
+    """``x`` in ``sharding`` when it is an array committed to another layout, else ``x``."""
+    import jax
+    if (isinstance(x, jax.Array) and x.committed and x.is_fully_addressable
+            and not x.sharding.is_equivalent_to(sharding, x.ndim)):
+        log.info("an argument in %s is copied into the plan's %s", x.sharding, sharding)
+        return jax.device_put(x, sharding)
+    return x

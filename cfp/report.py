@@ -380,16 +380,9 @@ def usage_console(workdir: Path) -> None:
 
 
 def input_paths(spec) -> list[str]:
-    """The pytree path of every step input, ``Arg_<k>`` in the dumps' HLO lines: parameters,
-    optimizer state and batch, as ``jax.tree_util.keystr`` writes them."""
-    import jax
-    w = spec.build()
-    leaves = jax.tree_util.tree_flatten_with_path(
-        {"params": w.abstract_params(), "opt_state": w.abstract_opt_state(),
-         "batch": w.abstract_batch()})[0]
-    order = {"params": 0, "opt_state": 1, "batch": 2}  # the step's argument order
-    leaves.sort(key=lambda pl: order[pl[0][0].key])
-    return [jax.tree_util.keystr(p) for p, _ in leaves]
+    """The pytree path of every step input, ``Arg_<k>`` in the dumps' HLO lines
+    (``Workload.input_paths``)."""
+    return spec.build().input_paths()
 
 
 def _with_paths(hlo: str, paths: list[str]) -> str:

@@ -155,8 +155,19 @@ def state_updates(graph: Graph) -> dict[int, int]:
     they start from (a gradient: a contraction's, a reduction's or a scatter's result).
     Under a plan that splits the state, these are computed in the state's split layout:
     the gradient reduced into it, the update on shards. No model is named: the walk stops
-    at the first operator that is not elementwise, so the backward pass stays the block's."""
-    return memo(graph, "state_updates", lambda: _state_updates(graph))
+    at the first operator that is not elementwise, so the backward pass stays the block's.
+    With them, the update's statistics of their shape (``_statistics``: a global norm's
+    squares), computed in the same layout."""
+    return _updates(graph)[0]
+
+
+def _updates(graph: Graph) -> tuple[dict[int, int], dict[int, int]]:
+    """(``state_updates``, ``update_statistics``), found once per graph."""
+    def make():
+        walked = _state_updates(graph)
+        values, ops = _statistics(graph, walked)
+        return {**walked, **values}, ops
+    return memo(graph, "updates", make)
 
 
 def _state_updates(graph: Graph) -> dict[int, int]:
@@ -173,6 +184,60 @@ def _state_updates(graph: Graph) -> dict[int, int]:
             if op.primitive in dimrules.ELEMENTWISE:
                 stack += [u for u in op.inputs if graph.values[u].shape == shape]
     return out
+
+
+def update_statistics(graph: Graph) -> dict[int, int]:
+    """The operators of the optimizer update's statistics, each with its state pair's index
+    (``_statistics``): a global norm's squares and their sum, Adafactor's row and column
+    statistics and what carries them into their parameter's update. Under a layout that
+    splits the dims they reduce or broadcast, each may need a collective: the update implies
+    it, so the strategy check names it, under any state layout."""
+    return _updates(graph)[1]
+
+
+_CARRIERS = frozenset(("broadcast_in_dim", "reshape", "transpose", "squeeze",
+                       "expand_dims")) | dimrules.ELEMENTWISE
+
+
+def _statistics(graph: Graph, updates: dict[int, int]) -> tuple[dict[int, int], dict[int, int]]:
+    """(values, operators) computed from the update values ``updates`` or the state leaves
+    outside the walk back from the new state: from each, its readers that lead only to
+    reductions or into an update value (the square of a gradient whose sum a global norm takes;
+    Adafactor's statistics, raised to a power and broadcast into its parameter's update, and
+    its parameter scale, the mean square of the parameter), through elementwise and layout
+    operators. Their elementwise results of the update
+    value's shape are computed in its layout (``values``), so a split layout sums shards
+    rather than gathering the gradient whole; ``operators`` are all of them, reductions
+    included."""
+    values: dict[int, int] = {}
+    ops: dict[int, int] = {}
+    starts = list(updates.items()) + [(v, k) for k, (v, _) in enumerate(graph.state_pairs())]
+    for v, k in starts:
+        shape = graph.values[v].shape
+        for first in graph.users.get(v, ()):
+            if any(o in updates for o in graph.ops[first].outputs):
+                continue  # the update itself
+            found_values, found_ops, stack, ok = set(), set(), [first], True
+            while stack and ok:
+                r = stack.pop()
+                op = graph.ops[r]
+                if r in found_ops or any(o in updates for o in op.outputs):
+                    continue  # seen, or it joins an update
+                found_ops.add(r)
+                if op.primitive in dimrules.REDUCTIONS:
+                    continue
+                if op.primitive not in _CARRIERS:
+                    ok = False  # other work reads it (the forward or backward pass)
+                    break
+                found_values |= {o for o in op.outputs if graph.values[o].shape == shape
+                                 and op.primitive in dimrules.ELEMENTWISE}
+                stack += [u for o in op.outputs for u in graph.users.get(o, ())]
+            if ok:
+                for x in found_values:
+                    values.setdefault(x, k)
+                for r in found_ops:
+                    ops.setdefault(r, k)
+    return values, ops
 
 
 STATE_LAYOUTS = ("plan", "zero1", "fsdp")  # where a plan keeps a state leaf between steps

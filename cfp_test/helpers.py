@@ -20,13 +20,14 @@ def blocks_of(model: str, mesh_shape: tuple, num_layers: int | None = None):
     return program, graph, build_blocks(graph, mesh_shape)
 
 
-def run_loop(step, params, opt_state, batch, steps: int = 3):
+def run_loop(step, params, opt_state, batch, steps: int = 3, loss=lambda x: x):
     """(losses, params, opt_state) after ``steps`` steps of ``step``, each fed the state the
-    last one returned, as a training loop does (the state may be donated)."""
+    last one returned, as a training loop does (the state may be donated); ``loss`` picks
+    the loss out of what the step returns beside the state (its metrics)."""
     losses = []
     for _ in range(steps):
-        params, opt_state, loss = step(params, opt_state, batch)
-        losses.append(float(loss))
+        params, opt_state, metrics = step(params, opt_state, batch)
+        losses.append(float(loss(metrics)))
     return losses, params, opt_state
 
 
@@ -65,7 +66,7 @@ def planned_loop(planned_step, workload, steps: int = 3):
     return run_loop(step, None, None, None, steps), want
 
 
-def assert_users_loop(train_step, plan, mesh, params, opt_state, batch):
+def assert_users_loop(train_step, plan, mesh, params, opt_state, batch, loss=lambda x: x):
     """Three steps of the user's loop, each fed the state the last returned and donating it,
     under ``plan.jit`` and under ``jax.jit`` with ``step_shardings``, match three on one
     device; the new state comes out in the layout it went in. Returns the last params. On
@@ -76,7 +77,7 @@ def assert_users_loop(train_step, plan, mesh, params, opt_state, batch):
     from cfp.jax_compat import auto_inside
     from cfp.plan import DONATE_ARGNUMS, step_shardings
     from cfp.plan import jit as plan_jit
-    ref = run_loop(jax.jit(train_step), params, opt_state, batch)  # one device
+    ref = run_loop(jax.jit(train_step), params, opt_state, batch, loss=loss)  # one device
     in_sh, out_sh = step_shardings(plan, mesh, params, opt_state, batch)
     steps = (plan_jit(train_step, plan, mesh, params, opt_state, batch),
              jax.jit(auto_inside(train_step, mesh, out_sh), in_shardings=in_sh,
@@ -84,7 +85,7 @@ def assert_users_loop(train_step, plan, mesh, params, opt_state, batch):
     for step in steps:
         placed = jax.device_put(jax.tree_util.tree_map(np.asarray, (params, opt_state, batch)),
                                 in_sh)
-        got = run_loop(step, *placed)
+        got = run_loop(step, *placed, loss=loss)
         assert_loop_matches(got, ref)
         assert all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(
             jax.tree_util.tree_leaves(got[1:]), jax.tree_util.tree_leaves(in_sh[:2])))

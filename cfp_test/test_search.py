@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from cfp.cli import main
-from cfp.execute import (check_numerics, numerics_error, reference_loss_and_grads,
-                         sharded_loss_and_grads)
+from cfp.execute import check_numerics, checked_values, numerics_of, step_values
 from cfp.baselines import baseline_plan, load_rules
 from cfp.plan import load_plan, shardings
 from cfp.records import read_record
@@ -40,16 +39,28 @@ def test_sharded_step_matches_single_device(model, over, mesh_shape):
 
 
 def test_numerics_check_can_fail():
-    """Negative control: gradients 5% off, or a loss 1% off, are reported."""
+    """Negative control: gradients 5% off, or a loss 1% off, are reported, and the gradient
+    named; an error a bfloat16 value's resolution explains passes there and fails in
+    float32."""
     spec = WorkloadSpec("mlp", "tiny", None, "float32", ()).resolved()
     a = run_analysis(spec, (4,))
     w = spec.build()
-    got = sharded_loss_and_grads(w, a, [0] * len(a.blocks.blocks), make_mesh((4,)))
-    loss_ref, grads_ref = reference_loss_and_grads(w)
-    assert numerics_error(got, (loss_ref, grads_ref)) == (pytest.approx(0, abs=1e-5), 0.0)
-    skewed = [g * 1.05 + 1e-3 for g in grads_ref]
-    assert numerics_error(got, (loss_ref, skewed))[1] > 0
-    assert numerics_error(got, (loss_ref * 1.01, grads_ref))[0] > 1e-3
+    checked = checked_values(a)
+    assert checked[0][1] == "the loss" and len(checked) > 2
+    values = [v for v, _ in checked]
+    got = step_values(w, a, [0] * len(a.blocks.blocks), make_mesh((4,)), values=values)
+    want = step_values(w, a, None, None, values=values)
+    assert numerics_of(a.graph, checked, got, want).ok
+    skewed = [want[0]] + [x * 1.05 + 1e-3 for x in want[1:]]
+    bad = numerics_of(a.graph, checked, got, skewed)
+    assert not bad.ok and bad.grad_excess > 0 and "['params']" in bad.worst
+    assert not numerics_of(a.graph, checked, got, [want[0] * 1.01] + want[1:]).ok
+    off = [want[0]] + [x * (1 + 2**-8) for x in want[1:]]  # half a bfloat16 unit
+    assert not numerics_of(a.graph, checked, got, off).ok
+    import dataclasses
+    g16 = dataclasses.replace(a.graph, values={v: dataclasses.replace(val, dtype="bfloat16")
+                                               for v, val in a.graph.values.items()})
+    assert numerics_of(g16, checked, got, off).ok
 
 
 def test_three_passes_plan_json_and_user_jit(tmp_path, capsys):

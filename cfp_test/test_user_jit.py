@@ -162,3 +162,43 @@ def test_a_forward_plan_in_the_users_own_jit():
                            rtol=1e-5)
     with pytest.raises(CfpError, match="forward plan has no opt_state"):
         step_shardings(plan, mesh, params, jax.jit(adam_init)(params), batches[0])
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_plan_jit_takes_state_wherever_it_lives(explicit):
+    """``plan.jit`` built from, and fed, state already placed in the plan's shardings (a
+    restored sharded checkpoint), or placed in other shardings (copied into the plan's once),
+    runs three donated steps that match one device; on the user's mesh of Auto or Explicit
+    axes. Control: the plain jit of the same step refuses state placed otherwise."""
+    from jax.sharding import NamedSharding, PartitionSpec
+    from cfp.plan import DONATE_ARGNUMS, step_shardings
+    from helpers import assert_loop_matches, run_loop
+    spec = WorkloadSpec("users_models:optax_attention", None, None, "float32", ()).resolved()
+    w = spec.build()
+    a = run_analysis(spec, (8,))
+    plan = make_plan(a, [len(b.strategies) - 1 for b in a.blocks.blocks])
+    params, batch = example_inputs(w)
+    opt_state = jax.jit(w.opt_init or adam_init)(params)
+    train_step = w.train_step()
+    ref = run_loop(jax.jit(train_step), params, opt_state, batch)
+    mesh = (jax.make_mesh((8,), ("m0",)) if explicit
+            else make_mesh((8,)))
+    in_sh, out_sh = step_shardings(plan, mesh, params, opt_state, batch)
+    host = jax.tree_util.tree_map(np.asarray, (params, opt_state, batch))
+    placed = jax.device_put(host, in_sh)
+    assert any(any(e is not None for e in x.sharding.spec)
+               for x in jax.tree_util.tree_leaves(placed[0]))  # the plan splits some
+    step = plan_jit(train_step, plan, mesh, *placed)
+    got = run_loop(step, *placed)
+    assert_loop_matches(got, ref)
+    assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(placed[0]))  # donated
+    replicated = NamedSharding(mesh, PartitionSpec())
+    other = jax.device_put(host, jax.tree_util.tree_map(lambda _: replicated, host))
+    got = run_loop(step, *other)
+    assert_loop_matches(got, ref)
+    assert all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(
+        jax.tree_util.tree_leaves(got[1:]), jax.tree_util.tree_leaves(in_sh[:2])))
+    plain = jax.jit(train_step, in_shardings=in_sh, out_shardings=out_sh,
+                    donate_argnums=DONATE_ARGNUMS)
+    with pytest.raises(ValueError, match="does not match the sharding"):
+        plain(*jax.device_put(host, jax.tree_util.tree_map(lambda _: replicated, host)))

@@ -114,7 +114,7 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
                                dataclasses.replace(options, runtime=None))
         finally:
             worker.close()
-    from cfp.execute import check_numerics, real_inputs
+    from cfp.execute import checkable, compare_numerics, real_inputs, reference_run
     from cfp.measure import memory_of
     from cfp.multihost import share
     from cfp.workloads import trace_step
@@ -124,7 +124,9 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
         workload = analysis.spec.build()
         mesh = analysis.mesh()
         program = trace_step(workload)
-        args_host = real_inputs(workload)
+        checked = options.check_numerics and checkable(analysis)
+        args_host = (reference_run(workload, analysis, program)[0] if checked
+                     else real_inputs(workload))
     with phases("solving"):
         problem, _ = build_problem(analysis, profile, options.memory_budget_bytes)
         sols, compiled, status = fitting_predictions(analysis, problem, profile, options,
@@ -145,16 +147,15 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
         for s, t, ps, st in zip(sols, times, steps, storages))
     kept = fastest_within_budget(candidates, options.memory_budget_bytes)
     numerics = None
-    if options.check_numerics and _small(analysis):
+    if checked:
         with phases("numerical check"):
-            loss_err, grad_excess = check_numerics(workload, analysis,
-                                                   candidates[kept].strategies, mesh,
-                                                   candidates[kept].storage)
-        numerics = {"loss_rel_err": loss_err, "grad_excess_over_tol": grad_excess}
-        if loss_err > 1e-4 or grad_excess > 0:
+            check = compare_numerics(workload, analysis, candidates[kept].strategies, mesh,
+                                     candidates[kept].storage, program=program)
+        numerics = {"loss_rel_err": check.loss_rel_err,
+                    "grad_excess_over_tol": check.grad_excess}
+        if not check.ok:
             raise RuntimeError(f"the sharded step does not match the single-device step "
-                               f"(loss rel. error {loss_err:.2e}, gradients off by "
-                               f"{grad_excess:.2e} beyond tolerance) under the plan "
+                               f"({check.describe()}) under the plan "
                                f"{list(candidates[kept].strategies)}")
     step = steps[kept]
     rec = SearchRecord(candidates, kept, status, solve_s, plan_flops(analysis), numerics,
@@ -272,12 +273,6 @@ def fastest_within_budget(candidates, memory_budget_bytes: int | None) -> int:
                        f"once compiled (compiled peaks {peaks[0]:.3f} to {peaks[-1]:.3f} GB, "
                        f"though their composed memory fit): raise --memory-budget")
     return min(fits, key=lambda i: candidates[i].median_s)
-
-
-def _small(analysis) -> bool:
-    """Configurations small enough for the single-device numerical check."""
-    g = analysis.graph
-    return sum(g.values[v].nbytes for v in g.inputs) < 2**29
 
 
 def build_problem(analysis, profile, memory_budget_bytes: int | None

@@ -6,7 +6,10 @@ more often carries one state:
 - a Flax ``TrainState`` (or any pytree record with a ``params`` field and a ``replace``
   method): ``train_step(state, batch) -> (state, metrics)``;
 - an NNX ``(model, optimizer)``: ``train_step(model, optimizer, batch)`` updates both in place
-  and returns the loss or metrics.
+  and returns the loss or metrics;
+- plain JAX with Optax: ``init(key) -> (params, opt_state)`` and ``train_step(params,
+  opt_state, batch) -> (params, opt_state, metrics)``, metrics beside the loss (the gradient
+  norm, the learning rate).
 
 ``StateLayout`` splits such a state into cfp's two parts and back: ``params`` are the state's
 parameters (the record's ``params``; NNX's ``nnx.Param`` variables), ``opt_state`` is every
@@ -50,8 +53,9 @@ class StateLayout:
     """How one user state splits into ``(params, opt_state)`` and is put back together."""
 
     nnx_graph: Any = None  # the NNX graphdef; None: a pytree record with ``params``
-    rest_def: Any = None  # a record without its params: its tree structure
+    rest_def: Any = None  # a record without its params (or a plain opt_state): its structure
     rest_static: tuple = ()  # and per leaf, None for an array, else the leaf kept aside
+    plain: bool = False  # a plain (params, opt_state) pair
 
     @classmethod
     def of(cls, state) -> "StateLayout":
@@ -59,11 +63,16 @@ class StateLayout:
         if _is_nnx(state):
             from flax import nnx
             return cls(nnx_graph=nnx.split(state, nnx.Param, ...)[0])
-        if not (hasattr(state, "params") and hasattr(state, "replace")):
-            raise CfpError(f"init_state returned a {type(state).__name__}: give a Flax "
-                           f"TrainState (a record with params and replace) or an NNX "
-                           f"(model, optimizer)")
         from cfp.models.workload import _is_array
+        plain = isinstance(state, tuple) and len(state) == 2
+        if not plain and not (hasattr(state, "params") and hasattr(state, "replace")):
+            raise CfpError(f"init_state returned a {type(state).__name__}: give a Flax "
+                           f"TrainState (a record with params and replace), an NNX "
+                           f"(model, optimizer) or a plain (params, opt_state)")
+        if plain:
+            leaves, rest_def = jax.tree_util.tree_flatten(state[1])
+            return cls(rest_def=rest_def, plain=True,
+                       rest_static=tuple(None if _is_array(x) else x for x in leaves))
         leaves, rest_def = jax.tree_util.tree_flatten(_rest(state))
         return cls(rest_def=rest_def,
                    rest_static=tuple(None if _is_array(x) else x for x in leaves))
@@ -76,6 +85,8 @@ class StateLayout:
             _, params, rest = nnx.split(state, nnx.Param, ...)
             return params, rest
         from cfp.models.workload import _partition
+        if self.plain:
+            return state[0], _partition(state[1])[0]
         return state.params, _partition(_rest(state))[0]
 
     def merge(self, params, opt_state):
@@ -86,7 +97,8 @@ class StateLayout:
             return nnx.merge(self.nnx_graph, params, opt_state)
         arrays = iter(jax.tree_util.tree_leaves(opt_state))
         leaves = [next(arrays) if x is None else x for x in self.rest_static]
-        return jax.tree_util.tree_unflatten(self.rest_def, leaves).replace(params=params)
+        rest = jax.tree_util.tree_unflatten(self.rest_def, leaves)
+        return (params, rest) if self.plain else rest.replace(params=params)
 
 
 def _rest(state):
@@ -118,6 +130,12 @@ def adapt(train_step: Callable, layout_of: Callable[[], StateLayout]) -> Callabl
         if layout.nnx_graph is not None:  # updated in place
             metrics = train_step(*state, batch)
             new_state = state
+        elif layout.plain:
+            out = train_step(*state, batch)
+            if not (isinstance(out, tuple) and len(out) == 3):
+                raise CfpError(f"{name}(params, opt_state, batch) returns "
+                               f"{type(out).__name__}, not (params, opt_state, metrics)")
+            new_state, metrics = out[:2], out[2]
         else:
             out = train_step(state, batch)
             if not (isinstance(out, tuple) and len(out) == 2):

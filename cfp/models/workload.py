@@ -72,6 +72,15 @@ class Workload:
         """Parameter pytree of ShapeDtypeStructs (nothing allocated)."""
         return jax.eval_shape(lambda: self.init_params(jax.random.key(0)))
 
+    def input_paths(self) -> list[str]:
+        """The pytree path of every step input, in the step's order (parameters, optimizer
+        state, batch), as ``jax.tree_util.keystr`` writes them."""
+        trees = {"params": self.abstract_params(), "opt_state": self.abstract_opt_state(),
+                 "batch": self.abstract_batch()}
+        return [jax.tree_util.keystr((jax.tree_util.DictKey(part),) + path)
+                for part in ("params", "opt_state", "batch")
+                for path, _ in jax.tree_util.tree_flatten_with_path(trees[part])[0]]
+
     def abstract_batch(self) -> Any:
         """Batch pytree of ShapeDtypeStructs (nothing allocated)."""
         return jax.eval_shape(lambda: self.make_batch(jax.random.key(0)))
@@ -152,7 +161,9 @@ def user_workload(loss_fn: Callable | None = None, init_params: Callable | None 
     ``optimizer``: ``init_state(key)`` returns a Flax ``TrainState`` and ``train_step(state,
     batch)`` returns ``(state, metrics)``; or ``init_state(key)`` returns an NNX ``(model,
     optimizer)`` and ``train_step(model, optimizer, batch)`` updates them in place (not under
-    ``nnx.jit``: cfp compiles it). ``metrics`` is the loss or a dict holding it under
+    ``nnx.jit``: cfp compiles it); or ``init_state(key)`` returns ``(params, opt_state)`` and
+    ``train_step(params, opt_state, batch)`` returns ``(params, opt_state, metrics)``, as a
+    plain-JAX step with Optax is written. ``metrics`` is the loss or a dict holding it under
     ``loss``. The optimizer state cfp starts from is ``init_state(jax.random.key(0))``'s
     (``cfp.models.state_step``).
     """

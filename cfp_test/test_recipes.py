@@ -1,0 +1,219 @@
+"""The steps people train with (``recipes.py``): global-norm clipping, ``optax.MultiSteps``,
+bfloat16 compute over float32 weights, a plain ``train_step`` returning metrics. One fast case
+per rule, each with a control that fails without the rule; the whole matrix (every recipe on
+gpt, llama and Flax, at 4 and 8 layers) is ``scripts/recipe_analysis.py``."""
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+import recipes
+from cfp import blocks as blockrules
+from cfp import graph as graphrules
+from cfp.blocks import build_blocks
+from cfp.segments import find_segments
+from cfp.workloads import WorkloadSpec, make_mesh, trace_step
+
+
+def segment_types(model: str, recipe: str, num_layers: int) -> int:
+    graph = trace_step(recipes.recipe_workload(model, recipe, num_layers)).graph()
+    return find_segments(graph, build_blocks(graph, (8,))).num_types
+
+
+@functools.lru_cache(maxsize=None)
+def adam_types(model: str, num_layers: int) -> int:
+    return segment_types(model, "adam", num_layers)
+
+
+@pytest.mark.parametrize("recipe", ["clip", "hand_clip"])
+def test_global_norm_clipping_keeps_the_layers(recipe, monkeypatch):
+    """The norm's sum over every layer's gradient and the clip factor are shared scalars: the
+    layers' update work stays with the layers, which repeat as under plain Adam. Control:
+    with the sum owned by the block of its last term, as before, the layers merge into one
+    segment."""
+    assert adam_types("gpt", 4) == 2
+    assert segment_types("gpt", recipe, 4) == 2
+    monkeypatch.setattr(blockrules._Builder, "shared_scalar", lambda self, op, producers: False)
+    assert segment_types("gpt", recipe, 4) == 1
+
+
+def test_multisteps_cond_splits_by_leaf(monkeypatch):
+    """``optax.MultiSteps``'s ``cond`` (accumulate, or apply AdamW) splits into one cond per
+    leaf, which follows its leaf's block. Control: kept whole, the cond reads every gradient
+    and the layers merge."""
+    assert segment_types("llama", "multisteps", 4) == adam_types("llama", 4) == 2
+    monkeypatch.setattr(graphrules, "_independent_parts",
+                        lambda eqn: [(list(range(len(eqn.outvars))),
+                                      list(range(len(eqn.invars) - 1)))])
+    assert segment_types("llama", "multisteps", 4) == 1
+
+
+def test_the_cond_parts_compute_what_the_cond_computes():
+    """The split conds compute the step as traced: the unrolled program, evaluated equation
+    by equation, gives the jitted step's new state over two steps (one accumulating, one
+    applying). Control: the two steps' parameters differ, so the cond's branch mattered."""
+    w = recipes.recipe_workload("gpt", "multisteps", 2)
+    program = trace_step(w)
+    assert sum(e.primitive.name == "cond" for e in program.eqns) > 10
+    from cfp.execute import real_inputs
+    args = real_inputs(w)
+    step = jax.jit(lambda *xs: program.output_values(program.evaluate(xs)))
+    ref = jax.jit(lambda *xs: jax.tree_util.tree_leaves(w.step_fn()(*jax.tree_util.tree_unflatten(
+        program.in_tree, list(xs)))))
+    n_state = len(args) - len(jax.tree_util.tree_leaves(w.abstract_batch()))
+    got, want = list(args), list(args)
+    params = []
+    for _ in range(2):
+        out_got, out_want = step(*got), ref(*want)
+        for a, b in zip(out_got, out_want):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+        got = list(out_got[:n_state]) + got[n_state:]
+        want = list(out_want[:n_state]) + want[n_state:]
+        params.append(np.asarray(out_got[0]))
+    assert not np.allclose(params[0], np.asarray(args[0])) or not np.allclose(params[1],
+                                                                              params[0])
+
+
+@pytest.fixture(scope="module")
+def clip_analysis():
+    from cfp.passes.analysis import run_analysis
+    spec = WorkloadSpec("recipes:workload", None, None, "float32",
+                        (("model", "gpt"), ("recipe", "clip"))).resolved()
+    return spec, run_analysis(spec, (8,))
+
+
+def test_the_norm_of_split_state_is_summed_from_shards(clip_analysis, monkeypatch):
+    """Under zero1 and fsdp, a layer's gradient is reduced into the split layout and the
+    global norm squares it there: the sum of squares adds shards (a scalar all-reduce the
+    update implies), with no gather of the gradient. Control: without the norm's square in
+    the update's layout, the window's gradients are gathered whole at the square and refused
+    as unexpected collectives."""
+    from cfp import sharding
+    from cfp.graph import Graph
+    from cfp.measure import WindowProgram
+    from cfp.sharding import STATE_LAYOUTS
+    from cfp.windows import held_state, split_windows
+    spec, a = clip_analysis
+    windows, reps = split_windows(a, 100)
+    w = max((windows[r] for r in reps), key=lambda w: len(held_state(a, w)))
+    assert held_state(a, w)
+    program = trace_step(spec.build())
+
+    def refused(analysis, program):
+        wp = WindowProgram(program, analysis, w, make_mesh((8,)))
+        out = {}
+        for z in (STATE_LAYOUTS.index("zero1"), STATE_LAYOUTS.index("fsdp")):
+            combo = (0,) * (w.end - w.start) + (z,)
+            compiled, _ = wp.compile(combo)
+            out[STATE_LAYOUTS[z]] = wp.unnamed_collectives(compiled, combo)
+        return out
+
+    assert refused(a, program) == {"zero1": [], "fsdp": []}
+    import dataclasses
+    fresh = dataclasses.replace(a, graph=dataclasses.replace(a.graph))  # its own memo
+    assert isinstance(fresh.graph, Graph)
+    monkeypatch.setattr(sharding, "_statistics", lambda graph, updates: ({}, {}))
+    bad = refused(fresh, program)
+    assert all(any("square" in c for c in cs) for cs in bad.values()), bad
+
+
+def test_bfloat16_compute_is_checked_at_its_resolution():
+    """A Flax model computing in bfloat16 over float32 parameters: under the data-parallel
+    plan its weight gradients differ from one device within bfloat16's tolerance, and the
+    check passes. Control: held to float32's tolerance, the same figures fail, naming a
+    kernel's gradient."""
+    import dataclasses
+    from cfp.baselines import baseline_plan, load_rules
+    from cfp.execute import checked_values, numerics_of, step_values
+    from cfp.passes.analysis import run_analysis
+    spec = WorkloadSpec("recipes:workload", None, None, "float32",
+                        (("model", "flax_bf16"), ("recipe", "adam"))).resolved()
+    a = run_analysis(spec, (8,))
+    w = spec.build()
+    dp = baseline_plan(load_rules()["dp"], a)
+    checked = checked_values(a)
+    values = [v for v, _ in checked]
+    assert any(a.graph.values[v].dtype == "bfloat16" for v in values)
+    got = step_values(w, a, dp.strategies, make_mesh((8,)), dp.storage, values)
+    want = step_values(w, a, None, None, values=values)
+    assert numerics_of(a.graph, checked, got, want).ok
+    f32 = dataclasses.replace(a.graph, values={v: dataclasses.replace(val, dtype="float32")
+                                               for v, val in a.graph.values.items()})
+    strict = numerics_of(f32, checked, got, want)
+    assert not strict.ok and "kernel" in strict.worst
+
+
+def test_a_step_whose_check_cannot_pass_is_refused_before_the_profile(tmp_path, monkeypatch,
+                                                                    capsys):
+    """A step whose sharded gradients differ from one device under the dp plan (here made so
+    by skewing what the sharded run returns) is refused in one line, exit 2, before any
+    window is profiled. Control: unskewed, the same job profiles."""
+    from cfp import execute
+    from cfp.cli import main
+    real = execute.step_values
+
+    def skewed(workload, analysis, strategies, mesh, storage=None, values=()):
+        out = real(workload, analysis, strategies, mesh, storage, values)
+        return out if mesh is None else [x * 1.5 for x in out]
+
+    monkeypatch.setattr(execute, "step_values", skewed)
+    args = ["--model", "mlp", "--mesh", "4", "--workdir", str(tmp_path), "--mode", "profile",
+            "--num-devices", "4"]
+    assert main(["--mode", "analysis"] + args[:-4] + ["--num-devices", "4"]) == 0
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot be checked against one device" in err[0], err
+    assert not list(tmp_path.glob("window_*.pkl"))
+    monkeypatch.setattr(execute, "step_values", real)
+    assert main(args) == 0
+    assert list(tmp_path.glob("window_*.pkl"))
+
+
+def test_a_plain_step_returning_metrics_runs_in_the_users_loop():
+    """Recipe (a) written as ``train_step(params, opt_state, batch) -> (params, opt_state,
+    {"loss", "grad_norm"})`` and ``init(key) -> (params, opt_state)``: analysed layer by layer,
+    and the user's own step, metrics and all, runs the plan through ``plan.jit`` and through
+    ``jax.jit`` with its shardings, three donated steps matching one device. Control: the same
+    step clipped by hand too is another step, refused."""
+    from cfp.errors import CfpError
+    from cfp.execute import example_inputs
+    from cfp.passes.analysis import run_analysis
+    from cfp.plan import jit as plan_jit
+    from cfp.plan import make_plan
+    from helpers import assert_users_loop
+    spec = WorkloadSpec("recipes:workload", None, None, "float32",
+                        (("model", "gpt"), ("recipe", "clip_metrics"))).resolved()
+    a = run_analysis(spec, (8,))
+    assert a.segments.num_types == 2
+    plan = make_plan(a, [len(b.strategies) - 1 for b in a.blocks.blocks])
+    loss_fn, init, _ = recipes.parts("gpt", 2)
+    tx = recipes.optimizer("clip_metrics")
+    params, batch = example_inputs(spec.build())
+    opt_state = tx.init(params)
+    train_step = recipes.plain_step(loss_fn, tx, clip_by_hand=False)
+    assert_users_loop(train_step, plan, make_mesh((8,)), params, opt_state, batch,
+                      loss=lambda metrics: metrics["loss"])
+    twice = recipes.plain_step(loss_fn, tx, clip_by_hand=True)  # clipped by hand, then by tx
+    with pytest.raises(CfpError, match="not the step the plan was made for"):
+        plan_jit(twice, plan, make_mesh((8,)), params, opt_state, batch)
+
+
+@pytest.mark.parametrize("in_loss", [False, True])
+def test_accumulation_over_micro_batches_keeps_the_layers(in_loss, monkeypatch):
+    """A ``lax.scan`` over two micro-batches, in a ``TrainState`` step (forward and backward
+    per micro-batch) or in the loss (both forwards, then both backwards): each micro-batch's
+    run of a layer repeats the layer's seed (the same weight, or the same layer's
+    projections) and joins its block, so the blocks and segments are plain Adam's. Control:
+    without repeats, each micro-batch's layers are blocks of their own and merge."""
+    def analysed(num_layers):
+        graph = trace_step(recipes.accumulating_state("gpt", num_layers, 2, in_loss)).graph()
+        ba = build_blocks(graph, (8,))
+        return len(ba.blocks), find_segments(graph, ba).num_types
+
+    plain = trace_step(recipes.recipe_workload("gpt", "adam", 4)).graph()
+    assert analysed(4) == (len(build_blocks(plain, (8,)).blocks), 2)
+    monkeypatch.setattr(blockrules._Builder, "repeats_seed", lambda self, c, bi: False)
+    blocks, types = analysed(4)
+    assert types == 1 and blocks > len(build_blocks(plain, (8,)).blocks)
