@@ -60,6 +60,7 @@ class Options:
     vocab_size: int | None = None
     num_experts: int | None = None
     dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] | None = None  # None: dtype's
     step: Literal["train", "forward"] = "train"  # forward: the loss alone (no gradients)
     # devices
     num_devices: int | None = None  # devices to use; None: the mesh's size, or 8
@@ -295,8 +296,8 @@ def _options(options) -> RunOptions:
         options = dataclasses.replace(options, mesh=mesh_text(*shape_and_names))
     _check_choices(options)
     overrides = tuple((k, getattr(options, k)) for k in (
-        "num_layers", "seq_len", "hidden_size", "num_heads", "vocab_size", "num_experts")
-        if getattr(options, k) is not None)
+        "num_layers", "seq_len", "hidden_size", "num_heads", "vocab_size", "num_experts",
+        "compute_dtype") if getattr(options, k) is not None)
     for k in _BOUNDS:
         if k not in _PER_AXIS and getattr(options, k) is not None:
             _check_number(k, getattr(options, k))
@@ -586,7 +587,8 @@ def _run_profile(opts: RunOptions, options) -> None:
         report.say(f"priced for {opts.cluster.name} ({cost}): {why}")
         options = dataclasses.replace(options, cost=cost,
                                       cost_model=opts.cluster.cost_model(opts.mesh_shape))
-    if opts.cluster is None and options.cost == "measure" and opts.runtime is None:
+    if (opts.cluster is None and options.cost == "measure" and opts.runtime is None
+            and not any(wd.path.glob("window_*.pkl"))):  # a resumed profile was checked
         _check_step(analysis)  # (several processes: search's check, on the global mesh)
     checkpoint = (wd.profile_checkpoint(analysis, options.cost, options.max_combinations,
                                         options.whole_segments)

@@ -160,6 +160,7 @@ class _Builder:
         self.seeds: list[int] = []
         self.forwards: list[list[int]] = []  # per block: its seed and the seed's repeats
         self._sources: dict[int, frozenset | None] = {}
+        self.state_inputs = {v for v, _ in graph.state_pairs()}  # parameters, optimizer state
         self.loop_dims: list[tuple[LoopDim, ...]] = []
         self._chains: dict[int, list[Op]] = {}
         self.repeats = _repeats(graph)
@@ -313,20 +314,34 @@ class _Builder:
 
     def repeats_seed(self, c: Op, bi: int) -> bool:
         """Whether ``c`` computes what block ``bi``'s seed computes, for another micro-batch:
-        the same operator on operands of the same shapes, one of them a layout change of the
-        same step input (a weight), or each computed from contractions of the same blocks as
-        the seed's (attention's scores, from the layer's projections). Gradient accumulation
+        the same operator on operands of the same shapes, not computed from the seed's result,
+        one of them a layout change of the same parameter (and the other no other parameter),
+        or each computed from contractions of the same blocks as the seed's (attention's
+        scores, from the layer's projections). Gradient accumulation
         runs each layer's forward pass once per micro-batch; each run is the layer's, under
         its strategy."""
         f = self.g.ops[self.seeds[bi]]
-        if self.signature(c) != self.signature(f):
-            return False
-        if any(self.root(a) == self.root(b) and self.g.values[self.root(a)].input_index
-               is not None for a, b in zip(c.inputs[:2], f.inputs[:2])):
-            return True
+        if self.signature(c) != self.signature(f) or self.computed_from(c, f):
+            return False  # another operator, or a later layer of a stack sharing weights
+        roots = [(self.root(a), self.root(b)) for a, b in zip(c.inputs[:2], f.inputs[:2])]
+        if any(x == y and x in self.state_inputs for x, y in roots):
+            return not any(x != y and {x, y} <= self.state_inputs for x, y in roots)
         sources = [(self.source_blocks(a), self.source_blocks(b))
                    for a, b in zip(c.inputs[:2], f.inputs[:2])]
         return all(x is not None and x == y and x for x, y in sources)
+
+    def computed_from(self, c: Op, f: Op) -> bool:
+        """Whether ``c`` reads, through any chain, a result of ``f`` (an earlier operator)."""
+        seen, stack = set(), list(c.inputs)
+        while stack:
+            op = self.g.producer_op(stack.pop())
+            if op is None or op.index < f.index or op.index in seen:
+                continue
+            if op.index == f.index:
+                return True
+            seen.add(op.index)
+            stack += op.inputs
+        return False
 
     def source_blocks(self, v: int, most: int = 64) -> frozenset | None:
         """The blocks of the nearest contractions ``v`` is computed from (None when they

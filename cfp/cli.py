@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"{what}, overriding the preset's")
     w.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="parameter and activation type")
+    w.add_argument("--compute-dtype", default=None, choices=("float32", "bfloat16"),
+                   help="compute in this type over --dtype parameters and optimizer state "
+                        "(each floating parameter cast in the loss, as mixed-precision "
+                        "training does); the same as --dtype when left out")
     w.add_argument("--step", default="train", choices=("train", "forward"),
                    help="the step planned: train (value-and-grad plus the optimizer) or "
                         "forward (the loss alone, for inference or evaluation: no gradients "

@@ -303,6 +303,14 @@ def checked_values(analysis) -> list[tuple[int, str]]:
                            and math.prod(g.values[v].shape) == math.prod(g.values[grad].shape)),
                           f"block {b.index}'s weight")
             out.append((grad, f"the gradient of {weight} (op {m.op})"))
+    from cfp.dims import REDUCTIONS, SCATTERS
+    from cfp.sharding import state_updates
+    done = {v for v, _ in out}
+    for v, k in state_updates(g).items():  # a bias's, a norm scale's, an embedding table's
+        op = g.producer_op(v)
+        if v not in done and op.primitive in REDUCTIONS | SCATTERS and g.values[v].shape:
+            leaf = paths[g.values[g.state_pairs()[k][0]].input_index]
+            out.append((v, f"the gradient of {leaf} (op {op.index})"))
     return out
 
 
@@ -383,13 +391,19 @@ def numerics_of(g, checked: list[tuple[int, str]], got: list, want: list) -> Num
     each within the tolerance of the dtype it is computed in (``tolerance``)."""
     loss_tol = max([1e-4] + [_eps(g.values[v].dtype) for v, _ in checked])
     loss_err, worst, worst_name = 0.0, 0.0, ""
-    for (v, name), a, b in zip(checked, got, want):
+    rms = [float(np.sqrt(np.mean(np.square(np.asarray(b, np.float64))))) if np.size(b) else 0.0
+           for b in want]
+    floor = 1e-3 * max(rms, default=0.0)  # a gradient of rounding noise is held to the others'
+    for (v, name), a, b, b_rms in zip(checked, got, want, rms):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        if not (np.isfinite(a).all() and np.isfinite(b).all()):
+            loss_err, worst, worst_name = np.inf, np.inf, f"{name}, not finite"
+            break
         if name == "the loss":
             loss_err = abs(float(a) - float(b)) / max(abs(float(b)), 1e-12)
             continue
         rtol = tolerance(g.values[v].dtype)
-        atol = rtol * float(np.sqrt(np.mean(b * b))) if b.size else 0.0
+        atol = rtol * max(b_rms, floor)
         excess = float((np.abs(a - b) - (atol + rtol * np.abs(b))).max(initial=0.0))
         if excess > worst:
             worst, worst_name = excess, name

@@ -178,6 +178,7 @@ class Program:
     dead_ops: int = 0
     jaxpr: Any = None  # the traced step, with its scans (``evaluate_rolled``)
     origins: dict = dataclasses.field(default_factory=dict)  # place in the trace -> origin
+    split_conds: bool = False  # a cond was split (``evaluate_rolled`` would run it whole)
     _graph: Graph | None = None
 
     def graph(self) -> Graph:
@@ -214,7 +215,8 @@ class Program:
     def rolls(self, hooks: dict[int, Any]) -> bool:
         """Whether every copy of each equation has the same entry in ``hooks`` (or none):
         then ``evaluate_rolled`` with hooks from the first copy is the same computation."""
-        return all(len({repr(hooks.get(i)) for i in idx}) == 1 for idx in self.copies().values())
+        return not self.split_conds and all(
+            len({repr(hooks.get(i)) for i in idx}) == 1 for idx in self.copies().values())
 
     def evaluate_rolled(self, flat_inputs: Sequence[Any], *,
                         before: Callable[[int, list], list] | None = None,
@@ -313,7 +315,7 @@ def trace_program(step: Callable, *args: Any) -> Program:
     in_ids = [b.new_value(v.aval) for v in closed.jaxpr.invars]
     out_ids = b.inline(closed.jaxpr, closed.consts, in_ids)
     prog = Program(b.eqns, b.avals, b.consts, in_ids, out_ids, in_tree, out_tree,
-                   jaxpr=closed, origins=b.origins)
+                   jaxpr=closed, origins=b.origins, split_conds=b.split_conds)
     return _dead_code_eliminated(prog)
 
 
@@ -328,6 +330,7 @@ class _Builder:
         self.stacking = False  # set while the ops that stack a scan's results are traced
         self.origins: dict[tuple, int] = {}  # where an equation sits in the trace -> its id
         self.helpers: list = []
+        self.split_conds = False
 
     def new_value(self, aval) -> int:
         vid = len(self.avals)
@@ -377,6 +380,7 @@ class _Builder:
             if name == "cond" and not _contains_contraction(eqn):
                 parts = _independent_parts(eqn)
                 if len(parts) > 1:  # one cond per part, each reading only its own operands
+                    self.split_conds = True
                     outs = [None] * len(eqn.outvars)
                     for part_outs, part_ins in parts:
                         for k, o in zip(part_outs, self.traced_many(

@@ -326,7 +326,8 @@ def _analysed_ops(program, fingerprint: str) -> list[int] | None:
 def _abstract(x):
     """``x``'s shape and dtype, without its placement."""
     import jax
-    return jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "dtype") else x
+    return (jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False))
+            if hasattr(x, "dtype") else x)
 
 
 class PlacingStep:

@@ -214,6 +214,8 @@ def _statistics(graph: Graph, updates: dict[int, int]) -> tuple[dict[int, int], 
     starts = list(updates.items()) + [(v, k) for k, (v, _) in enumerate(graph.state_pairs())]
     for v, k in starts:
         shape = graph.values[v].shape
+        if not shape:
+            continue  # a step count: scalars have no layout
         for first in graph.users.get(v, ()):
             if any(o in updates for o in graph.ops[first].outputs):
                 continue  # the update itself

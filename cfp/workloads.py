@@ -43,12 +43,18 @@ class WorkloadSpec:
         from cfp.models.workload import STEPS
         if self.step not in STEPS:
             raise CfpError(f"--step {self.step!r} is not one of {', '.join(STEPS)}")
+        overrides = dict(self.overrides)
+        compute = overrides.pop("compute_dtype", None)
+        spec = dataclasses.replace(self, overrides=tuple(overrides.items()))
         if ":" in self.model:
-            workload = _user_workload(self)
+            workload = _user_workload(spec)
         else:
             from cfp.models import get_workload
             workload = get_workload(self.model, self.config, batch_size=self.batch_size,
-                                    dtype=self.dtype, **dict(self.overrides))
+                                    dtype=self.dtype, **overrides)
+        if compute is not None and compute != self.dtype:
+            from cfp.models.workload import computing_in
+            workload = computing_in(workload, compute)
         return dataclasses.replace(workload, step=self.step)
 
     def resolved(self) -> "WorkloadSpec":
@@ -61,7 +67,7 @@ class WorkloadSpec:
     def label(self) -> str:
         """``<model>-<config>`` plus the overrides, e.g. ``gpt-tiny-L4-b16``."""
         short = {"num_layers": "L", "seq_len": "S", "hidden_size": "H", "num_heads": "A",
-                 "vocab_size": "V", "num_experts": "E"}
+                 "vocab_size": "V", "num_experts": "E", "compute_dtype": "C"}
         name = self.model.rsplit(":", 1)[-1].replace(".", "_")
         parts = [name] + ([self.config] if self.config else [])
         parts += [f"{short.get(k, k)}{v}" for k, v in self.overrides]

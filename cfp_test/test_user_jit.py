@@ -181,8 +181,8 @@ def test_plan_jit_takes_state_wherever_it_lives(explicit):
     opt_state = jax.jit(w.opt_init or adam_init)(params)
     train_step = w.train_step()
     ref = run_loop(jax.jit(train_step), params, opt_state, batch)
-    mesh = (jax.make_mesh((8,), ("m0",)) if explicit
-            else make_mesh((8,)))
+    mesh = (jax.make_mesh((8,), ("m0",), axis_types=(jax.sharding.AxisType.Explicit,))
+            if explicit else make_mesh((8,)))
     in_sh, out_sh = step_shardings(plan, mesh, params, opt_state, batch)
     host = jax.tree_util.tree_map(np.asarray, (params, opt_state, batch))
     placed = jax.device_put(host, in_sh)

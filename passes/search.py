@@ -132,9 +132,8 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
         sols, compiled, status = fitting_predictions(analysis, problem, profile, options,
                                                      program, mesh)
         solve_s = time.perf_counter() - start
-        if options.validate_baselines:
-            sols += [sol for _, sol in baseline_candidates(analysis, problem,
-                                                           [s.choices for s in sols])]
+        if options.validate_baselines:  # each run as a hand plan, though a prediction
+            sols += [sol for _, sol in baseline_candidates(analysis, problem, ())]  # is it
         sols = share(sols)  # the solver's time limit makes its answer one process's to give
     storages = [plan_storage(analysis, problem, profile.windows, s.choices) for s in sols]
     plans = [compiled.get(s.choices) or (s.strategies, st) for s, st in zip(sols, storages)]

@@ -27,7 +27,7 @@ def counts(model: str, recipe: str, num_layers: int, mesh_shape=(8,)) -> dict:
     from cfp.windows import split_windows, window_space
     from cfp.workloads import trace_step
     import recipes
-    graph = trace_step(recipes.recipe_workload(model, recipe, num_layers)).graph()
+    graph = trace_step(getattr(recipes, f"{model}_{recipe}")(num_layers=num_layers)).graph()
     blocks = build_blocks(graph, mesh_shape)
     segments = find_segments(graph, blocks)
 
@@ -51,7 +51,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for model in args.models.split(","):
-        for recipe in recipes.RECIPES:
+        for recipe in recipes.ALL:
             for num_layers in (4, 8):
                 rows.append(counts(model, recipe, num_layers))
                 print(rows[-1], flush=True)

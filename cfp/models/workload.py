@@ -127,6 +127,26 @@ class Workload:
         return jax.value_and_grad(self.loss_fn)
 
 
+def computing_in(workload: Workload, dtype: str) -> Workload:
+    """``workload`` computing in ``dtype`` over its stored parameters and optimizer state:
+    each floating parameter cast in the loss, as mixed-precision training does (float32
+    weights, bfloat16 compute)."""
+    import jax.numpy as jnp
+    if workload.state_step is not None:
+        from cfp.errors import CfpError
+        raise CfpError(f"{workload.model} holds its own step: set its compute type in the "
+                       f"model (a Flax module's dtype), not with --compute-dtype")
+    base, target = workload.loss_fn, jnp.dtype(dtype)
+
+    def cast(params):
+        return jax.tree_util.tree_map(
+            lambda p: p.astype(target) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
+
+    def loss(params, batch):
+        return base(cast(params), batch)
+    return dataclasses.replace(workload, loss_fn=loss)
+
+
 def signature_params(fn) -> list | None:
     """``fn``'s ``inspect.Parameter``s (None when Python cannot tell)."""
     import inspect
