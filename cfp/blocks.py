@@ -51,6 +51,7 @@ import math
 from typing import Literal
 
 from cfp import dims as dimrules
+from cfp.errors import CfpError
 from cfp.graph import Graph, Op
 from cfp.jax_compat import is_key
 from cfp.strategies import LoopDim, Strategy, enumerate_strategies, op_loop_dims
@@ -160,7 +161,7 @@ class _Builder:
         self.seeds: list[int] = []
         self.forwards: list[list[int]] = []  # per block: its seed and the seed's repeats
         self._sources: dict[int, frozenset | None] = {}
-        self.state_inputs = {v for v, _ in graph.state_pairs()}  # parameters, optimizer state
+        self._state_inputs: set[int] | None = None
         self.loop_dims: list[tuple[LoopDim, ...]] = []
         self._chains: dict[int, list[Op]] = {}
         self.repeats = _repeats(graph)
@@ -329,6 +330,17 @@ class _Builder:
         sources = [(self.source_blocks(a), self.source_blocks(b))
                    for a, b in zip(c.inputs[:2], f.inputs[:2])]
         return all(x is not None and x == y and x for x, y in sources)
+
+    @property
+    def state_inputs(self) -> set[int]:
+        """The step's training state inputs (parameters, optimizer state); none for a
+        program that is not a training step (a pipeline stage's)."""
+        if self._state_inputs is None:
+            try:
+                self._state_inputs = {v for v, _ in self.g.state_pairs()}
+            except CfpError:
+                self._state_inputs = set()
+        return self._state_inputs
 
     def computed_from(self, c: Op, f: Op) -> bool:
         """Whether ``c`` reads, through any chain, a result of ``f`` (an earlier operator)."""

@@ -342,7 +342,12 @@ class PlacingStep:
 
     def __call__(self, *args):
         import jax
-        return self.jitted(*jax.tree_util.tree_map(_placed, args, self.in_shardings[:len(args)]))
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        shardings = jax.tree_util.tree_leaves(
+            self.in_shardings[:len(args)], is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+        if len(shardings) == len(leaves):  # else jit says what does not match
+            args = jax.tree_util.tree_unflatten(tree, map(_placed, leaves, shardings))
+        return self.jitted(*args)
 
     def __getattr__(self, name):
         return getattr(self.jitted, name)

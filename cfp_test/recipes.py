@@ -178,9 +178,10 @@ def accumulating_state(model: str = "gpt", num_layers: int = 2, micro_batches: i
     def split(b):
         return jax.tree.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]), b)
 
+    tx = clipped_adamw()
+
     def init_state(key):
-        return train_state.TrainState.create(apply_fn=None, params=init(key),
-                                             tx=clipped_adamw())
+        return train_state.TrainState.create(apply_fn=None, params=init(key), tx=tx)
 
     def train_step(state, b):
         if in_loss:

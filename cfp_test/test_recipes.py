@@ -26,7 +26,7 @@ def adam_types(model: str, num_layers: int) -> int:
     return segment_types(model, "adam", num_layers)
 
 
-@pytest.mark.parametrize("recipe", ["clip", "hand_clip"])
+@pytest.mark.parametrize("recipe", ["clip", pytest.param("hand_clip", marks=pytest.mark.slow)])
 def test_global_norm_clipping_keeps_the_layers(recipe, monkeypatch):
     """The norm's sum over every layer's gradient and the clip factor are shared scalars: the
     layers' update work stays with the layers, which repeat as under plain Adam. Control:
@@ -201,7 +201,7 @@ def test_a_plain_step_returning_metrics_runs_in_the_users_loop():
         plan_jit(twice, plan, make_mesh((8,)), params, opt_state, batch)
 
 
-@pytest.mark.parametrize("in_loss", [False, True])
+@pytest.mark.parametrize("in_loss", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_accumulation_over_micro_batches_keeps_the_layers(in_loss, monkeypatch):
     """A ``lax.scan`` over two micro-batches, in a ``TrainState`` step (forward and backward
     per micro-batch) or in the loss (both forwards, then both backwards): each micro-batch's

@@ -164,7 +164,7 @@ def test_a_forward_plan_in_the_users_own_jit():
         step_shardings(plan, mesh, params, jax.jit(adam_init)(params), batches[0])
 
 
-@pytest.mark.parametrize("explicit", [False, True])
+@pytest.mark.parametrize("explicit", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_plan_jit_takes_state_wherever_it_lives(explicit):
     """``plan.jit`` built from, and fed, state already placed in the plan's shardings (a
     restored sharded checkpoint), or placed in other shardings (copied into the plan's once),
