@@ -335,7 +335,8 @@ def step_values(workload, analysis, strategies, mesh, storage=None, values=(), *
     from jax.sharding import NamedSharding, PartitionSpec
     program, g = program or trace_step(workload), analysis.graph
     host = real_inputs(workload) if host is None else host
-    sub = SubProgram(_needed(g, values), tuple(g.inputs), tuple(values))
+    sub = SubProgram(tuple(program.restricted(list(values))[1]), tuple(g.inputs),
+                     tuple(values))
     if mesh is None:
         fn = sub_function(program, sub)
         return [np.asarray(x) for x in jax.jit(fn)(*host)]
@@ -345,16 +346,6 @@ def step_values(workload, analysis, strategies, mesh, storage=None, values=(), *
     out = jax.jit(fn, in_shardings=shardings)(
         *[put(x, s) for x, s in zip(host, shardings)])
     return [to_host(x) for x in out]
-
-
-def _needed(g, values) -> tuple[int, ...]:
-    """The operators ``values`` are computed from, in program order."""
-    live, ops = set(values), []
-    for op in reversed(g.ops):
-        if any(v in live for v in op.outputs):
-            ops.append(op.index)
-            live.update(op.inputs)
-    return tuple(reversed(ops))
 
 
 _LAST: dict = {}  # the last step run on one device: its inputs and checked values

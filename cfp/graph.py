@@ -556,17 +556,9 @@ def _contains_contraction(eqn) -> bool:
 
 
 def _dead_code_eliminated(prog: Program) -> Program:
-    live = set(prog.outputs)
-    keep = []
-    for eqn in reversed(prog.eqns):
-        effectful = bool(getattr(eqn, "effects", None))
-        if effectful or any(o in live for o in eqn.outputs):
-            keep.append(eqn)
-            live.update(eqn.inputs)
-    keep.reverse()
-    prog.dead_ops = len(prog.eqns) - len(keep)
-    prog.eqns = keep
-    return prog
+    kept = prog.restricted(prog.outputs)[0]
+    kept.dead_ops = len(prog.eqns) - len(kept.eqns)
+    return kept
 
 
 # ----------------------------------------------------------------------------------------------
