@@ -16,8 +16,12 @@ import importlib.util as _util
 import sys as _sys
 from pathlib import Path as _Path
 
-from cfp.api import Options, Plan, autoshard, run
-from cfp.errors import CfpError
+from cfp.gpu_compile import quiet_cuda_plugin as _quiet_cuda_plugin
+
+_quiet_cuda_plugin()  # before JAX starts
+
+from cfp.api import Options, Plan, autoshard, run  # noqa: E402
+from cfp.errors import CfpError  # noqa: E402
 
 __all__ = ["CfpError", "Options", "Plan", "autoshard", "run"]
 

@@ -76,7 +76,7 @@ class Options:
     whole_segments: bool = False  # every segment one window, the cheapest combinations
     profile_budget: float | None = None  # seconds for the profile pass; None: no limit
     memory_budget_gb: float | None = None  # per device; None: the GPU's (required on CPU)
-    device_preset: Literal["a100", "h100", "here"] | None = None  # cost model's figures
+    device_preset: Literal["a100", "h100", "h200", "here"] | None = None  # cost model's figures
     alpha: str | None = None  # cost model: seconds per collective, one per mesh axis "5e-6,3e-6"
     beta: str | None = None  # cost model: seconds per byte, one per mesh axis
     device_flops: float | None = None  # cost model: FLOP/s of one device
@@ -537,7 +537,8 @@ def _cost_model(options, mesh_shape, device_ids=None):
 
     return CostModel(per_axis("alpha", preset["alpha"]), per_axis("beta", preset["beta"]),
                      options.device_flops or preset["device_flops"],
-                     options.device_bandwidth or preset["device_bandwidth"], preset["platform"])
+                     options.device_bandwidth or preset["device_bandwidth"], preset["platform"],
+                     preset.get("gpu") if options.device_preset else None)  # named: compiled for
 
 
 def _profile_options(opts: RunOptions, options):
@@ -583,15 +584,24 @@ def _run_profile(opts: RunOptions, options) -> None:
         report.say("***********Profiling Pass****************")
     if opts.cluster is not None:
         from cfp.passes.profile import cluster_pricing
-        cost, why = cluster_pricing(analysis, options.max_combinations)
+        cost_model = opts.cluster.cost_model(opts.mesh_shape)
+        cost, why, gpus = cluster_pricing(analysis, options.max_combinations,
+                                          compile_for=_compile_for(cost_model),
+                                          limit_s=options.budget_s or 60.0)
         report.say(f"priced for {opts.cluster.name} ({cost}): {why}")
-        options = dataclasses.replace(options, cost=cost,
-                                      cost_model=opts.cluster.cost_model(opts.mesh_shape))
+        options = dataclasses.replace(options, cost=cost, cost_model=cost_model,
+                                      compile_for=gpus)
+    elif options.cost == "model":
+        options = dataclasses.replace(options, compile_for=_compile_for(options.cost_model))
+        if options.compile_for is not None:
+            from cfp.gpu_compile import label
+            report.say(f"compile-only for {math.prod(opts.mesh_shape)} "
+                       f"{label(options.compile_for)}s (XLA's GPU compiler, no GPU here)")
     if (opts.cluster is None and options.cost == "measure" and opts.runtime is None
             and not any(wd.path.glob("window_*.pkl"))):  # a resumed profile was checked
         _check_step(analysis)  # (several processes: search's check, on the global mesh)
     checkpoint = (wd.profile_checkpoint(analysis, options.cost, options.max_combinations,
-                                        options.whole_segments)
+                                        options.whole_segments, options.compile_for)
                   if opts.reports else MemoryCheckpoint())
     progress = report.ProfileProgress(verbose=verbose)
     try:
@@ -604,6 +614,20 @@ def _run_profile(opts: RunOptions, options) -> None:
     report.profile_console(rec, analysis.plan_space_log10(), verbose)
     if verbose or opts.modes == ("profile",):
         report.say(f"wrote {out / 'profile.pkl'} and {out / 'profile.csv'}")
+
+
+def _compile_for(cost_model) -> str | None:
+    """The GPUs a compile-only profile is compiled for: those ``cost_model`` names, where JAX
+    here can compile for them; else None (the devices here), said in one line."""
+    from cfp import gpu_compile, report
+    gpu = cost_model.gpu if cost_model is not None else None
+    if gpu is None:
+        return None
+    why = gpu_compile.unavailable_reason(gpu)
+    if why is not None:
+        report.say(f"not compiled for {gpu_compile.label(gpu)}s: {why}")
+        return None
+    return gpu
 
 
 def _check_step(analysis) -> None:
@@ -671,18 +695,23 @@ def _predict(opts: RunOptions, options, wd, analysis) -> None:
     from cfp import report
     from cfp.passes.search import predict_plan
     from cfp.plan import make_plan, write_plan
-    try:
-        profile = wd.read_profile(analysis, "analytic", options.max_combinations,
-                                  options.whole_segments)
-    except CfpError:
-        profile = wd.read_profile(analysis, "model", options.max_combinations,
-                                  options.whole_segments)
+    tried = [("analytic", None), ("model", opts.cluster.gpu), ("model", None)]
+    for k, (cost, gpus) in enumerate(tried):  # the profile the last profile pass wrote
+        try:
+            profile = wd.read_profile(analysis, cost, options.max_combinations,
+                                      options.whole_segments, gpus)
+            break
+        except CfpError:
+            if k + 1 == len(tried):
+                raise
     report.say("***********Search Pass (predicted, nothing runs)****************")
     rec = predict_plan(analysis, profile, _memory_budget_bytes(options, opts), options.time_limit)
     report.prediction_console(rec, opts.cluster)
     path = wd.path / "plan.json"
-    write_plan(path, make_plan(analysis, rec.strategies, storage=rec.storage,
-                               source=f"predicted for {opts.cluster.name} ({rec.pricing})"))
+    plan = make_plan(analysis, rec.strategies, storage=rec.storage,
+                     source=f"predicted for {opts.cluster.name} ({rec.pricing})")
+    plan["memory_per_device"] = report.prediction_memory(rec)
+    write_plan(path, plan)
     report.say(f"wrote {path}")
 
 

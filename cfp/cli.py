@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--memory-budget", dest="memory_budget_gb", metavar="GB", type=float,
                    default=None,
                    help="GB per device (the GPU's memory when left out; required on CPU)")
-    f.add_argument("--device-preset", choices=("a100", "h100", "here"), default=None,
+    f.add_argument("--device-preset", choices=("a100", "h100", "h200", "here"), default=None,
                    help="--cost model: documented device and network figures (a100 when left "
                         "out), or 'here': alpha-beta and roofline fitted on these devices")
     f.add_argument("--alpha", default=None,

@@ -17,7 +17,10 @@ Clusters come from a named preset (``PRESETS``) or a small JSON file::
         {"name": "node", "size": 4, "alpha_s": 1e-5, "bandwidth_GBps": 25},
         {"name": "gpu", "size": 8, "alpha_s": 5e-6, "bandwidth_GBps": 150}],
      "memory_per_device_GB": 80, "peak_TFLOPs": 312, "memory_bandwidth_GBps": 1555,
-     "assumed": ["alpha_s"]}
+     "assumed": ["alpha_s"], "gpu": "a100"}
+
+``gpu`` (optional) names the devices' description (``cfp.gpu_compile.GPUS``: a100, h100,
+h200): with JAX's CUDA plugin installed, the cluster's programs are compiled for those GPUs.
 
 Example:
     >>> c = load_cluster("alpa-50x4")
@@ -55,6 +58,7 @@ class Cluster:
     device_bandwidth: float  # memory bytes/s of one device
     assumed: tuple[str, ...] = ()  # figures that are assumptions, not documented values
     platform: str = "gpu"  # the devices' XLA platform (``cfp.measure.CostModel.platform``)
+    gpu: str | None = None  # the devices' description (``cfp.gpu_compile.GPUS``), if any
 
     @property
     def num_devices(self) -> int:
@@ -92,7 +96,7 @@ class Cluster:
             alpha.append(max(self.levels[i].alpha_s for i in lv))
             beta.append(max(self.levels[i].beta_s_per_byte for i in lv))
         return CostModel(tuple(alpha), tuple(beta), self.device_flops, self.device_bandwidth,
-                         self.platform)
+                         self.platform, self.gpu)
 
     @property
     def nodes(self) -> tuple[int, int]:
@@ -121,10 +125,11 @@ class Cluster:
         return text + (f"; assumed: {', '.join(self.assumed)}" if self.assumed else "")
 
 
-def _cluster(name, levels, memory_gb, tflops, hbm_gbps, assumed=()) -> Cluster:
+def _cluster(name, levels, memory_gb, tflops, hbm_gbps, assumed=(), gpu=None) -> Cluster:
     return Cluster(name, tuple(Level(n, size, alpha, 1 / (gbps * 1e9))
                                for n, size, alpha, gbps in levels),
-                   int(memory_gb * 2**30), tflops * 1e12, hbm_gbps * 1e9, tuple(assumed))
+                   int(memory_gb * 2**30), tflops * 1e12, hbm_gbps * 1e9, tuple(assumed),
+                   gpu=gpu)
 
 
 # Per-device figures are the vendors' (dense bf16 peak, HBM bandwidth, memory); per-link
@@ -135,13 +140,13 @@ def _cluster(name, levels, memory_gb, tflops, hbm_gbps, assumed=()) -> Cluster:
 # notes' 100:1 ratio; its memory bandwidth is assumed (V100's 900 GB/s).
 PRESETS = {
     "a100-8": _cluster("a100-8", [("node", 1, 5e-6, 25), ("gpu", 8, 5e-6, 150)],
-                       80, 312, 2039, ["alpha_s"]),
+                       80, 312, 2039, ["alpha_s"], "a100"),
     "h100-8": _cluster("h100-8", [("node", 1, 5e-6, 50), ("gpu", 8, 3e-6, 450)],
-                       80, 989, 3350, ["alpha_s"]),
+                       80, 989, 3350, ["alpha_s"], "h100"),
     "a100-64": _cluster("a100-64", [("node", 8, 1e-5, 25), ("gpu", 8, 5e-6, 150)],
-                        80, 312, 2039, ["alpha_s"]),
+                        80, 312, 2039, ["alpha_s"], "a100"),
     "h100-64": _cluster("h100-64", [("node", 8, 1e-5, 50), ("gpu", 8, 3e-6, 450)],
-                        80, 989, 3350, ["alpha_s"]),
+                        80, 989, 3350, ["alpha_s"], "h100"),
     "alpa-50x4": _cluster("alpa-50x4", [("node", 50, 1e-5, 1), ("gpu", 4, 5e-6, 100)],
                           32, 125, 900, ["alpha_s", "memory_bandwidth"]),
 }
@@ -162,6 +167,7 @@ def load_cluster(name_or_path: str) -> Cluster:
         figures = {k: float(d[k]) for k in ("memory_per_device_GB", "peak_TFLOPs",
                                             "memory_bandwidth_GBps")}
         name, assumed = str(d.get("name", path.stem)), tuple(map(str, d.get("assumed", ())))
+        gpu = d.get("gpu")
     except FileNotFoundError:
         raise CfpError(f"no cluster file {path}") from None
     except OSError as e:  # a directory, or a file it may not read
@@ -180,8 +186,12 @@ def load_cluster(name_or_path: str) -> Cluster:
         if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
             raise CfpError(f"{path}: {what} must be a finite number "
                            f"{'of zero or more' if zero_ok else 'over zero'}, got {value}")
+    from cfp.gpu_compile import GPUS
+    if gpu is not None and gpu not in GPUS:
+        raise CfpError(f"{path}: gpu {gpu!r} has no description: one of {', '.join(GPUS)}, or "
+                       f"leave it out")
     return _cluster(name, levels, figures["memory_per_device_GB"], figures["peak_TFLOPs"],
-                    figures["memory_bandwidth_GBps"], assumed)
+                    figures["memory_bandwidth_GBps"], assumed, gpu)
 
 
 def logical_meshes(num_devices: int, max_axes: int = 3) -> list[tuple[int, ...]]:

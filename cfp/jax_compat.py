@@ -5,6 +5,7 @@ that both spell alike.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import jax
@@ -42,6 +43,18 @@ def enable_compilation_cache(directory: str | None) -> None:
             jax.config.update(name, value)
         except AttributeError:  # an option this JAX does not have: its default applies
             log.info("JAX has no option %s", name)
+
+
+@contextlib.contextmanager
+def no_compilation_cache():
+    """Compile without JAX's persistent cache: a program compiled for devices that are not
+    here (``deviceless_gpu_mesh``) cannot be loaded back from it."""
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
 
 
 # Typed PRNG keys (``jax.random.key``) have an extended dtype, spelled ``key<impl>``; cfp's

@@ -30,6 +30,7 @@ import numpy as np
 
 from cfp import dims as dimrules
 from cfp.errors import CfpError
+from cfp.gpu_compile import hlo_cost
 from cfp.jax_compat import cost_analysis, is_key, random_keys, to_dtype
 from cfp.sharding import (COLLECTIVE_KINDS, HLO_BYTES, SubProgram, collectives, op_name,
                           state_updates, sub_function, sub_program, tagged_op,
@@ -296,6 +297,20 @@ class WindowProgram:
                 if any(v in arrives and dimrules.spec_axes(lab, st.axes, self.names) != arrives[v]
                        for v, lab in zip(g.ops[m.op].inputs, m.ins)):
                     excused.add(m.op)
+        # A reduction over a dim of one element per device, XLA folds into the op computing
+        # its operand, whose tag its collective then carries: that op is named as it is.
+        readers: dict[int, int] = {}
+        for i in self.sub.ops:
+            for v in g.ops[i].inputs:
+                readers[v] = readers.get(v, 0) + 1
+        for i in [*allreduce_axes, *excused]:
+            for v in g.ops[i].inputs:
+                p = g.values[v].producer if v in g.values else None
+                if p in owner and readers.get(v) == 1:
+                    if i in excused:
+                        excused.add(p)
+                    else:
+                        allreduce_axes.setdefault(p, allreduce_axes[i])
         out = []
         for c in unnamed_collectives(compiled.as_text(), mesh_shape, self.sub.ops,
                                      allreduce_axes, frozenset(excused), untagged):
@@ -657,6 +672,9 @@ class CostModel:
     # the devices' XLA platform: which elementwise results its fusion recomputes
     # (``cfp.windows.expensive``) and so which the forward pass holds
     platform: str = "cpu"
+    # the GPUs' description (``cfp.gpu_compile.GPUS``): where JAX's CUDA plugin is installed,
+    # compile-only programs are compiled for them, not for the devices here
+    gpu: str | None = None
 
     def collective_s(self, kind: str, axes: tuple[int, ...] | None, nbytes: int,
                      mesh_shape) -> float:
@@ -679,9 +697,14 @@ class CostModel:
 # alpha-beta for NVLink inside a node (axis 1) and the network across nodes (axis 0).
 DEVICE_PRESETS = {
     "a100": {"device_flops": 312e12, "device_bandwidth": 1.555e12,
-             "alpha": (5e-6, 5e-6), "beta": (1 / 25e9, 1 / 150e9), "platform": "gpu"},
+             "alpha": (5e-6, 5e-6), "beta": (1 / 25e9, 1 / 150e9), "platform": "gpu",
+             "gpu": "a100"},
     "h100": {"device_flops": 989e12, "device_bandwidth": 3.35e12,
-             "alpha": (5e-6, 3e-6), "beta": (1 / 50e9, 1 / 450e9), "platform": "gpu"},
+             "alpha": (5e-6, 3e-6), "beta": (1 / 50e9, 1 / 450e9), "platform": "gpu",
+             "gpu": "h100"},
+    "h200": {"device_flops": 989e12, "device_bandwidth": 4.8e12,
+             "alpha": (5e-6, 3e-6), "beta": (1 / 50e9, 1 / 450e9), "platform": "gpu",
+             "gpu": "h200"},
 }
 
 
@@ -732,9 +755,15 @@ def model_cost(compiled, mesh_shape, cost: CostModel) -> tuple[float, tuple]:
     CPU's reduce-scatter (an all-reduce whose result is then sliced) is priced as one."""
     text = compiled.as_text()
     analysis = cost_analysis(compiled)
-    flops = float(analysis.get("flops", 0.0))
-    nbytes = float(analysis.get("bytes accessed", 0.0))
+    if analysis:
+        flops = float(analysis.get("flops", 0.0))
+        nbytes = float(analysis.get("bytes accessed", 0.0))
+    else:  # compiled for described GPUs: XLA gives no cost analysis there
+        flops, nbytes = hlo_cost(text)
     compute = max(flops / cost.device_flops, nbytes / cost.device_bandwidth)
+    if compute <= 0:
+        raise RuntimeError("a compiled program priced at zero compute time: no FLOPs and no "
+                           "bytes read from its HLO")
     colls = collectives(text, mesh_shape)
     sliced = _sliced_allreduces(text)
     comm = 0.0

@@ -355,8 +355,10 @@ def search_console(rec, analysis, devices: int, memory_budget_bytes: int | None,
         vs = f"; no hand plan{fitting} was run"
     say(f"step time: {_ms(plan.median_s)} (predicted {_ms(plan.predicted_s)}){vs}")
     budget = f", budget {_gb(memory_budget_bytes)}" if memory_budget_bytes else ""
-    say(f"memory per device: {_gb(rec.memory['peak_bytes'])} compiled "
-        f"({_gb(plan.composed_memory_bytes)} composed from the profiles{budget})")
+    import jax
+    here = jax.devices()[0].platform.upper()
+    say(f"memory per device: {_gb(rec.memory['peak_bytes'])} compiled on {here} "
+        f"({_gb(plan.composed_memory_bytes)} composed from the profiled windows{budget})")
     if rec.numerics is not None:
         say(f"numerical check against one device: loss and gradients match (loss rel. error "
             f"{rec.numerics['loss_rel_err']:.1e})")
@@ -573,6 +575,18 @@ def _plots(out, rec) -> None:
     plt.close(fig)
 
 
+def prediction_memory(rec) -> dict:
+    """A predicted plan's memory per device as ``plan.json`` records it: the whole step
+    compiled for the GPUs, where it was, and the composition, each saying where it comes
+    from."""
+    from cfp.gpu_compile import label
+    out = {"composed_bytes": int(rec.memory_bytes), "composed_from": rec.memory_source}
+    if rec.compiled_peak_bytes is not None:
+        out.update(compiled_bytes=int(rec.compiled_peak_bytes),
+                   compiled_for=label(rec.compiled_for))
+    return out
+
+
 def prediction_console(rec, cluster) -> None:
     """A plan predicted for a described cluster: nothing of it ran."""
     how = {"model": "compile-only programs priced by the cost model",
@@ -585,8 +599,14 @@ def prediction_console(rec, cluster) -> None:
         f"{rec.step_flops / rec.predicted_s / math.prod(rec.mesh_shape) / 1e12:.4g} TFLOP/s "
         f"per device")
     budget = rec.memory_budget_bytes or cluster.memory_per_device_bytes
-    say(f"memory per device: {rec.memory_bytes / 2**30:.3f} GB composed (budget "
-        f"{budget / 2**30:g} GB); state: {rec.storage.describe()}")
+    composed = f"{rec.memory_bytes / 2**30:.3f} GB composed from {rec.memory_source}"
+    if rec.compiled_peak_bytes is not None:
+        from cfp.gpu_compile import label
+        figure = (f"{rec.compiled_peak_bytes / 2**30:.3f} GB compiled for "
+                  f"{label(rec.compiled_for)} ({composed}; budget {budget / 2**30:g} GB)")
+    else:
+        figure = f"{composed} (budget {budget / 2**30:g} GB)"
+    say(f"memory per device: {figure}; state: {rec.storage.describe()}")
     if rec.hand_plans:
         say(f"hand plans priced the same way ({how}):")
         for name, seconds, nbytes in sorted(rec.hand_plans, key=lambda h: h[1]):

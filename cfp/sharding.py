@@ -504,7 +504,8 @@ def unnamed_collectives(hlo_text: str, mesh_shape, ops: Sequence[int],
                         untagged: frozenset[str] = frozenset()) -> list[Collective]:
     """The collectives of a compiled sub-program of operators ``ops``, traced with every
     operator in its own named scope (``sub_function(tagged=True)``), that are not named: an
-    all-reduce tagged with operator ``i`` over a subset of ``allreduce_axes[i]``, and any
+    all-reduce (or a reduce-scatter: for GPUs, XLA's all-reduce whose result is then split)
+    tagged with operator ``i`` over a subset of ``allreduce_axes[i]``, and any
     collective tagged with an operator in ``excused``, are named; one without a tag is named
     only when its kind is in ``untagged`` (XLA's gather of split state into the layout the
     program returns it in carries none).
@@ -515,7 +516,7 @@ def unnamed_collectives(hlo_text: str, mesh_shape, ops: Sequence[int],
     for c in collectives(hlo_text, mesh_shape):
         for i in served_ops(c, defs, ops):
             named = c.kind in untagged if i is None else i in excused or (
-                c.kind == "all-reduce" and c.axes is not None
+                c.kind in ("all-reduce", "reduce-scatter") and c.axes is not None
                 and set(c.axes) <= set(allreduce_axes.get(i, ())))
             if not named:
                 out.append(dataclasses.replace(c, op=i))
@@ -564,10 +565,15 @@ def served_ops(c: Collective, defs: tuple, ops: Sequence[int]) -> list[int | Non
     (all-reduce, reduce-scatter) the tag of the reduction (reduce, dot, convolution, scatter)
     whose partial sums it adds, found inside the fusion computing the operand or up through
     the elementwise instructions after it; otherwise the tag of the instruction computing the
-    operand; else the collective's own."""
+    operand; else the collective's own. A reduction's collective that XLA made without a
+    tag (for GPUs, a reduce-scatter from an all-reduce and its slice) serves the reduction
+    whose partial sums it adds."""
     own = tagged_op(c.line, ops)
     m = _OPERANDS_RE.search(c.line)
     names = re.findall(r"%[\w.\-]+", m.group(1)) if m else []
+    reduces = c.kind in ("all-reduce", "reduce-scatter")
+    if own is None and reduces and len(names) == 1:
+        return [_nearest_tag(n, defs, ops) for n in _concatenated(names[0], defs) or names]
     if len(names) < 2 or c.kind == "all-to-all":  # an all-to-all's operands are its pieces
         return [own]
     listed = listed_ops(c.line, ops)
@@ -575,8 +581,7 @@ def served_ops(c: Collective, defs: tuple, ops: Sequence[int]) -> list[int | Non
         return listed
     found = []
     for n in names:
-        i = (_reduction_of(n, defs, ops) if c.kind in ("all-reduce", "reduce-scatter")
-             else tagged_op(defs[0].get(n, ""), ops))
+        i = (_reduction_of(n, defs, ops) if reduces else tagged_op(defs[0].get(n, ""), ops))
         found.append(own if i is None else i)
     return found
 
@@ -592,6 +597,48 @@ def op_name(line: str) -> str:
     """A compiled instruction's ``op_name`` metadata ("" where it has none)."""
     m = re.search(r'op_name="([^"]*)"', line)
     return m.group(1) if m else ""
+
+
+def _fusion_output(line: str, defs: tuple, index: int) -> str | None:
+    """The instruction inside a multi-output fusion ``line`` that computes its output
+    ``index`` (the operand ``index`` of its computation's root tuple); None if not one."""
+    m = re.search(r" fusion\(.*calls=(%[\w.\-]+)", line)
+    root = next((x for x in defs[1].get(m.group(1), ()) if x.lstrip().startswith("ROOT ")
+                 and " tuple(" in x), None) if m else None
+    if root is None:
+        return None
+    parts = re.findall(r"%[\w.\-]+", root.split(" tuple(", 1)[1])
+    return parts[index] if index < len(parts) else None
+
+
+_MOVES = (" bitcast(", " copy(", " reshape(", " transpose(")
+
+
+def _nearest_tag(name: str, defs: tuple, ops: Sequence[int], depth: int = 0) -> int | None:
+    """The tag of the instruction computing ``name``: up through instructions that only move
+    its elements, and for an output of a multi-output fusion, the tag of what computes that
+    output inside it (the fusion itself carries its root's)."""
+    line = defs[0].get(name, "")
+    k = re.search(r" get-tuple-element\((%[\w.\-]+)\), index=(\d+)", line)
+    inner = k and _fusion_output(defs[0].get(k.group(1), ""), defs, int(k.group(2)))
+    if inner and depth < 6:
+        return _nearest_tag(inner, defs, ops, depth + 1)
+    i = tagged_op(line, ops)
+    if i is not None or depth >= 6 or not any(m in line for m in _MOVES):
+        return i
+    m = re.search(r"\w\((%[\w.\-]+)", line.split("=", 1)[-1])
+    return _nearest_tag(m.group(1), defs, ops, depth + 1) if m else None
+
+
+def _concatenated(name: str, defs: tuple) -> list[str]:
+    """The operands of ``name`` where it is an untagged fusion that concatenates them (for
+    GPUs, XLA reduces several values as one flat buffer); else none."""
+    line = defs[0].get(name, "")
+    if " fusion(" not in line or op_name(line) or not any(
+            " concatenate(" in x for x in _called(line, defs[1])):
+        return []
+    m = re.search(r" fusion\(([^)]*)\)", line)
+    return re.findall(r"%[\w.\-]+", m.group(1))
 
 
 def _reduction_of(name: str, defs: tuple, ops: Sequence[int], depth: int = 0) -> int | None:

@@ -52,24 +52,28 @@ class WorkDir:
         return self.path if cost == "measure" else self.path / cost
 
     def profile_fingerprint(self, analysis, cost: str, max_combinations: int,
-                            whole_segments: bool = False) -> tuple:
+                            whole_segments: bool = False, compiled_for: str | None = None
+                            ) -> tuple:
         from cfp.windows import split_windows
         windows = split_windows(analysis, max_combinations, whole_segments)
         return self.run_fp + (("graph", analysis.graph.fingerprint()),
                               ("blocks", blocks_fingerprint(analysis)), ("cost", cost),
                               ("max_combinations", max_combinations),
                               ("whole_segments", whole_segments),
-                              ("windows", _digest(windows)))
+                              ("windows", _digest(windows))) + (
+            (("compiled_for", compiled_for),) if compiled_for else ())
 
     def profile_checkpoint(self, analysis, cost: str, max_combinations: int,
-                           whole_segments: bool = False) -> "ProfileCheckpoint":
+                           whole_segments: bool = False, compiled_for: str | None = None
+                           ) -> "ProfileCheckpoint":
         """The checkpoint of one profile; its chosen combinations are the work dir's, shared
         by the profiles of every cost, so that ``--cost model`` prices what was measured."""
         from cfp.windows import split_windows
         windows, reps = split_windows(analysis, max_combinations, whole_segments)
         return ProfileCheckpoint(
             self.profile_dir(cost),
-            self.profile_fingerprint(analysis, cost, max_combinations, whole_segments),
+            self.profile_fingerprint(analysis, cost, max_combinations, whole_segments,
+                                     compiled_for),
             chosen=(self.profile_dir("measure") / "chosen.pkl", self.profile_fingerprint(
                 analysis, "measure", max_combinations, whole_segments)),
             window_fps={k: window_fingerprint(analysis, windows[rep])
@@ -78,14 +82,15 @@ class WorkDir:
     def write_profile(self, rec, analysis) -> Path:
         out = self.profile_dir(rec.cost)
         fp = self.profile_fingerprint(analysis, rec.cost, rec.max_combinations,
-                                      rec.whole_segments)
+                                      rec.whole_segments, rec.compiled_for)
         write_record(out / "profile.pkl", PROFILE_FORMAT, fp, rec)
         write_profile_csv(out / "profile.csv", rec)
         return out
 
     def read_profile(self, analysis, cost: str = "measure", max_combinations: int = 32,
-                     whole_segments: bool = False):
-        fp = self.profile_fingerprint(analysis, cost, max_combinations, whole_segments)
+                     whole_segments: bool = False, compiled_for: str | None = None):
+        fp = self.profile_fingerprint(analysis, cost, max_combinations, whole_segments,
+                                      compiled_for)
         return read_record(self.profile_dir(cost) / "profile.pkl", PROFILE_FORMAT, fp,
                            hint="run --mode profile first (with the same flags)")
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -52,6 +53,9 @@ class WorkerOptions:
     cost_model: object | None = None  # cfp.measure.CostModel for cost == "model"
     compilation_cache: str | None = None  # JAX's persistent compilation cache directory
     runtime: multihost.Runtime | None = None  # the processes measured across, when several
+    # cost == "model" only: the GPUs (``cfp.gpu_compile.GPUS``) the programs are compiled for,
+    # described, not present; None compiles for the devices here
+    compile_for: str | None = None
 
 
 PARENT_GONE_EXIT = 75  # a worker's exit status when its parent has ended
@@ -276,8 +280,9 @@ def _main(conn, generation: int = 0, parent_pid: int | None = None):
             conn.send(("joining", _quiet_log(options.runtime, generation)))
             multihost.join(options.runtime, generation)
         from cfp.jax_compat import enable_compilation_cache
-        enable_compilation_cache(options.compilation_cache)
-        state = _setup(analysis, phases)
+        if options.compile_for is None:  # a program compiled for absent GPUs cannot be
+            enable_compilation_cache(options.compilation_cache)  # loaded back from the cache
+        state = _setup(analysis, phases, options.compile_for)
         state["phases"] = phases
         conn.send(("ready", (state["overhead"],
                              tuple(int(d.id) for d in state["mesh"].devices.flat),
@@ -355,7 +360,7 @@ def _quiet_log(runtime, generation: int) -> str:
     return path
 
 
-def _setup(analysis, phases: Phases):
+def _setup(analysis, phases: Phases, compile_for: str | None = None):
     from cfp.measure import launch_overhead, speed_anchor
     from cfp.workloads import trace_step
     with phases("tracing"):
@@ -368,12 +373,23 @@ def _setup(analysis, phases: Phases):
         if differ:  # each process analyses for itself: no shared work dir is needed
             raise CfpError(f"process {differ[0]} traced another step than process 0: run "
                            f"the same cfp, JAX and flags on every host")
-    with phases("running"):
-        mesh = analysis.mesh()
-        overhead = launch_overhead(mesh)
-        anchor = speed_anchor(mesh)
+    cpu_mesh = None
+    if compile_for is not None:  # nothing runs: the programs are compiled for those GPUs
+        from cfp.gpu_compile import gpu_mesh
+        from cfp.workloads import AXIS_NAMES
+        mesh = gpu_mesh(compile_for, analysis.mesh_shape, AXIS_NAMES[:len(analysis.mesh_shape)])
+        overhead, anchor = 0.0, None
+        import jax
+        if len(jax.devices()) >= math.prod(analysis.mesh_shape):  # to check collectives on
+            cpu_mesh = analysis.mesh()
+    else:
+        with phases("running"):
+            mesh = analysis.mesh()
+            overhead = launch_overhead(mesh)
+            anchor = speed_anchor(mesh)
     return {"analysis": analysis, "program": program, "mesh": mesh, "overhead": overhead,
-            "anchor": anchor, "inputs": {}, "programs": {}}
+            "anchor": anchor, "inputs": {}, "programs": {},
+            "cpu_mesh": cpu_mesh}
 
 
 def _measure_window(conn, state, options: WorkerOptions, window, combos, best_s,
@@ -387,6 +403,8 @@ def _measure_window(conn, state, options: WorkerOptions, window, combos, best_s,
     phases = state["phases"]
     with phases("tracing"):
         wp = WindowProgram(state["program"], state["analysis"], window, state["mesh"])
+        cpu = state.get("cpu_mesh")
+        check_wp = cpu and WindowProgram(state["program"], state["analysis"], window, cpu)
         if window.type not in state["inputs"]:  # priced programs need no data
             state["inputs"] = {window.type: valid_inputs(wp.graph, wp.sub, seed=window.type)
                                if options.cost == "measure" else None}
@@ -397,7 +415,8 @@ def _measure_window(conn, state, options: WorkerOptions, window, combos, best_s,
     size = 1 if one_at_a_time else options.batch
     batches = [combos[i:i + size] for i in range(0, len(combos), size)]
     with ThreadPoolExecutor(max_workers=max(1, min(cores - (1 if overlap else 0), 8))) as pool:
-        submit = lambda batch: [(c, pool.submit(_compile_one, wp, c)) for c in batch]  # noqa
+        submit = lambda batch: [(c, pool.submit(_compile_one, wp, c, check_wp))  # noqa
+                                for c in batch]
         pending = submit(batches[0]) if batches else []
         for i in range(len(batches)):
             conn.send(("compiling", [c for c, _ in pending]))
@@ -410,7 +429,13 @@ def _measure_window(conn, state, options: WorkerOptions, window, combos, best_s,
                 pending = submit(batches[i + 1])
 
 
-def _compile_one(wp, combo):
+def _compile_one(wp, combo, check_wp=None):
+    """A combination compiled: (program, input shardings, compile seconds, memory fields,
+    collectives, what differs from its strategies, the program's identity), or its
+    ``compile_error``. For GPUs that are not here (``check_wp`` the same window on the CPU
+    devices), XLA's GPU passes can leave a collective it made without the tag that ties it to
+    its operator (a reduction's all-reduce over a concatenated buffer, say): where the GPU
+    program has one, the combination's collectives are checked on its CPU program instead."""
     import hashlib
     import time as _time
     from cfp.measure import normalized_hlo
@@ -424,8 +449,13 @@ def _compile_one(wp, combo):
     colls = tuple((c.kind, c.axes, c.bytes) for c in collectives(text, wp.mesh_shape))
     program = (normalized_hlo(exe), repr(shardings), repr(exe.output_shardings),
                wp.donated(combo))
-    mem = dict(wp.memory(exe, text),
-               unnamed_collectives=tuple(wp.unnamed_collectives(exe, combo)),
+    unnamed = wp.unnamed_collectives(exe, combo)
+    if unnamed and check_wp is not None:
+        try:
+            unnamed = check_wp.unnamed_collectives(check_wp.compile(combo)[0], combo)
+        except JAX_ERRORS:  # the CPU cannot compile it: the GPU program's verdict stands
+            pass
+    mem = dict(wp.memory(exe, text), unnamed_collectives=tuple(unnamed),
                program_sha1=hashlib.sha1(program[0].encode()).hexdigest())
     return (exe, shardings, _time.perf_counter() - t0, mem, colls,
             wp.check_compiled(exe, combo), program)

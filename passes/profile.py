@@ -48,6 +48,9 @@ class ProfileOptions:
     cost_model: CostModel | None = None  # for cost == "model" or "analytic"
     compilation_cache: str | None = None  # JAX's persistent compilation cache directory
     runtime: object = None  # cfp.multihost.Runtime: measure across these processes' devices
+    # cost == "model": the GPUs the programs are compiled for (``cfp.gpu_compile``), described,
+    # not present; None compiles for the devices here
+    compile_for: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +90,17 @@ class ProfileRecord:
     # the XLA platform the memory follows: the devices compiled on, or those priced
     # (``CostModel.platform``); it decides which activations the forward pass holds
     platform: str = "cpu"
+    # the GPUs the programs were compiled for (``cfp.gpu_compile.GPUS``), None: the devices here
+    compiled_for: str | None = None
+
+    def memory_source(self) -> str:
+        """Where the windows' memory comes from, in words."""
+        from cfp.gpu_compile import label
+        if self.cost == "analytic":
+            return "the analysis (nothing compiled)"
+        if self.compiled_for is not None:
+            return f"windows compiled for {label(self.compiled_for)}"
+        return f"windows compiled on {self.platform.upper()}"
 
     def reshards_counted_zero(self) -> int:
         """Timed reshardings whose interval does not lie above 0, so counted as 0."""
@@ -143,7 +157,7 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
         return _priced(analysis, options, windows, reps, start, checkpoint)
     worker = Worker(analysis, WorkerOptions(
         options.cost, options.memory_budget_bytes, options.batch, options.cost_model,
-        options.compilation_cache, options.runtime), phases)
+        options.compilation_cache, options.runtime, options.compile_for), phases)
     compiled, window_profiles = 0, {}
     try:
         chosen = _chosen(analysis, windows, reps, options, worker, notify, checkpoint)
@@ -174,7 +188,7 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
                         dict(phases.seconds),
                         options.whole_segments,
                         {k: t[1:] for k, t in timed.items() if t and options.cost == "measure"},
-                        anchor_s, device_ids, platform)
+                        anchor_s, device_ids, platform, options.compile_for)
     log.info("profile pass: %.1f s, phases %s", rec.time_s, rec.phase_s)
     return rec
 
@@ -399,30 +413,56 @@ def _profile_reshards(analysis, bounds, worker, checkpoint, options, start, noti
 
 
 def cluster_pricing(analysis, max_combinations: int, *, max_devices: int = 64,
-                    limit_s: float = 60.0) -> tuple[str, str]:
+                    limit_s: float = 60.0, compile_for: str | None = None
+                    ) -> tuple[str, str, str | None]:
     """How to price a profile for a described cluster, and why: compile-only (``"model"``)
-    where the mesh has at most ``max_devices`` devices, JAX here has them, and compiling every
-    combination and resharding would take at most ``limit_s`` (one combination is compiled to
-    find out);
-    analytically (``"analytic"``) otherwise."""
+    where the mesh has at most ``max_devices`` devices, and compiling every combination and
+    resharding would take at most ``limit_s`` (one combination is compiled to find out; the
+    command line's ``--profile-budget``, 60 s when left out);
+    analytically (``"analytic"``) otherwise. The programs are compiled for the GPUs
+    ``compile_for`` names (``cfp.gpu_compile``), or else for JAX's devices here, which must be
+    as many. The third value is the GPUs compiled for: ``compile_for``, or None where a
+    program needs what a compile without a GPU does not have (cuDNN), and the devices here
+    are used instead."""
     import jax
+    from cfp.gpu_compile import gpu_mesh, label, needs_nvidia_libraries
+    from cfp.jax_compat import no_compilation_cache
     from cfp.measure import WindowProgram
     from cfp.workloads import AXIS_NAMES, trace_step
     n = math.prod(analysis.mesh_shape)
+    names = AXIS_NAMES[:len(analysis.mesh_shape)]
     if n > max_devices:
-        return "analytic", f"{n} devices, more than the {max_devices} compiled for here"
-    if len(jax.devices()) < n:
-        return "analytic", f"{n} devices, JAX here has {len(jax.devices())}"
+        return "analytic", f"{n} devices, more than the {max_devices} compiled for here", None
     windows, reps = split_windows(analysis, max_combinations)
     programs = sum(math.prod(window_space(analysis, windows[r])) for r in reps)
     programs += len(needed_reshards(boundaries(analysis, windows), analysis.blocks.blocks,
-                                    AXIS_NAMES[:len(analysis.mesh_shape)]))
-    probe = WindowProgram(trace_step(analysis.spec.build()), analysis, windows[reps[0]],
-                          analysis.mesh())
-    t0 = time.perf_counter()
-    probe.compile((0,) * (windows[reps[0]].end - windows[reps[0]].start))
-    estimate = programs * (time.perf_counter() - t0)
-    why = f"{programs} programs x {time.perf_counter() - t0:.2f} s, about {estimate:.0f} s"
+                                    names))
+    program = trace_step(analysis.spec.build())
+    first = (0,) * (windows[reps[0]].end - windows[reps[0]].start)
+    fallback = ""
+    if compile_for is not None:
+        mesh = gpu_mesh(compile_for, analysis.mesh_shape, names)
+        t0 = time.perf_counter()
+        try:
+            with no_compilation_cache():
+                WindowProgram(program, analysis, windows[reps[0]], mesh).compile(first)
+        except RuntimeError as e:  # XLA's errors among them
+            if not needs_nvidia_libraries(e):
+                raise
+            fallback = (f"not compiled for {label(compile_for)}s, which needs the NVIDIA "
+                        f"libraries ({str(e).splitlines()[0][:80]}); ")
+            compile_for = None
+    if compile_for is None:
+        if len(jax.devices()) < n:
+            return "analytic", f"{fallback}{n} devices, JAX here has {len(jax.devices())}", None
+        t0 = time.perf_counter()
+        WindowProgram(program, analysis, windows[reps[0]], analysis.mesh()).compile(first)
+    seconds = time.perf_counter() - t0
+    estimate = programs * seconds
+    why = f"{programs} programs x {seconds:.2f} s, about {estimate:.0f} s"
     if estimate > limit_s:
-        return "analytic", f"compiling would take {why}, over {limit_s:.0f} s"
-    return "model", f"compile-only: {why}"
+        return "analytic", (f"{fallback}compiling would take {why}, over {limit_s:.0f} s "
+                            f"(--profile-budget gives more)"), None
+    where = (f"for {n} {label(compile_for)}s (XLA's GPU compiler, no GPU here)"
+             if compile_for else f"on {n} {jax.devices()[0].platform.upper()} devices")
+    return "model", f"{fallback}compile-only {where}: {why}", compile_for

@@ -549,6 +549,11 @@ class Prediction:
     # the rule-file hand plans priced from the same profile: (name, seconds, bytes per device)
     hand_plans: tuple = ()
     choices: tuple = ()  # option per window instance (``build_problem``'s)
+    memory_source: str = ""  # where the composed memory comes from (``ProfileRecord``)
+    # the plan's whole step compiled for the GPUs the profile was compiled for: its peak per
+    # device (None: not compiled), and those GPUs
+    compiled_peak_bytes: int | None = None
+    compiled_for: str | None = None
 
 
 def predict_plan(analysis, profile, memory_budget_bytes: int | None,
@@ -565,12 +570,30 @@ def predict_plan(analysis, profile, memory_budget_bytes: int | None,
             raise
         raise CfpError(f"{e}; the hand plans need " + ", ".join(
             f"{name} {mem / 2**30:.1f} GB" for name, _, mem in hand)) from None
+    storage = plan_storage(analysis, problem, profile.windows, sol.choices)
     return Prediction(tuple(analysis.mesh_shape), tuple(sol.strategies),
                       predicted_seconds(problem, sol.choices, profile.launch_overhead_s),
                       sol.memory, sol.status, sol.solve_s, plan_flops(analysis), profile.cost,
-                      memory_budget_bytes,
-                      plan_storage(analysis, problem, profile.windows, sol.choices), hand,
-                      tuple(sol.choices))
+                      memory_budget_bytes, storage, hand, tuple(sol.choices),
+                      profile.memory_source(),
+                      compiled_peak_for(analysis, sol.strategies, storage, profile.compiled_for),
+                      profile.compiled_for)
+
+
+def compiled_peak_for(analysis, strategies, storage, gpu: str | None) -> int | None:
+    """The peak per device of the plan's whole step compiled, compile only, for ``gpu``
+    (``cfp.gpu_compile``); None without GPUs to compile for."""
+    if gpu is None:
+        return None
+    from cfp.execute import PlannedStep
+    from cfp.gpu_compile import gpu_mesh
+    from cfp.jax_compat import no_compilation_cache
+    from cfp.measure import memory_of
+    from cfp.workloads import trace_step
+    mesh = gpu_mesh(gpu, analysis.mesh_shape, AXIS_NAMES[:len(analysis.mesh_shape)])
+    step = PlannedStep(trace_step(analysis.spec.build()), analysis, strategies, mesh, storage)
+    with no_compilation_cache():
+        return memory_of(step.compile())["peak_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
