@@ -570,14 +570,42 @@ def predict_plan(analysis, profile, memory_budget_bytes: int | None,
             raise
         raise CfpError(f"{e}; the hand plans need " + ", ".join(
             f"{name} {mem / 2**30:.1f} GB" for name, _, mem in hand)) from None
+    peak = None
+    if profile.compiled_for is not None:  # the whole step compiled for the GPUs too
+        sol, peak = _compiled_for_gpus(analysis, problem, profile, sol, time_limit_s)
     storage = plan_storage(analysis, problem, profile.windows, sol.choices)
     return Prediction(tuple(analysis.mesh_shape), tuple(sol.strategies),
                       predicted_seconds(problem, sol.choices, profile.launch_overhead_s),
                       sol.memory, sol.status, sol.solve_s, plan_flops(analysis), profile.cost,
                       memory_budget_bytes, storage, hand, tuple(sol.choices),
-                      profile.memory_source(),
-                      compiled_peak_for(analysis, sol.strategies, storage, profile.compiled_for),
-                      profile.compiled_for)
+                      profile.memory_source(), peak, profile.compiled_for)
+
+
+def _compiled_for_gpus(analysis, problem: Problem, profile, sol: Solution,
+                       time_limit_s: float) -> tuple[Solution, int]:
+    """The plan whose whole step, compiled for the GPUs the profile was compiled for, fits
+    the budget, and that peak: ``sol`` where it fits, else the fastest of those the
+    calibrated composition gives that fit (``fitting_predictions``, one prediction compiled
+    per solve), else the last of them."""
+    from cfp.jax_compat import no_compilation_cache
+    from cfp.measure import memory_of
+    from cfp.workloads import trace_step
+    if problem.memory_budget is None:
+        storage = plan_storage(analysis, problem, profile.windows, sol.choices)
+        return sol, compiled_peak_for(analysis, sol.strategies, storage, profile.compiled_for)
+    with no_compilation_cache():
+        sols, compiled, _ = fitting_predictions(
+            analysis, problem, profile, SearchOptions(problem.memory_budget, time_limit_s, 1),
+            trace_step(analysis.spec.build()), gpu_mesh_of(analysis, profile.compiled_for))
+    best = min(sols, key=lambda s: predicted_seconds(problem, s.choices,
+                                                     profile.launch_overhead_s))
+    return best, memory_of(compiled[best.choices].compiled)["peak_bytes"]
+
+
+def gpu_mesh_of(analysis, gpu: str):
+    """The analysis's mesh of ``gpu`` described, not present (``cfp.gpu_compile``)."""
+    from cfp.gpu_compile import gpu_mesh
+    return gpu_mesh(gpu, analysis.mesh_shape, AXIS_NAMES[:len(analysis.mesh_shape)])
 
 
 def compiled_peak_for(analysis, strategies, storage, gpu: str | None) -> int | None:
@@ -586,12 +614,11 @@ def compiled_peak_for(analysis, strategies, storage, gpu: str | None) -> int | N
     if gpu is None:
         return None
     from cfp.execute import PlannedStep
-    from cfp.gpu_compile import gpu_mesh
     from cfp.jax_compat import no_compilation_cache
     from cfp.measure import memory_of
     from cfp.workloads import trace_step
-    mesh = gpu_mesh(gpu, analysis.mesh_shape, AXIS_NAMES[:len(analysis.mesh_shape)])
-    step = PlannedStep(trace_step(analysis.spec.build()), analysis, strategies, mesh, storage)
+    step = PlannedStep(trace_step(analysis.spec.build()), analysis, strategies,
+                       gpu_mesh_of(analysis, gpu), storage)
     with no_compilation_cache():
         return memory_of(step.compile())["peak_bytes"]
 
