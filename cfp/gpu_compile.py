@@ -60,11 +60,11 @@ def quiet_cuda_plugin() -> None:
                 if package != "jaxlib" or module.name.startswith("gpu_"):
                     try:
                         importlib.import_module(f"{package}.{module.name}")
-                    except ImportError:
+                    except (ImportError, OSError, RuntimeError):  # JAX reports it at start
                         pass
-        library = Path(importlib.util.find_spec("jax_plugins.xla_cuda12").origin).parent / (
-            "xla_cuda_plugin.so")  # what JAX loads as it starts its backends
-        if library.exists():
+        spec = importlib.util.find_spec("jax_plugins.xla_cuda12")
+        library = Path(spec.origin or "").parent / "xla_cuda_plugin.so"  # JAX loads it at start
+        if spec.origin and library.exists():
             import ctypes
             ctypes.CDLL(str(library))
 
