@@ -170,9 +170,8 @@ def _arrays(type_text: str) -> list[tuple[str, list[int]]]:
     return [(t, [int(d) for d in dims.split(",") if d]) for t, dims in _ARRAY.findall(type_text)]
 
 
-def _nbytes(type_text: str) -> int:
-    from cfp.sharding import HLO_BYTES
-    return sum(HLO_BYTES.get(t, 4) * math.prod(d) for t, d in _arrays(type_text))
+def _nbytes(type_text: str, item_bytes: dict) -> int:
+    return sum(item_bytes.get(t, 4) * math.prod(d) for t, d in _arrays(type_text))
 
 
 def _dims(type_text: str) -> list[int]:
@@ -193,6 +192,7 @@ def hlo_cost(hlo_text: str) -> tuple[float, float]:
     convolution; elementwise work is left to the bytes. Bytes are what the entry
     computation's instructions (fusions, GEMMs, collectives, copies) read and write: each
     one's operands and result, as XLA's cost analysis counts them at the fusion level."""
+    from cfp.sharding import HLO_BYTES
     flops, nbytes = 0.0, 0.0
     shapes: dict[str, str] = {}
     entry = False
@@ -226,5 +226,6 @@ def hlo_cost(hlo_text: str) -> tuple[float, float]:
             out_feature = labels.group(1).index("o") if labels else len(rhs) - 1
             flops += 2.0 * math.prod(_dims(type_text)) * math.prod(rhs) / max(rhs[out_feature], 1)
         if entry and opcode not in _NO_TRAFFIC and not opcode.endswith("-done"):
-            nbytes += _nbytes(type_text) + sum(_nbytes(shapes.get(o, "")) for o in operands)
+            nbytes += _nbytes(type_text, HLO_BYTES) + sum(
+                _nbytes(shapes.get(o, ""), HLO_BYTES) for o in operands)
     return flops, nbytes
