@@ -138,11 +138,12 @@ def with_strategies(ba: BlockAnalysis, graph: Graph, mesh_shape: tuple[int, ...]
     member."""
     blocks = []
     for b in ba.blocks:
-        divides = []  # every labelled dim of every member: each layout must exist
+        divides = set()  # every labelled dim of every member: each layout must exist
         for m in b.members:
             op = graph.ops[m.op]
             for v, lab in list(zip(op.inputs, m.ins)) + list(zip(op.outputs, m.outs)):
-                divides += [(l, s) for l, s in zip(lab, graph.values[v].shape) if l is not None]
+                divides.update((l, s) for l, s in zip(lab, graph.values[v].shape)
+                               if l is not None)
         seed = graph.ops[b.seed]
         ndims = tuple(len(graph.values[v].shape) for v in (seed.outputs[0], *seed.inputs[:2]))
         all_strats, before = enumerate_strategies(b.loop_dims, tuple(mesh_shape), ndims=ndims)

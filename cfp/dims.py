@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Sequence
 
@@ -318,6 +319,11 @@ def backward(prim: str, attrs: dict, in_shapes, out_shapes, out_labels: list) ->
 
 def spec_axes(labels: Labels, strategy_axes: tuple, axis_names: Sequence[str]) -> tuple:
     """PartitionSpec entries of a tensor with ``labels`` under a strategy."""
+    return _spec_axes(tuple(labels), tuple(strategy_axes), tuple(axis_names))
+
+
+@functools.lru_cache(maxsize=2**16)
+def _spec_axes(labels: Labels, strategy_axes: tuple, axis_names: tuple) -> tuple:
     spec = []
     for l in labels:
         used = tuple(axis_names[a] for a, d in enumerate(strategy_axes) if l is not None and d == l)

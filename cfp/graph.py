@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import hashlib
 import math
+import weakref
 from typing import Any, Callable, Sequence
 
 import jax
@@ -109,6 +110,22 @@ class Op:
         return self.primitive in CONTRACTIONS
 
 
+_MEMO: dict[int, dict] = {}
+
+
+def memo(owner, key, make: Callable):
+    """``make()``, computed once per ``key`` for as long as ``owner`` (a graph or a record,
+    which are immutable) lives: the walks over the state and the windows run for every
+    combination priced."""
+    table = _MEMO.get(id(owner))
+    if table is None:
+        table = _MEMO[id(owner)] = {}
+        weakref.finalize(owner, _MEMO.pop, id(owner), None)
+    if key not in table:
+        table[key] = make()
+    return table[key]
+
+
 @dataclasses.dataclass(frozen=True)
 class Graph:
     """The operator graph of a step: values, ops in program order, step inputs and outputs."""
@@ -130,15 +147,16 @@ class Graph:
         its inputs' order, and the loss last. The state is what lives between steps: a plan
         returns it in the layout it came in, and a loop donates it. A forward step returns
         the loss alone: it has no pairs, and nothing is donated."""
-        from cfp.errors import CfpError
-        pairs = tuple(zip(self.inputs, self.outputs[:-1]))
-        for a, b in pairs:
-            va, vb = self.values[a], self.values[b]
-            if (va.shape, va.dtype) != (vb.shape, vb.dtype):
-                raise CfpError(f"the step returns {vb.type_str} where its state input is "
-                               f"{va.type_str}: a step returns (params, opt_state, loss), its "
-                               f"new state in the order and types its inputs came in")
-        return pairs
+        def make():
+            pairs = tuple(zip(self.inputs, self.outputs[:-1]))
+            for a, b in pairs:
+                va, vb = self.values[a], self.values[b]
+                if (va.shape, va.dtype) != (vb.shape, vb.dtype):
+                    raise CfpError(f"the step returns {vb.type_str} where its state input is "
+                                   f"{va.type_str}: a step returns (params, opt_state, loss), "
+                                   f"its new state in the order and types its inputs came in")
+            return pairs
+        return memo(self, "state_pairs", make)
 
     def fingerprint(self) -> str:
         """A hash of the graph's structure: it changes when the traced step changes."""

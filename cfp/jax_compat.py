@@ -6,6 +6,7 @@ that both spell alike.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 
 import jax
@@ -88,6 +89,7 @@ def to_dtype(name: str):
     return jnp.dtype(name)
 
 
+@functools.lru_cache(maxsize=None)
 def itemsize(name: str) -> int:
     """Bytes per element; a key's are those of its key data (8 for threefry)."""
     if is_key(name):

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from typing import Callable, Sequence
@@ -22,7 +23,7 @@ import numpy as np
 from cfp import dims as dimrules
 from cfp.blocks import Block
 from cfp.jax_compat import to_dtype
-from cfp.graph import Graph, Program
+from cfp.graph import Graph, Program, memo
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                     "collective-permute")
@@ -130,22 +131,6 @@ def block_constraints(block: Block, strategy, axis_names) -> dict[int, tuple[lis
         elif any(l is not None for lab in m.outs for l in lab):
             out[m.op] = ([None] * len(m.ins), [spec(l) for l in m.outs])
     return out
-
-
-_MEMO: dict[int, dict] = {}
-
-
-def memo(owner, key, make: Callable):
-    """``make()``, computed once per ``key`` for as long as ``owner`` (a graph or a record,
-    which are immutable) lives: the state walks below run for every combination priced."""
-    import weakref
-    table = _MEMO.get(id(owner))
-    if table is None:
-        table = _MEMO[id(owner)] = {}
-        weakref.finalize(owner, _MEMO.pop, id(owner), None)
-    if key not in table:
-        table[key] = make()
-    return table[key]
 
 
 def state_updates(graph: Graph) -> dict[int, int]:
@@ -264,6 +249,11 @@ def split_rest(spec, shape, mesh_shape, axis_names) -> tuple:
     """``spec`` split further over the mesh axes it leaves replicated: each such axis (of
     size > 1), in mesh order, on the first dim it leaves whole that the axis divides, else on
     the first split dim it divides further; an axis that divides no dim leaves it whole."""
+    return _split_rest(tuple(spec), tuple(shape), tuple(mesh_shape), tuple(axis_names))
+
+
+@functools.lru_cache(maxsize=2**16)
+def _split_rest(spec, shape, mesh_shape, axis_names) -> tuple:
     entries = [_axes(e) for e in spec]
     size = dict(zip(axis_names, mesh_shape))
     used = {a for e in entries for a in e}
@@ -309,20 +299,32 @@ def state_specs(graph: Graph, pairs, layouts, ins: dict, constraints: dict, mesh
         if layouts[k] == "fsdp" or (layouts[k] == "zero1" and kinds[k] == "opt"):
             ins[v] = split[k]
         stored[k] = ins[v]
-    for u, k in state_updates(graph).items():  # the update on shards
-        op = graph.producer_op(u)
-        if k not in stored or layouts[k] == "plan" or (ops is not None and op.index not in ops):
+    updates = memo(graph, "updates_by_pair", lambda: _updates_by_pair(graph))
+    for k in stored:  # the update on shards
+        if layouts[k] == "plan":
             continue
-        operands, results = constraints.get(op.index, ([None] * len(op.inputs),
-                                                       [None] * len(op.outputs)))
-        results = list(results)
-        made = results[op.outputs.index(u)]
-        if (op.primitive not in dimrules.ELEMENTWISE and made is not None
-                and not refines(split[k], made)):
-            continue  # its block splits it otherwise: resharded where the update reads it
-        results[op.outputs.index(u)] = split[k]
-        constraints[op.index] = (list(operands), results)
+        for u in updates.get(k, ()):
+            op = graph.producer_op(u)
+            if ops is not None and op.index not in ops:
+                continue
+            operands, results = constraints.get(op.index, ([None] * len(op.inputs),
+                                                           [None] * len(op.outputs)))
+            results = list(results)
+            made = results[op.outputs.index(u)]
+            if (op.primitive not in dimrules.ELEMENTWISE and made is not None
+                    and not refines(split[k], made)):
+                continue  # its block splits it otherwise: resharded where the update reads it
+            results[op.outputs.index(u)] = split[k]
+            constraints[op.index] = (list(operands), results)
     return stored
+
+
+def _updates_by_pair(graph: Graph) -> dict[int, list[int]]:
+    """``state_updates`` per state pair: the values of its update, in program order."""
+    out: dict[int, list[int]] = {}
+    for u, k in state_updates(graph).items():
+        out.setdefault(k, []).append(u)
+    return out
 
 
 def member_layouts(members, graph: Graph, sub: SubProgram, strategy, axis_names

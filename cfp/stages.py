@@ -108,8 +108,8 @@ def _room(cost: StageCost, budget: int | None) -> float:
 
 
 def plan_stages(num_layers: int, num_nodes: int, devices_per_node: int, price: Price, *,
-                micro_batches: int, memory_budget_bytes: int | None = None,
-                max_stages: int | None = None) -> StagePlan | None:
+                micro_batches: int, memory_budget_bytes: int | None = None
+                ) -> StagePlan | None:
     """The 1F1B-fastest split of the layers into stages on submeshes using every device; None
     when no split fits."""
     L, N, B = num_layers, num_nodes * devices_per_node, micro_batches
@@ -121,7 +121,7 @@ def plan_stages(num_layers: int, num_nodes: int, devices_per_node: int, price: P
             if cost is not None and (room := _room(cost, memory_budget_bytes)) >= 1:
                 options[k].append((i, m, cost, room))
     times = sorted({c.time_s for opts in options for _, _, c, _ in opts})
-    max_s = min(L, N, max_stages or L)
+    top = min(L, N, B)  # stage counts 1..top - 1, and top or more
     states = 0
     solved: dict[float, tuple[float, StagePlan | None]] = {}  # t_max -> (least sum, best plan)
 
@@ -133,41 +133,56 @@ def plan_stages(num_layers: int, num_nodes: int, devices_per_node: int, price: P
     devices = np.arange(N + 1)
 
     def solve(t_max: float) -> tuple[float, StagePlan | None]:
-        """F(s, k, d) for every s, k, d at once per (s, k), as arrays over d."""
+        """F(s, k, d) for every s, k, d at once per (s, k), as arrays over d. A stage with
+        ``B`` or more stages from it on keeps ``B`` micro-batches in flight whatever their
+        number, so those counts share one row, ``top``: F(top, k, d) is the least sum over
+        every count from ``top`` on, its stage followed by ``top - 1`` stages or by ``top``
+        or more (``via_top``)."""
         nonlocal states
         if t_max in solved:
             return solved[t_max]
-        F = np.full((max_s + 1, L + 1, N + 1), math.inf)
+        F = np.full((top + 1, L + 1, N + 1), math.inf)
         F[0, L, 0] = 0.0
-        choice = np.full((max_s + 1, L, N + 1), -1, dtype=np.int64)
-        for s in range(1, max_s + 1):
-            for k in range(L):
+        choice = np.full((top + 1, L, N + 1), -1, dtype=np.int64)
+        via_top = np.zeros((L, N + 1), dtype=bool)
+        for s in range(1, top + 1):
+            shared = s == top and top == B
+            for k in range(L - 1, -1, -1) if shared else range(L):
                 last, size, t, room = arrays[k]
                 keep = np.flatnonzero((t <= t_max) & (room >= min(s, B)))
                 if not len(keep):
                     continue
                 rest = devices[None, :] - size[keep, None]  # devices left for later stages
-                total = np.where(rest >= 0, t[keep, None] + F[s - 1, last[keep, None] + 1,
-                                                               np.maximum(rest, 0)], math.inf)
+                left = np.maximum(rest, 0)
+                after_it = F[s - 1, last[keep, None] + 1, left]
+                if shared:
+                    more = F[s, last[keep, None] + 1, left]
+                    longer = more < after_it
+                    after_it = np.minimum(after_it, more)
+                total = np.where(rest >= 0, t[keep, None] + after_it, math.inf)
                 best = total.argmin(axis=0)  # the first of equal sums, as options are listed
                 F[s, k] = total[best, devices]
                 choice[s, k] = np.where(np.isfinite(F[s, k]), keep[best], -1)
+                if shared:
+                    via_top[k] = longer[best, devices]
                 states += N + 1
-        least, plan, top = math.inf, None, 0.0
-        for S in range(1, max_s + 1):
+        least, plan, slowest = math.inf, None, 0.0
+        for S in range(1, top + 1):
             if not np.isfinite(F[S, 0, N]):
                 continue
             least = min(least, float(F[S, 0, N]))
-            stages, k, d = [], 0, N
-            for s in range(S, 0, -1):
+            stages, k, d, s = [], 0, N, S
+            while s > 0:
                 i, m, c, _ = options[k][choice[s, k, d]]
                 stages.append(Stage(k, i, m, c))
+                if not (s == top == B and via_top[k, d]):
+                    s -= 1
                 k, d = i + 1, d - m.num_devices
             candidate = StagePlan(tuple(stages), B)
-            top = max(top, candidate.slowest_s)
+            slowest = max(slowest, candidate.slowest_s)
             if plan is None or candidate.latency_s < plan.latency_s:
                 plan = candidate
-        solved[t_max] = (least, plan, top)
+        solved[t_max] = (least, plan, slowest)
         return solved[t_max]
 
     floor, best, _ = solve(math.inf)
@@ -223,21 +238,21 @@ def plan_stages(num_layers: int, num_nodes: int, devices_per_node: int, price: P
             hi = mid
     k = len(open_) - 1
     while k >= lo:
-        least, plan, top = solve(open_[k])
+        least, plan, slowest = solve(open_[k])
         if plan is None:
             break
         if plan.latency_s < best.latency_s:
             best = plan
         if least + (B - 1) * open_[lo] >= best.latency_s:
             break
-        k = min(k, bisect.bisect_left(open_, top)) - 1
+        k = min(k, bisect.bisect_left(open_, slowest)) - 1
     return dataclasses.replace(best, dp_states=states, t_max_tried=len(solved),
                                t_max_candidates=len(times))
 
 
 def brute_force_stages(num_layers: int, num_nodes: int, devices_per_node: int, price: Price, *,
-                       micro_batches: int, memory_budget_bytes: int | None = None,
-                       max_stages: int | None = None) -> StagePlan | None:
+                       micro_batches: int, memory_budget_bytes: int | None = None
+                       ) -> StagePlan | None:
     """Exhaustive over every split into contiguous stages and every assignment of submeshes
     whose device counts add up to the cluster; for tests."""
     L, N = num_layers, num_nodes * devices_per_node
@@ -248,8 +263,6 @@ def brute_force_stages(num_layers: int, num_nodes: int, devices_per_node: int, p
         ends = [j for j, cut in enumerate(cuts) if cut] + [L - 1]
         ranges = list(zip([0] + [e + 1 for e in ends[:-1]], ends))
         S = len(ranges)
-        if max_stages is not None and S > max_stages:
-            continue
         for ms in itertools.product(meshes, repeat=S):
             if sum(m.num_devices for m in ms) != N:
                 continue

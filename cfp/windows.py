@@ -31,10 +31,12 @@ where XLA puts them, both passes, and its memory the split state and the gathere
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from cfp import dims as dimrules
-from cfp.sharding import STATE_LAYOUTS, block_constraints, memo, state_specs, sub_program
+from cfp.graph import memo
+from cfp.sharding import STATE_LAYOUTS, block_constraints, state_specs, sub_program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,6 +248,12 @@ def layouts(labels, strategies, axis_names) -> tuple[list[tuple], list[int]]:
 
 def shard_bytes(shape, dtype_size: int, spec, mesh_shape, axis_names) -> int:
     """Bytes of one device's shard of a tensor laid out as ``spec``."""
+    return _shard_bytes(tuple(shape), dtype_size, tuple(spec), tuple(mesh_shape),
+                        tuple(axis_names))
+
+
+@functools.lru_cache(maxsize=2**16)
+def _shard_bytes(shape, dtype_size: int, spec, mesh_shape, axis_names) -> int:
     n = math.prod(shape) * dtype_size
     for entry in spec:
         for name in (entry if isinstance(entry, tuple) else (entry,) if entry else ()):

@@ -120,8 +120,9 @@ def peak(ma) -> int:
             - ma.alias_size_in_bytes)
 
 
-HAND = [("zero1", (8,)), ("fsdp", (8,)), ("zero1", (2, 4)), ("fsdp", (2, 4)),
-        ("fsdp_tp", (2, 4))]
+# Each rule runs in the suite on one mesh; the other two cases run with the slow tests.
+HAND = [pytest.param("zero1", (8,), marks=pytest.mark.slow), ("fsdp", (8,)), ("zero1", (2, 4)),
+        pytest.param("fsdp", (2, 4), marks=pytest.mark.slow), ("fsdp_tp", (2, 4))]
 
 
 @pytest.mark.parametrize("rule,mesh_shape", HAND)

@@ -98,7 +98,7 @@ def test_a_worker_death_is_charged_to_its_own_combination():
 
 def test_ctrl_c_prints_one_line_and_a_rerun_repeats_nothing(tmp_path):
     workdir = tmp_path / "w"
-    base = [sys.executable, "-m", "cfp", "--model", "gpt", "--mesh", "4", "--workdir",
+    base = [sys.executable, "-m", "cfp", "--model", "mlp", "--mesh", "4", "--workdir",
             str(workdir), "--max-combinations", "4", "--compilation-cache", "none"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     subprocess.run(base + ["--mode", "analysis"], check=True, capture_output=True, env=env)

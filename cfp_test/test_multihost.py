@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from cfp.measure import CostModel
 from cfp.passes.analysis import run_analysis
 from cfp.passes.profile import ProfileOptions, run_profile
 from cfp.workloads import WorkloadSpec
@@ -76,7 +77,7 @@ def runs(tmp_path_factory):
     procs[1].wait()
     known = _measured(dirs[0] / "wd")
     whole = _finish(_launch(dirs, port + 20, "--validate-top", "1", "--no-validate-baselines",
-                            "-v"))
+                            "--iters", "1", "-v"))
     return {"dirs": dirs, "analysis": analysis, "survivor": (survivor, survivor_err, stop_s),
             "known": known, "whole": whole}
 
@@ -109,8 +110,10 @@ def test_two_processes_match_one(runs):
     assert all(code == 0 for code, _, _ in runs["analysis"])
     assert list(p1.iterdir()) == []  # process 1 writes nothing
     spec = WorkloadSpec("mlp", "tiny", None, "float32", ()).resolved()
-    one = run_profile(run_analysis(spec, (8,)), ProfileOptions(max_combinations=8,
-                                                               memory_budget_bytes=2**30))
+    # compiled alone: the same programs, their hashes and statuses, without timing them
+    one = run_profile(run_analysis(spec, (8,)), ProfileOptions(
+        cost="model", cost_model=CostModel((1e-5,), (1e-9,), 1e11, 1e10), max_combinations=8,
+        memory_budget_bytes=2**30))
     two = _record(p0 / "wd" / "profile.pkl")
     # the control: the compared hashes tell a window's block combinations apart (a split
     # state layout may compile to its plain twin's program, where it splits nothing more)

@@ -97,8 +97,10 @@ def test_reshaped_heads_through_three_passes(tmp_path, capsys, mesh):
                       batch)
 
 
+# Dropout keys as step data are checked in the suite by test_dropout_keys_are_step_data.
 @pytest.mark.parametrize("model", ["zoo_extra:reshape_attention",
-                                   "users_models:flax_dropout_rng",
+                                   pytest.param("users_models:flax_dropout_rng",
+                                                marks=pytest.mark.slow),
                                    pytest.param("zoo_extra:rotary_cosines",
                                                 marks=pytest.mark.slow)])
 def test_users_models_sharded_step_matches_single_device_on_2x4(model):
@@ -260,8 +262,11 @@ def test_a_state_step_given_wrong_is_one_clear_error():
     assert trace_step(good).graph().state_pairs()
 
 
+# Flax linen runs in a loop in the suite: test_a_train_state_step_in_the_users_own_jit.
 @pytest.mark.parametrize("model", ["users_models:equinox_attention",
-                                   "users_models:flax_dropout", "zoo_extra:reshape_attention"])
+                                   pytest.param("users_models:flax_dropout",
+                                                marks=pytest.mark.slow),
+                                   "zoo_extra:reshape_attention"])
 def test_users_models_with_split_state_in_a_loop(model):
     """Flax, Equinox and plain-JAX models with reshaped heads under a plan that stores the
     state split: every window holding state on its fsdp layout (the parameters and optimizer
