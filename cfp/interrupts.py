@@ -30,7 +30,8 @@ class CtrlC:
     collector callback is often where a Ctrl-C lands): there it is sent again, by a thread
     of its own, once the collection ends. It is remembered too, for one lost in a
     ``__del__`` run outside a collection (Python's report of it is not printed): ``check``
-    raises it again."""
+    raises it again. A SIGINT ignored when the run starts (under ``nohup``, or in a
+    background job) stays ignored."""
 
     def __init__(self):
         self.seen = self.in_gc = self.deferred = self.closing = False
@@ -38,7 +39,8 @@ class CtrlC:
         self.resend, self.lock = threading.Event(), threading.Lock()
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN):  # nohup's stays
             self.previous = signal.signal(signal.SIGINT, self._handler)
             self.hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
             gc.callbacks.insert(0, self._gc_starts)

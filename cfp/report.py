@@ -649,7 +649,7 @@ def stages_console(rec, cluster) -> None:
     say(f"stage DP: {plan.t_max_tried} of {plan.t_max_candidates} slowest-stage bounds tried, "
         f"{plan.dp_states} states, {rec.dp_s:.2f} s; {rec.priced} (stage, submesh) pairs "
         f"priced on {rec.submeshes_analysed} submeshes in {rec.pricing_s:.1f} s; stages pass "
-        f"{rec.time_s:.1f} s")
+        f"{rec.time_s:.1f} s (tracing {rec.tracing_s:.1f} s)")
 
 
 def staged_run_console(seconds: float, programs: int, loss_err: float, stages: int) -> None:

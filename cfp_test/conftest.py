@@ -38,3 +38,14 @@ def compiles():
     jax.monitoring.register_event_duration_secs_listener(listener)
     yield seen
     jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.fixture
+def python_sigint():
+    """SIGINT at Python's default handler for the test, as a run from a terminal starts,
+    whatever the suite started with (ignored under ``nohup``, and then by cfp too); a
+    process the test starts begins with SIGINT at its default. The suite's handler after."""
+    import signal
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)

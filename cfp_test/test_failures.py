@@ -96,7 +96,7 @@ def test_a_worker_death_is_charged_to_its_own_combination():
     assert got[(0,)].status == "ok" and got[(2,)].status == "ok"
 
 
-def test_ctrl_c_prints_one_line_and_a_rerun_repeats_nothing(tmp_path):
+def test_ctrl_c_prints_one_line_and_a_rerun_repeats_nothing(tmp_path, python_sigint):
     workdir = tmp_path / "w"
     base = [sys.executable, "-m", "cfp", "--model", "mlp", "--mesh", "4", "--workdir",
             str(workdir), "--max-combinations", "4", "--compilation-cache", "none"]

@@ -321,6 +321,7 @@ def test_a_bug_in_cfp_under_a_user_step_keeps_its_traceback(monkeypatch, tmp_pat
 
 _SOLVE_AND_INTERRUPT = """
 import os, signal, sys, threading, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as from a terminal, whatever ran us
 from ortools.sat.python import cp_model
 from cfp.solver import _solve_interruptibly
 m = cp_model.CpModel()  # a search that runs until its time limit (10 s were not enough)
@@ -647,7 +648,31 @@ def test_a_worker_killed_timing_a_resharding_charges_it_and_goes_on():
     assert got[items[1]] is None and got[items[0]] and got[items[2]]
 
 
-def test_a_ctrl_c_python_swallows_still_stops_the_run(tmp_path, capsys, monkeypatch):
+def test_under_nohup_a_sigint_stays_ignored(tmp_path, capsys, monkeypatch):
+    """A run started with SIGINT ignored keeps it ignored: a SIGINT during a pass changes
+    nothing. Control: the same pass under Python's handler stops with status 130
+    (``test_a_ctrl_c_python_swallows_still_stops_the_run`` too)."""
+    import signal
+    import cfp.api
+    ran = []
+
+    def runner(opts, args):
+        signal.raise_signal(signal.SIGINT)
+        ran.append("to its end")
+    monkeypatch.setitem(cfp.api._RUNNERS, "analysis", runner)
+    argv = ["--mode", "analysis", "--model", "mlp", "--mesh", "4", "--workdir", str(tmp_path)]
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        assert main(argv) == 0 and ran == ["to its end"]
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the control
+        assert main(argv) == 130 and ran == ["to its end"]
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_a_ctrl_c_python_swallows_still_stops_the_run(tmp_path, capsys, monkeypatch,
+                                                      python_sigint):
     """A Ctrl-C that lands in a ``__del__`` (or a garbage collector's callback, such as
     JAX's) is printed and ignored by Python; cfp remembers it and stops at the end of the
     pass: one line, status 130. Control: the pass did run to its end, the interrupt lost
@@ -673,7 +698,7 @@ def test_a_ctrl_c_python_swallows_still_stops_the_run(tmp_path, capsys, monkeypa
 
 
 def test_a_ctrl_c_in_the_garbage_collector_stops_the_run_at_once(tmp_path, capsys,
-                                                                 monkeypatch):
+                                                                 monkeypatch, python_sigint):
     """A Ctrl-C that arrives while a collector callback runs (as JAX's does, on every
     collection) is held back and delivered once the collection ends: the pass stops there,
     not at its end. Control: the same pass without the Ctrl-C runs to its end."""

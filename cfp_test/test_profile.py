@@ -142,7 +142,7 @@ def test_profile_resumes_records_failures_and_refuses_bad_files(tmp_path, capsys
     assert "profile pass:" in out  # on to the end
     # A real budget in a fresh dir; then forget two results and resume: only they are measured.
     fresh = tmp_path / "fresh"
-    base2 = ["--model", "mlp", "--mesh", "4", "--workdir", str(fresh)]
+    base2 = ["--model", "mlp", "--mesh", "4", "--workdir", str(fresh), "--max-combinations", "4"]
     assert main(["--mode", "analysis"] + base2) == 0
     assert main(["--mode", "profile"] + base2) == 0
     seg_path = fresh / "window_0.pkl"
@@ -166,12 +166,12 @@ def test_profile_resumes_records_failures_and_refuses_bad_files(tmp_path, capsys
     # read after all of them). Control: deleted, as the line says, the same profile runs.
     for path in fresh.glob("window_*.pkl"):
         path.unlink()
-    assert main(["--mode", "profile", "--max-combinations", "8"] + base2) == 2
+    assert main(["--mode", "profile"] + base2 + ["--max-combinations", "8"]) == 2
     err = capsys.readouterr().err
     assert "reshard.pkl was made for another run" in err and "max_combinations" in err
     assert not list(fresh.glob("window_*.pkl"))
     (fresh / "reshard.pkl").unlink()
-    assert main(["--mode", "profile", "--max-combinations", "8"] + base2) == 0
+    assert main(["--mode", "profile"] + base2 + ["--max-combinations", "8"]) == 0
     assert list(fresh.glob("window_*.pkl"))
 
 

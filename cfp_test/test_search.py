@@ -69,7 +69,8 @@ def test_three_passes_plan_json_and_user_jit(tmp_path, capsys):
     the lines drivers read, how to use plan.json); the candidates are in report.json.
     Control: with -v the analysis alone prints more than 15 lines."""
     base = ["--model", "mlp", "--mesh", "2x2", "--workdir", str(tmp_path)]
-    assert main(base + ["--memory-budget", "1", "--validate-top", "2", "--iters", "2"]) == 0
+    assert main(base + ["--memory-budget", "1", "--validate-top", "2", "--iters", "2",
+                        "--max-combinations", "4"]) == 0
     out = capsys.readouterr().out
     lines = [x for x in out.splitlines() if not x.startswith("[")]  # progress: "[n/total"
     assert len(lines) <= 15, out

@@ -199,8 +199,8 @@ def test_a_stage_pays_for_what_crosses_to_later_stages():
     from cfp.workloads import trace_step
     spec = _gpt(2)
     graph = trace_step(spec.build()).graph()
-    pricing = _SubmeshPricing(spec, load_cluster("a100-8"), Submesh(1, 2), graph,
-                              group_blocks(graph), StageOptions(4, None))
+    pricing = _SubmeshPricing(spec, load_cluster("a100-8"), graph, group_blocks(graph),
+                              StageOptions(4, None), Submesh(1, 2))
     strategies, cost, *_ = pricing.candidates[0]
     assert len(pricing.candidates) == 1  # no budget: one candidate
     whole, _ = pricing.price(0, 1)
@@ -245,3 +245,21 @@ def test_staged_run_of_users_models(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "draws randomness from a key" in err
     assert not (tmp_path / "flax" / "stages").exists()
+
+
+def test_work_per_mesh_runs_in_other_processes_in_order():
+    """``map_meshes`` gives what a loop here gives, in order, from other processes; an
+    item's exception is raised here. Control: the processes are others than this one."""
+    import math
+    import os
+    from cfp.pool import map_meshes
+    items = [5, 1, 7, 3]
+    assert map_meshes(math.factorial, (), items, processes=2) == [math.factorial(n) for n in items]
+    assert os.getpid() not in map_meshes(_pid, (), [0, 1], processes=2)
+    with pytest.raises(ValueError, match="not defined for negative"):
+        map_meshes(math.factorial, (), [3, -1], processes=2)
+
+
+def _pid(_):
+    import os
+    return os.getpid()

@@ -633,25 +633,32 @@ class MeshCandidate:
 def rank_meshes(spec, cluster, *, max_combinations: int, memory_budget_bytes: int | None,
                 time_limit_s: float) -> list[MeshCandidate]:
     """Every logical mesh of the cluster's devices (up to 3 axes, laid row-major over its
-    network levels) planned analytically, best predicted step time first. Shapes are ranked
-    by their best plan whose repeated layers are alike; the chosen one is then planned whole."""
+    network levels) planned analytically, on every core (``cfp.pool``), best predicted step
+    time first. Shapes are ranked by their best plan whose repeated layers are alike; the
+    chosen one is then planned whole."""
     from cfp.blocks import group_blocks
     from cfp.cluster import logical_meshes
-    from cfp.passes.analysis import run_analysis
-    from cfp.passes.profile import ProfileOptions, run_profile
+    from cfp.pool import map_meshes
     from cfp.workloads import trace_step
     graph = trace_step(spec.build()).graph()
     grouping = group_blocks(graph)
-    out = []
-    for shape in logical_meshes(cluster.num_devices):
-        try:
-            analysis = run_analysis(spec, shape, graph, grouping)
-            profile = run_profile(analysis, ProfileOptions(
-                cost="analytic", max_combinations=max_combinations,
-                cost_model=cluster.cost_model(shape)))
-            out.append(MeshCandidate(shape, predict_plan(
-                analysis, profile, memory_budget_bytes, time_limit_s, alike_only=True)))
-        except CfpError as e:
-            out.append(MeshCandidate(shape, None, str(e)))
+    out = map_meshes(_mesh_candidate, (spec, cluster, graph, grouping, max_combinations,
+                                       memory_budget_bytes, time_limit_s),
+                     logical_meshes(cluster.num_devices))
     return sorted(out, key=lambda c: (c.prediction is None,
                                       c.prediction.predicted_s if c.prediction else 0.0))
+
+
+def _mesh_candidate(spec, cluster, graph, grouping, max_combinations, memory_budget_bytes,
+                    time_limit_s, shape) -> MeshCandidate:
+    from cfp.passes.analysis import run_analysis
+    from cfp.passes.profile import ProfileOptions, run_profile
+    try:
+        analysis = run_analysis(spec, shape, graph, grouping)
+        profile = run_profile(analysis, ProfileOptions(
+            cost="analytic", max_combinations=max_combinations,
+            cost_model=cluster.cost_model(shape)))
+        return MeshCandidate(shape, predict_plan(
+            analysis, profile, memory_budget_bytes, time_limit_s, alike_only=True))
+    except CfpError as e:
+        return MeshCandidate(shape, None, str(e))

@@ -73,6 +73,7 @@ class StagesRecord:
     pricing_s: float  # analysing, pricing and solving for every submesh
     dp_s: float  # the stage DP alone
     time_s: float
+    tracing_s: float = 0.0  # tracing the step and grouping its blocks, once
 
 
 def micro_batch_spec(spec, micro_batches: int):
@@ -86,19 +87,19 @@ def micro_batch_spec(spec, micro_batches: int):
 def run_stages(spec, cluster, options: StageOptions) -> StagesRecord:
     """Plan pipeline stages for ``spec`` (resolved, global batch) on ``cluster``."""
     from cfp.blocks import group_blocks
+    from cfp.pool import map_meshes
+    from cfp.stages import submeshes
     from cfp.workloads import trace_step
     start = time.perf_counter()
     mb_spec = micro_batch_spec(spec, options.micro_batches)
     graph = trace_step(mb_spec.build()).graph()
     grouping = group_blocks(graph)
-    pricings: dict[Submesh, _SubmeshPricing] = {}
-
-    def pricing(m: Submesh) -> _SubmeshPricing:
-        if m not in pricings:
-            pricings[m] = _SubmeshPricing(mb_spec, cluster, m, graph, grouping, options)
-        return pricings[m]
-
-    first = pricing(Submesh(1, 1))  # the units are the same on every mesh
+    traced_s = time.perf_counter() - start
+    meshes = submeshes(*cluster.nodes)
+    pricings: dict[Submesh, _SubmeshPricing] = dict(zip(meshes, map_meshes(
+        _SubmeshPricing, (mb_spec, cluster, graph, grouping, options), meshes)))
+    analysing_s = time.perf_counter() - start - traced_s
+    first = pricings[Submesh(1, 1)]  # the units are the same on every mesh
     units = first.units
     solved: dict[tuple, tuple | None] = {}
     pricing_s = 0.0
@@ -108,7 +109,7 @@ def run_stages(spec, cluster, options: StageOptions) -> StagesRecord:
         t0 = time.perf_counter()
         key = (first.unit_types(k, i), k == 0, i == len(units) - 1, m)
         if key not in solved:
-            solved[key] = pricing(m).price(k, i)
+            solved[key] = pricings[m].price(k, i)
         found = solved[key]
         pricing_s += time.perf_counter() - t0
         return None if found is None else found[0]
@@ -123,20 +124,22 @@ def run_stages(spec, cluster, options: StageOptions) -> StagesRecord:
         raise CfpError(f"no split of the {len(units)} layers into stages on {cluster.name} "
                        + (f"fits {budget / 2**30:.3f} GB per device" if budget is not None
                           else "has a plan on every stage"))
+    from cfp.passes.analysis import run_analysis
     layouts = []
     for p, st in enumerate(plan.stages):
-        pr = pricing(st.submesh)
+        pr = pricings[st.submesh]
         strategies = pr.price(st.first_layer, st.last_layer)[1]
         lo, hi = pr.block_range(st.first_layer, st.last_layer)
         in_flight = min(len(plan.stages) - p, options.micro_batches)
+        analysis = run_analysis(mb_spec, pr.mesh_shape, graph, grouping)
         layouts.append(StageLayout(
             st.first_layer, st.last_layer, (lo, hi), st.submesh.shape,
-            pr.analysis.mesh_shape, strategies, st.cost.time_s,
+            pr.mesh_shape, strategies, st.cost.time_s,
             st.cost.memory_bytes + in_flight * st.cost.activation_bytes, in_flight,
-            _stage_plan(pr.analysis, (lo, hi), strategies)))
+            _stage_plan(analysis, (lo, hi), strategies)))
     rec = StagesRecord(spec, cluster.name, options.micro_batches, len(units), plan,
-                       tuple(layouts), len(solved), len(pricings), pricing_s, dp_s,
-                       time.perf_counter() - start)
+                       tuple(layouts), len(solved), len(pricings), analysing_s + pricing_s,
+                       dp_s, time.perf_counter() - start, traced_s)
     log.info("stages pass: %.1f s, %d stages priced on %d submeshes", rec.time_s, rec.priced,
              rec.submeshes_analysed)
     return rec
@@ -264,7 +267,7 @@ class _SubmeshPricing:
     the cheapest candidate that fits one micro-batch in flight, evaluated on the stage's own
     blocks and edges: a few solves per submesh rather than one per stage."""
 
-    def __init__(self, spec, cluster, m: Submesh, graph, grouping, options: StageOptions):
+    def __init__(self, spec, cluster, graph, grouping, options: StageOptions, m: Submesh):
         from cfp.passes.analysis import run_analysis
         from cfp.passes.profile import ProfileOptions, run_profile
         from cfp.passes.search import build_problem
@@ -295,6 +298,14 @@ class _SubmeshPricing:
                     if u in owner and owner[u] != owner[op.index]}
         self.crossing = np.array(sorted(crossing), dtype=np.int64).reshape(-1, 4)
         self.candidates = [self._tables(c) for c in self._candidate_plans()]
+        self.mesh_shape, self.num_blocks = a.mesh_shape, len(a.blocks.blocks)
+        self.waiting_cap = self.problem.waiting_cap
+
+    def __getstate__(self) -> dict:
+        """What crosses back from a pool's process: all but the analysis, profile and
+        problem, which pricing a stage no longer reads."""
+        return {k: v for k, v in self.__dict__.items()
+                if k not in ("analysis", "profile", "problem")}
 
     def _candidate_plans(self) -> list[tuple[int, ...]]:
         from cfp.solver import solve_alike
@@ -335,7 +346,7 @@ class _SubmeshPricing:
                 np.array(held), np.array(waiting), edges)
 
     def block_range(self, k: int, i: int) -> tuple[int, int]:
-        n = len(self.analysis.blocks.blocks)
+        n = self.num_blocks
         lo = 0 if k == 0 else self.units[k].start
         hi = n if i == len(self.units) - 1 else self.units[i + 1].start
         return lo, hi
@@ -355,7 +366,7 @@ class _SubmeshPricing:
                 (edges[:, 1] < hi)
             total = int(cost[inside].sum() + edges[within, 2].sum())
             mem = int(memory[inside].sum() + transient_peak(
-                held[inside], transient[inside], waiting[inside], self.problem.waiting_cap))
+                held[inside], transient[inside], waiting[inside], self.waiting_cap))
             budget = self.options.memory_budget_bytes
             if (budget is None or mem <= budget) and (best is None or total < best[0]):
                 best = (total, mem, int(held[inside].sum()), strategies[lo:hi])

@@ -1,0 +1,55 @@
+"""Work that is the same for every mesh, spread over this machine's cores.
+
+The stages pass prices the step on every submesh of a cluster, and ``--mesh auto`` on every
+logical mesh: each mesh's analysis, analytic profile and solve depend on that mesh and on the
+traced step alone. ``map_meshes`` runs them in spawned processes, one per core and never more
+than the meshes, each handed the traced step once. The processes ignore SIGINT: Ctrl-C
+reaches the parent, which cancels what is left and ends them.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+import pickle
+import signal
+from typing import Callable, Sequence
+
+_SHARED: tuple = ()  # in a pool's process: the arguments every call begins with
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def map_meshes(fn: Callable, shared: tuple, items: Sequence, *,
+               processes: int | None = None) -> list:
+    """``[fn(*shared, item) for item in items]``, in that order, on up to ``processes``
+    (default: every core) spawned processes. ``fn`` is a module-level function; an
+    exception it raises is raised here."""
+    n = min(processes or cores(), len(items))
+    if n <= 1:
+        return [fn(*shared, item) for item in items]
+    pool = concurrent.futures.ProcessPoolExecutor(
+        n, mp_context=multiprocessing.get_context("spawn"), initializer=_start,
+        initargs=(pickle.dumps(shared, protocol=pickle.HIGHEST_PROTOCOL),))
+    try:
+        out = list(pool.map(_call, [fn] * len(items), items))
+    except BaseException:  # Ctrl-C, or an item's exception: the rest is not waited for
+        for proc in list((getattr(pool, "_processes", None) or {}).values()):
+            proc.terminate()  # (Python 3.14's ProcessPoolExecutor.terminate_workers)
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+    return out
+
+
+def _start(shared: bytes) -> None:
+    global _SHARED
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _SHARED = pickle.loads(shared)
+
+
+def _call(fn: Callable, item):
+    return fn(*_SHARED, item)
