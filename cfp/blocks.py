@@ -323,14 +323,18 @@ class _Builder:
         runs each layer's forward pass once per micro-batch; each run is the layer's, under
         its strategy."""
         f = self.g.ops[self.seeds[bi]]
-        if self.signature(c) != self.signature(f) or self.computed_from(c, f):
-            return False  # another operator, or a later layer of a stack sharing weights
+        if self.signature(c) != self.signature(f):
+            return False  # another operator
         roots = [(self.root(a), self.root(b)) for a, b in zip(c.inputs[:2], f.inputs[:2])]
         if any(x == y and x in self.state_inputs for x, y in roots):
-            return not any(x != y and {x, y} <= self.state_inputs for x, y in roots)
-        sources = [(self.source_blocks(a), self.source_blocks(b))
-                   for a, b in zip(c.inputs[:2], f.inputs[:2])]
-        return all(x is not None and x == y and x for x, y in sources)
+            alike = not any(x != y and {x, y} <= self.state_inputs for x, y in roots)
+        else:
+            sources = [(self.source_blocks(a), self.source_blocks(b))
+                       for a, b in zip(c.inputs[:2], f.inputs[:2])]
+            alike = all(x is not None and x == y and x for x, y in sources)
+        # Last, as the walk back is the costly test: a later layer of a stack sharing weights
+        # computes from the seed's result.
+        return alike and not self.computed_from(c, f)
 
     @property
     def state_inputs(self) -> set[int]:
