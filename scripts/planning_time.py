@@ -5,7 +5,8 @@ time is taken around its process, and the passes' own split comes from the lines
 with ``-v``: ``profile pass: 12.8 s (running 8.5, compiling 1.9, ...)``, ``search pass: ...``,
 the stage DP line, and the analysis line. ``--before REV`` runs every case first from a git
 worktree of ``REV`` (the same commands, that commit's code), then from this checkout, case by
-case, so that both meet the same machine.
+case, so that both meet the same machine. Each version's cases start with an empty JAX
+compilation cache, but the warm default job, which reuses the cold one's.
 
     python scripts/planning_time.py --before fef4d4a --out scripts/results/<date>-planning-time-cpu
 
@@ -30,8 +31,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_13B = ["--model", "llama", "--config", "13b", "--dtype", "bfloat16", "--batch-size", "8",
              "--seq-len", "1024", "--cluster", "alpa-50x4"]
-CASES = {  # name -> commands, run in order in one work dir
-    "default job": [["--memory-budget", "2"]],
+CASES = {  # name -> commands, run in order in one fresh work dir
+    "default job, cold": [["--memory-budget", "2"]],
+    "default job, warm": [["--memory-budget", "2"]],  # the compilation cache the cold one filled
     "memory-bound (default job within 1.5 MB)": [["--memory-budget", "0.0015"]],
     "stages: LLaMA-2-13B on alpa-50x4": [LLAMA_13B + ["--cost", "model", "--mode", m]
                                          for m in ("analysis", "profile", "stages")],
@@ -56,13 +58,16 @@ def worktree(rev: str) -> Path:
     return path
 
 
-def run_case(tree: Path, commands: list[list[str]]) -> list[tuple[str, str, str, float]]:
-    """(command, pass, phase, seconds) rows; phase ``wall`` is the whole process."""
+def run_case(tree: Path, commands: list[list[str]], cache: str
+             ) -> list[tuple[str, str, str, float]]:
+    """(command, pass, phase, seconds) rows; phase ``wall`` is the whole process. ``cache``:
+    the JAX compilation cache directory."""
     rows = []
     env = dict(os.environ, PYTHONPATH=str(tree))
     with tempfile.TemporaryDirectory() as workdir:
         for args in commands:
-            cmd = [sys.executable, "-m", "cfp", *args, "--workdir", workdir, "-v"]
+            cmd = [sys.executable, "-m", "cfp", *args, "--workdir", workdir, "-v",
+                   "--compilation-cache", cache]
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
             wall = time.perf_counter() - t0
@@ -106,12 +111,15 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
+    caches = {}  # (version, case) -> compilation cache: empty, but the warm job's
     for case in args.cases:
         for version, tree in versions:
             if version == "before" and args.before_cases is not None \
                     and case not in args.before_cases:
                 continue
-            for command, name, phase, seconds in run_case(tree, CASES[case]):
+            key = (version, case.replace("warm", "cold"))
+            cache = caches.setdefault(key, tempfile.mkdtemp(prefix="cfp-planning-cache-"))
+            for command, name, phase, seconds in run_case(tree, CASES[case], cache):
                 rows.append({"version": version, "case": case, "command": command,
                              "pass": name, "phase": phase, "seconds": round(seconds, 2)})
                 if phase in ("wall", "total"):
