@@ -10,7 +10,7 @@ trap 'rm -f "$tmp"' EXIT
 status=0
 python3 -m pytest -q cfp_test --durations=15 -p no:cacheprovider 2>&1 | tee "$tmp" || status=$?
 end=$(date +%s)
-{ echo "# $(nproc) cores; $(python3 -c 'import jax; print("jax", jax.__version__)')"
+{ echo "# $(nproc) cores; $(python3 -c 'import cfp, jax; print("jax", jax.__version__)')"
   echo "# wall: $((end - start)) s"
   cat "$tmp"; } > "$out"
 echo "wrote $out (wall $((end - start)) s)"
