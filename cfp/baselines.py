@@ -84,13 +84,18 @@ class BaselinePlan:
 
 
 def input_kinds(analysis) -> list[str]:
-    """'param', 'opt' or 'batch' for every step input, in order."""
-    import jax
-    w = analysis.spec.build()
-    n_p = len(jax.tree_util.tree_leaves(w.abstract_params()))
-    n_b = len(jax.tree_util.tree_leaves(w.abstract_batch()))
-    n = len(analysis.graph.inputs)
-    return ["param"] * n_p + ["opt"] * (n - n_p - n_b) + ["batch"] * n_b
+    """'param', 'opt' or 'batch' for every step input, in order (the workload's abstract
+    parameters traced once per analysis, not once per hand plan)."""
+    from cfp.graph import memo
+
+    def make():
+        import jax
+        w = analysis.spec.build()
+        n_p = len(jax.tree_util.tree_leaves(w.abstract_params()))
+        n_b = len(jax.tree_util.tree_leaves(w.abstract_batch()))
+        n = len(analysis.graph.inputs)
+        return ["param"] * n_p + ["opt"] * (n - n_p - n_b) + ["batch"] * n_b
+    return list(memo(analysis, "input_kinds", make))
 
 
 def _params(graph, kinds) -> set[int]:
