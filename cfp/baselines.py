@@ -98,6 +98,17 @@ def input_kinds(analysis) -> list[str]:
     return list(memo(analysis, "input_kinds", make))
 
 
+def params_and_data(analysis) -> tuple[set[int], dict[int, tuple]]:
+    """``_params`` and ``_data_labels`` of the analysis's graph, computed once per analysis
+    (every hand plan reads them); not to be changed."""
+    from cfp.graph import memo
+
+    def make():
+        kinds = input_kinds(analysis)
+        return _params(analysis.graph, kinds), _data_labels(analysis.graph, kinds)
+    return memo(analysis, "params_and_data", make)
+
+
 def _params(graph, kinds) -> set[int]:
     """Values that are parameters, reached from a parameter input through layout operators,
     slices (one layer of stacked weights) and remat's barriers."""
@@ -231,8 +242,7 @@ def applies(rule: Rule, analysis) -> bool:
     if rule.needs_role is None:
         return True
     g = analysis.graph
-    kinds = input_kinds(analysis)
-    params, data = _params(g, kinds), _data_labels(g, kinds)
+    params, data = params_and_data(analysis)
     return any(static_roles(b, g, params, data)[rule.needs_role]
                for b in analysis.blocks.blocks)
 
@@ -249,7 +259,7 @@ def baseline_plan(rule: Rule, analysis) -> BaselinePlan:
                       if k == "batch" and g.values[v].shape
                       and g.values[v].shape[0] % math.prod(mesh_shape) == 0)
         return BaselinePlan(rule.name, None, Storage(rule.storage, batch))
-    params, data = _params(g, kinds), _data_labels(g, kinds)
+    params, data = params_and_data(analysis)
     chosen: dict[int, Strategy] = {}
     for b in ba.blocks:
         roles = static_roles(b, g, params, data)

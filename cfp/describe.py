@@ -27,10 +27,9 @@ ROLES = ("batch", "experts", "heads", "weight columns", "weight rows", "activati
 
 def loop_roles(analysis) -> list[list[str]]:
     """Per block, per loop dim of its contraction, the role that dim plays."""
-    from cfp.baselines import _data_labels, _params, input_kinds, static_roles
+    from cfp.baselines import params_and_data, static_roles
     g = analysis.graph
-    kinds = input_kinds(analysis)
-    params, data = _params(g, kinds), _data_labels(g, kinds)
+    params, data = params_and_data(analysis)
     out = []
     for b in analysis.blocks.blocks:
         found = static_roles(b, g, params, data)
