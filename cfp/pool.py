@@ -18,17 +18,12 @@ from typing import Callable, Sequence
 _SHARED: tuple = ()  # in a pool's process: the arguments every call begins with
 
 
-def cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def map_meshes(fn: Callable, shared: tuple, items: Sequence, *,
                processes: int | None = None) -> list:
     """``[fn(*shared, item) for item in items]``, in that order, on up to ``processes``
-    (default: every core) spawned processes. ``fn`` is a module-level function; an
+    (default: one per core) spawned processes. ``fn`` is a module-level function; an
     exception it raises is raised here."""
-    n = min(processes or cores(), len(items))
+    n = min(processes or os.cpu_count() or 1, len(items))
     if n <= 1:
         return [fn(*shared, item) for item in items]
     pool = concurrent.futures.ProcessPoolExecutor(
