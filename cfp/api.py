@@ -71,7 +71,9 @@ class Options:
     workdir: str | Path | None = None  # None: profiles/<model>-<config>-<mesh>/
     compilation_cache: str | None = str(DEFAULT_CACHE)  # JAX's persistent cache; None: off
     # profile
-    cost: Literal["measure", "model"] = "measure"  # measure, or price compiled programs
+    # measure, price compiled programs, or (with a cluster of GPUs) "mock": compile for its
+    # GPUs on the one GPU here, time what one of them computes, price the collectives
+    cost: Literal["measure", "model", "mock"] = "measure"
     max_combinations: int = 32  # largest strategy space profiled as one window
     whole_segments: bool = False  # every segment one window, the cheapest combinations
     profile_budget: float | None = None  # seconds for the profile pass; None: no limit
@@ -104,6 +106,22 @@ def _check_choices(options: Options) -> None:
         value = getattr(options, name)
         if allowed and value is not None and value not in allowed:
             raise CfpError(f"{_flag(name)} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+def _check_mock(options: Options) -> None:
+    """``--cost mock`` profiles one mesh of a described node's GPUs on the GPU here."""
+    from cfp.jax_compat import mock_unavailable_reason
+    if options.cluster is None:
+        raise CfpError("--cost mock stands the GPU here for a node of them: give --cluster "
+                       "(h100-8, h200-8, a100-8, or a .json file)")
+    if options.mesh == "auto" or options.mode == "stages":
+        raise CfpError("--cost mock profiles the windows of one mesh: give --mesh (or leave "
+                       "it out) with --mode analysis, profile or search")
+    if options.num_processes > 1:
+        raise CfpError("--cost mock runs in one process, on one GPU")
+    why = mock_unavailable_reason()
+    if why is not None:
+        raise CfpError(f"--cost mock times programs on a GPU here, and {why}")
 
 
 def _flag(field: str) -> str:
@@ -311,6 +329,8 @@ def _options(options) -> RunOptions:
     if options.cluster is not None and options.num_processes > 1:
         raise CfpError("--cluster plans without running anything: run it in one process "
                        "(without --num-processes)")
+    if options.cost == "mock":
+        _check_mock(options)
     if options.cluster is not None:
         from cfp.cluster import load_cluster
         cluster = load_cluster(options.cluster)
@@ -582,7 +602,13 @@ def _run_profile(opts: RunOptions, options) -> None:
     options = dataclasses.replace(_profile_options(opts, options), runtime=opts.runtime)
     if verbose:
         report.say("***********Profiling Pass****************")
-    if opts.cluster is not None:
+    if options.cost == "mock":
+        options = dataclasses.replace(options, cost_model=opts.cluster.cost_model(
+            opts.mesh_shape))
+        report.say(f"profiled for {opts.cluster.name} on the GPU here: each program compiled "
+                   f"for its {opts.num_devices} GPUs (XLA's mock topology), one GPU's share "
+                   f"timed, the collectives priced by the cluster's alpha-beta")
+    elif opts.cluster is not None:
         from cfp.passes.profile import cluster_pricing
         cost_model = opts.cluster.cost_model(opts.mesh_shape)
         cost, why, gpus = cluster_pricing(analysis, options.max_combinations,
@@ -695,7 +721,8 @@ def _predict(opts: RunOptions, options, wd, analysis) -> None:
     from cfp import report
     from cfp.passes.search import predict_plan
     from cfp.plan import make_plan, write_plan
-    tried = [("analytic", None), ("model", opts.cluster.gpu), ("model", None)]
+    tried = ([("mock", None)] if options.cost == "mock" else
+             [("analytic", None), ("model", opts.cluster.gpu), ("model", None)])
     for k, (cost, gpus) in enumerate(tried):  # the profile the last profile pass wrote
         try:
             profile = wd.read_profile(analysis, cost, options.max_combinations,
@@ -711,6 +738,9 @@ def _predict(opts: RunOptions, options, wd, analysis) -> None:
     plan = make_plan(analysis, rec.strategies, storage=rec.storage,
                      source=f"predicted for {opts.cluster.name} ({rec.pricing})")
     plan["memory_per_device"] = report.prediction_memory(rec)
+    plan["predicted_step"] = {"seconds": rec.predicted_s, "pricing": rec.pricing}
+    if rec.pricing == "mock":  # of the seconds, those priced rather than timed here
+        plan["predicted_step"]["priced_seconds"] = rec.priced_s
     write_plan(path, plan)
     report.say(f"wrote {path}")
 

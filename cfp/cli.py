@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "keeps the best")
     m.add_argument("--cluster", default=None,
                    help="plan for a described cluster instead of these devices: a preset "
-                        "(a100-8, h100-8, a100-64, h100-64, alpa-50x4) or a .json file (see "
+                        "(a100-8, h100-8, h200-8, a100-64, h100-64, alpa-50x4) or a .json file (see "
                         "cfp/cluster.py); sets the mesh (its levels), the memory budget and "
                         "the prices; search predicts and runs nothing")
     p.add_argument("--workdir", default=None,
@@ -93,8 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JAX's persistent compilation cache, so reruns and resumed profiles "
                         "do not compile again ('none' turns it off)")
     f = p.add_argument_group("profile")
-    f.add_argument("--cost", choices=("measure", "model"), default="measure",
-                   help="measure on the devices, or price compiled programs analytically")
+    f.add_argument("--cost", choices=("measure", "model", "mock"), default="measure",
+                   help="measure on the devices, or price compiled programs analytically, "
+                        "or (with --cluster, on a machine with one NVIDIA GPU) mock: compile "
+                        "for the cluster's GPUs on this one, time one GPU's share of each "
+                        "program here and price its collectives")
     f.add_argument("--max-combinations", type=int, default=32,
                    help="largest strategy space profiled as one window (with "
                         "--whole-segments: combinations measured per window)")

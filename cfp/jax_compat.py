@@ -179,3 +179,51 @@ def deviceless_gpu_mesh(target_config: str, mesh_shape: tuple[int, ...],
         log.info("no deviceless GPU topology: %s", e)
         return None
     return topologies.make_mesh(topology, tuple(mesh_shape), tuple(axis_names))
+
+
+# XLA's mock GPU topology: one GPU stands for a node of them. Set in a process before its
+# backends start (``mock_gpus``); its number of mocked GPUs, 0 where none.
+_mocked_gpus = 0
+
+
+def mock_gpus(num_gpus: int) -> None:
+    """Before this process's JAX backends start: its one GPU stands for ``num_gpus`` GPUs
+    (``jax_mock_gpu_topology`` ``1 x num_gpus x 1``: one GPU per mocked host; PJRT's
+    ``enable_mock_nccl``). Programs compile for all of them, and running one runs partition
+    0's program on the GPU here, its collectives skipped; autotuning is not sharded across
+    the mocked peers, which never answer (openxla/xla#28959)."""
+    global _mocked_gpus
+    import os
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    if not any("xla_gpu_shard_autotuning" in f for f in flags):
+        flags.append("--xla_gpu_shard_autotuning=false")
+    # as many CPU devices, to compile a program on where its GPU form is unclear
+    flags.append(f"--xla_force_host_platform_device_count={num_gpus}")
+    os.environ["XLA_FLAGS"] = " ".join(flags)
+    jax.config.update("jax_mock_gpu_topology", f"1x{num_gpus}x1")
+    _mocked_gpus = num_gpus
+
+
+def mocked_gpus() -> int:
+    """How many GPUs this process's one GPU stands for (``mock_gpus``); 0: none mocked."""
+    return _mocked_gpus
+
+
+def mock_unavailable_reason() -> str | None:
+    """None where this machine has a GPU for ``mock_gpus`` (an NVIDIA driver, and a CUDA
+    plugin for JAX); else why not, in words. Starts no JAX backend."""
+    import importlib.util
+    import os
+    import pkgutil
+    if not os.path.exists("/proc/driver/nvidia/version"):
+        return "this machine has no NVIDIA GPU (no driver)"
+    try:
+        import jax_plugins
+        plugins = [m.name for m in pkgutil.iter_modules(jax_plugins.__path__)]
+    except ImportError:
+        plugins = []
+    if not any(p.startswith("xla_cuda") for p in plugins) and importlib.util.find_spec(
+            "jaxlib.cuda") is None:
+        return "JAX here has no CUDA plugin (pip install \"jax[cuda12]\")"
+    return None

@@ -73,6 +73,9 @@ class Measurement:
     # median seconds of ``speed_anchor`` over the rounds of this one's batch (NaN: none ran):
     # the profile pass rescales every batch's times to the anchor's median over the profile
     anchor_s: float = float("nan")
+    # of ``time_s``, the seconds priced rather than measured: under mocked GPUs (``--cost
+    # mock``) the program's collectives, which the one GPU here skips
+    priced_s: float = 0.0
 
     def busy(self) -> bool:
         """Whether this was timed while other work ran on the machine's cores."""
@@ -751,8 +754,7 @@ def fit_cost_model(mesh, sizes=(2**12, 2**15, 2**18, 2**21)) -> CostModel:
 
 
 def model_cost(compiled, mesh_shape, cost: CostModel) -> tuple[float, tuple]:
-    """Predicted seconds of a compiled program: roofline compute + alpha-beta collectives.
-    CPU's reduce-scatter (an all-reduce whose result is then sliced) is priced as one."""
+    """Predicted seconds of a compiled program: roofline compute + alpha-beta collectives."""
     text = compiled.as_text()
     analysis = cost_analysis(compiled)
     if analysis:
@@ -764,14 +766,22 @@ def model_cost(compiled, mesh_shape, cost: CostModel) -> tuple[float, tuple]:
     if compute <= 0:
         raise RuntimeError("a compiled program priced at zero compute time: no FLOPs and no "
                            "bytes read from its HLO")
-    colls = collectives(text, mesh_shape)
-    sliced = _sliced_allreduces(text)
+    comm, colls = collectives_cost(text, mesh_shape, cost)
+    return compute + comm, colls
+
+
+def collectives_cost(hlo_text: str, mesh_shape, cost: CostModel) -> tuple[float, tuple]:
+    """Alpha-beta seconds of a compiled program's collectives, and those collectives
+    ``((kind, mesh axes, bytes), ...)``. CPU's reduce-scatter (an all-reduce whose result is
+    then sliced) is priced as one."""
+    colls = collectives(hlo_text, mesh_shape)
+    sliced = _sliced_allreduces(hlo_text)
     comm = 0.0
     for c in colls:
         kind = "reduce-scatter" if c.kind == "all-reduce" and c.line.split("=")[0].strip(
             " %") in sliced else c.kind
         comm += cost.collective_s(kind, c.axes, c.bytes, mesh_shape)
-    return compute + comm, tuple((c.kind, c.axes, c.bytes) for c in colls)
+    return comm, tuple((c.kind, c.axes, c.bytes) for c in colls)
 
 
 def _sliced_allreduces(text: str) -> set[str]:

@@ -69,8 +69,10 @@ def join(runtime: Runtime, generation: int) -> None:
 
 
 def processes() -> int:
+    """The processes of the runtime; 1 under mocked GPUs, whose other hosts are not there."""
     import jax
-    return jax.process_count()
+    from cfp.jax_compat import mocked_gpus
+    return 1 if mocked_gpus() else jax.process_count()
 
 
 def _collective(fn, *args):
@@ -114,10 +116,12 @@ def slowest(seconds: float) -> float:
 
 def put(host_value, sharding):
     """A global array laid out by ``sharding`` from a value every process holds whole: each
-    process places the shards of its own devices (``jax.make_array_from_callback``)."""
+    process places the shards of its own devices (``jax.make_array_from_callback``), as one
+    process under mocked GPUs places those of its one GPU."""
     import jax
     import numpy as np
-    if processes() == 1 or not isinstance(host_value, np.ndarray):
+    if not isinstance(host_value, np.ndarray) or (processes() == 1
+                                                   and sharding.is_fully_addressable):
         return jax.device_put(host_value, sharding)
     return jax.make_array_from_callback(host_value.shape, sharding, lambda idx: host_value[idx])
 

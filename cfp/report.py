@@ -261,7 +261,7 @@ def profile_console(rec, model_space_log10: float, verbose: bool = False) -> Non
         phases_console("profile", rec.time_s, rec.phase_s)
     by_status = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
     say(f"profile: {sum(counts.values())} combinations of {len(rec.window_profiles)} window "
-        f"types ({by_status}), {len(rec.reshard_interval_s)} reshardings; compiled in this "
+        f"types ({by_status}), {len(rec.reshard_s)} reshardings; compiled in this "
         f"run: {rec.compiled} ({rec.time_s:.1f} s)")
     busy = rec.busy_window_types()
     if busy:
@@ -590,7 +590,9 @@ def prediction_memory(rec) -> dict:
 def prediction_console(rec, cluster) -> None:
     """A plan predicted for a described cluster: nothing of it ran."""
     how = {"model": "compile-only programs priced by the cost model",
-           "analytic": "priced from the analysis, nothing compiled"}[rec.pricing]
+           "analytic": "priced from the analysis, nothing compiled",
+           "mock": "compiled for the cluster's GPUs on the GPU here, one GPU's share of "
+                   "each program timed on it, collectives priced"}[rec.pricing]
     say(f"cluster {cluster.describe()}")
     say(f"mesh {'x'.join(map(str, rec.mesh_shape))}; profile {how}")
     say(f"solver: {rec.solver_status} in {rec.solve_s:.2f} s")
@@ -598,6 +600,10 @@ def prediction_console(rec, cluster) -> None:
     say(f"predicted step time: {rec.predicted_s * 1e3:.3f} ms; "
         f"{rec.step_flops / rec.predicted_s / math.prod(rec.mesh_shape) / 1e12:.4g} TFLOP/s "
         f"per device")
+    if rec.pricing == "mock":
+        say(f"  of it measured on the GPU here (one GPU's share of each window): "
+            f"{(rec.predicted_s - rec.priced_s) * 1e3:.3f} ms; priced (collectives and "
+            f"reshardings, by the cluster's alpha-beta): {rec.priced_s * 1e3:.3f} ms")
     budget = rec.memory_budget_bytes or cluster.memory_per_device_bytes
     composed = f"{rec.memory_bytes / 2**30:.3f} GB composed from {rec.memory_source}"
     if rec.compiled_peak_bytes is not None:

@@ -268,14 +268,15 @@ def record_files(workdir: Path) -> list[Path]:
 
 def write_profile_csv(path: Path, rec) -> None:
     """One row per measured combination of every window type; times on the profile's one
-    scale (``ProfileRecord.anchor_s``), ``batch_anchor_s`` the anchor's time in its batch."""
+    scale (``ProfileRecord.anchor_s``), ``batch_anchor_s`` the anchor's time in its batch;
+    ``priced_s`` the part of the time priced, not timed (``--cost mock``'s collectives)."""
     rows = []
     for k, seg in sorted(rec.window_profiles.items()):
         for combo, m in sorted(seg.results.items()):
             rows.append({"window_type": k, "combination": " ".join(map(str, combo)),
                          "status": m.status, "time_median_s": m.time_s,
                          "time_min_s": m.time_min_s, "time_max_s": m.time_max_s,
-                         "runs": m.runs, "others_cpu_share": m.others_cpu_share,
+                         "priced_s": m.priced_s, "runs": m.runs, "others_cpu_share": m.others_cpu_share,
                          "stolen_cpu_share": m.stolen_cpu_share,
                          "busy": m.busy(), "batch_anchor_s": m.anchor_s,
                          "memory_gb": m.peak_bytes / 2**30,

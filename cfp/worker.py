@@ -47,10 +47,12 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class WorkerOptions:
-    cost: str  # "measure" | "model"
+    # "measure" | "model" | "mock": timed on this one GPU standing for the mesh's GPUs
+    # (``cfp.jax_compat.mock_gpus``), each program's collectives priced by ``cost_model``
+    cost: str
     memory_budget_bytes: int  # per device; a combination whose compiled peak exceeds it is oom
     batch: int  # combinations compiled before timing
-    cost_model: object | None = None  # cfp.measure.CostModel for cost == "model"
+    cost_model: object | None = None  # cfp.measure.CostModel for cost == "model" or "mock"
     compilation_cache: str | None = None  # JAX's persistent compilation cache directory
     runtime: multihost.Runtime | None = None  # the processes measured across, when several
     # cost == "model" only: the GPUs (``cfp.gpu_compile.GPUS``) the programs are compiled for,
@@ -275,14 +277,18 @@ def _main(conn, generation: int = 0, parent_pid: int | None = None):
     _exit_with_parent(parent_pid or os.getppid())
     analysis, options = conn.recv()
     phases = Phases()
+    if options.cost == "mock":  # before JAX's backends start
+        from cfp.jax_compat import mock_gpus
+        mock_gpus(math.prod(analysis.mesh_shape))
     try:
         if options.runtime is not None:
             conn.send(("joining", _quiet_log(options.runtime, generation)))
             multihost.join(options.runtime, generation)
         from cfp.jax_compat import enable_compilation_cache
-        if options.compile_for is None:  # a program compiled for absent GPUs cannot be
-            enable_compilation_cache(options.compilation_cache)  # loaded back from the cache
-        state = _setup(analysis, phases, options.compile_for)
+        if options.compile_for is None and options.cost != "mock":  # a program compiled
+            enable_compilation_cache(options.compilation_cache)  # for absent GPUs cannot
+        state = _setup(analysis, phases, options.compile_for)  # be loaded back from it
+        state["cost_model"] = options.cost_model if options.cost == "mock" else None
         state["phases"] = phases
         conn.send(("ready", (state["overhead"],
                              tuple(int(d.id) for d in state["mesh"].devices.flat),
@@ -383,10 +389,24 @@ def _setup(analysis, phases: Phases, compile_for: str | None = None):
         if len(jax.devices()) >= math.prod(analysis.mesh_shape):  # to check collectives on
             cpu_mesh = analysis.mesh()
     else:
+        import jax
+        from cfp.jax_compat import mocked_gpus
+        if mocked_gpus() and (jax.devices()[0].platform != "gpu"
+                              or len(jax.devices()) != mocked_gpus()):
+            raise CfpError(f"--cost mock needs a GPU to stand for {mocked_gpus()} GPUs; JAX "
+                           f"here has {len(jax.devices())} {jax.devices()[0].platform} "
+                           f"devices")
         with phases("running"):
             mesh = analysis.mesh()
             overhead = launch_overhead(mesh)
             anchor = speed_anchor(mesh)
+        cpus = jax.devices("cpu") if mocked_gpus() else []
+        if len(cpus) >= math.prod(analysis.mesh_shape):  # to check collectives on, as above
+            import numpy as np
+            from cfp.jax_compat import auto_axis_types
+            cpu_mesh = jax.sharding.Mesh(
+                np.array(cpus[:len(mesh.devices.flat)]).reshape(mesh.devices.shape),
+                mesh.axis_names, **auto_axis_types(len(mesh.axis_names)))
     return {"analysis": analysis, "program": program, "mesh": mesh, "overhead": overhead,
             "anchor": anchor, "inputs": {}, "programs": {},
             "cpu_mesh": cpu_mesh}
@@ -407,7 +427,7 @@ def _measure_window(conn, state, options: WorkerOptions, window, combos, best_s,
         check_wp = cpu and WindowProgram(state["program"], state["analysis"], window, cpu)
         if window.type not in state["inputs"]:  # priced programs need no data
             state["inputs"] = {window.type: valid_inputs(wp.graph, wp.sub, seed=window.type)
-                               if options.cost == "measure" else None}
+                               if options.cost in ("measure", "mock") else None}
             state["programs"] = {}  # normalised program -> (combination, its measurement)
     host_inputs = state["inputs"][window.type]
     cores = os.cpu_count() or 1
@@ -536,7 +556,7 @@ def _run(state, runnable, host_inputs, best_s) -> list[Measurement]:
     ``run_error`` or ``oom``), then the rest timed in interleaved rounds against the speed
     anchor (``measure.time_rounds``), the launch overhead subtracted."""
     import jax
-    from cfp.measure import CpuShare, Fresh, time_rounds
+    from cfp.measure import CpuShare, Fresh, collectives_cost, time_rounds
     out, programs = {}, []
     for k, (combo, got) in enumerate(runnable):
         exe, shardings, compile_s, mem, colls, _, _ = got
@@ -558,20 +578,26 @@ def _run(state, runnable, host_inputs, best_s) -> list[Measurement]:
                                       best_s=best_s, warmup=0, anchor=state["anchor"],
                                       overhead_s=state["overhead"])
     others, stolen = cpu.share()
-    for (k, got, _, _), (times, early) in zip(programs, timed):
+    for (k, got, exe, _), (times, early) in zip(programs, timed):
         _, _, compile_s, mem, colls, _, _ = got
+        priced = 0.0
+        if state.get("cost_model") is not None:  # mocked GPUs: the collectives were skipped
+            priced = collectives_cost(exe.as_text(), tuple(state["mesh"].devices.shape),
+                                      state["cost_model"])[0]
         out[k] = Measurement(
-            "ok", statistics.median(times), min(times), max(times), len(times), compile_s,
-            collectives=colls, note="stopped early: 1.5x slower than the best" if early else "",
+            "ok", statistics.median(times) + priced, min(times) + priced, max(times) + priced,
+            len(times), compile_s, collectives=colls,
+            note="stopped early: 1.5x slower than the best" if early else "",
             others_cpu_share=others, stolen_cpu_share=stolen,
-            anchor_s=statistics.median(anchor_times[:len(times)]), **mem)
+            anchor_s=statistics.median(anchor_times[:len(times)]), priced_s=priced, **mem)
     return [out[k] for k in range(len(runnable))]
 
 
 def _measure_reshards(state, options, items):
     """Per resharding ``(seconds, interval low, interval high)``: timed after the op
     producing its value (``measure.time_in_context``), or with ``cost == "model"`` priced
-    from its compiled collectives; ``None`` where XLA could not compile or run it (on any
+    from its compiled collectives (so too under mocked GPUs, whose GPU here skips them, and a
+    resharding is all collectives); ``None`` where XLA could not compile or run it (on any
     process). The batch compiles in threads (XLA releases the GIL), then each is timed with
     nothing else running."""
     import numpy as np
@@ -579,8 +605,9 @@ def _measure_reshards(state, options, items):
     from cfp.jax_compat import to_dtype
     from cfp.measure import model_cost, time_in_context
     mesh = state["mesh"]
+    priced = options.cost in ("model", "mock")
     producers = state.setdefault("producers", {})  # (shape, dtype, src) -> compiled
-    wanted = [] if options.cost == "model" else [  # the reshardings are timed against them
+    wanted = [] if priced else [  # the reshardings are timed against them
         key for key in dict.fromkeys(k[:3] for k in items) if key not in producers]
     done = compile_reshards(mesh, list(items) + [key + (key[2],) for key in wanted])
     compiled = done[:len(items)]
@@ -589,10 +616,10 @@ def _measure_reshards(state, options, items):
     for key, with_reshard in zip(items, compiled):
         shape, dtype, src, _ = key
         producer = producers.get(key[:3])
-        runs = with_reshard is not None and (options.cost == "model" or producer is not None)
+        runs = with_reshard is not None and (priced or producer is not None)
         if not all(multihost.gather(runs)):
             out[key] = None
-        elif options.cost == "model":  # priced from its collectives: no data needed
+        elif priced:  # priced from its collectives: no data needed
             t = model_cost(with_reshard, tuple(mesh.devices.shape), options.cost_model)[0]
             out[key] = (t, t, t)
         else:

@@ -39,13 +39,15 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class ProfileOptions:
-    cost: Literal["measure", "model", "analytic"] = "measure"
+    # mock: compiled for the cluster's GPUs on the one GPU here (``cfp.jax_compat.mock_gpus``),
+    # partition 0 timed on it, the collectives it skips priced by ``cost_model``
+    cost: Literal["measure", "model", "analytic", "mock"] = "measure"
     max_combinations: int = 32  # per window; larger segments are split into windows
     whole_segments: bool = False  # one window per segment, measured in part (cfp.ranking)
     budget_s: float | None = None  # wall-clock budget of the whole pass; the rest not_measured
     memory_budget_bytes: int = 2**62  # per device; over it a combination is recorded oom
     batch: int = 16  # at most this many combinations compiled, then timed together
-    cost_model: CostModel | None = None  # for cost == "model" or "analytic"
+    cost_model: CostModel | None = None  # for cost == "model", "analytic" or "mock"
     compilation_cache: str | None = None  # JAX's persistent compilation cache directory
     runtime: object = None  # cfp.multihost.Runtime: measure across these processes' devices
     # cost == "model": the GPUs the programs are compiled for (``cfp.gpu_compile``), described,
@@ -98,6 +100,8 @@ class ProfileRecord:
         from cfp.gpu_compile import label
         if self.cost == "analytic":
             return "the analysis (nothing compiled)"
+        if self.cost == "mock":
+            return "windows compiled on the GPU here for the mocked GPUs"
         if self.compiled_for is not None:
             return f"windows compiled for {label(self.compiled_for)}"
         return f"windows compiled on {self.platform.upper()}"
@@ -208,9 +212,10 @@ def on_one_scale(window_profiles: dict) -> tuple[dict, float]:
     def rescaled(m: Measurement) -> Measurement:
         if not m.anchor_s > 0:
             return m
-        f = scale_s / m.anchor_s
-        return dataclasses.replace(m, time_s=m.time_s * f, time_min_s=m.time_min_s * f,
-                                   time_max_s=m.time_max_s * f)
+        f, p = scale_s / m.anchor_s, m.priced_s  # what was priced ran on no machine
+        return dataclasses.replace(m, time_s=(m.time_s - p) * f + p,
+                                   time_min_s=(m.time_min_s - p) * f + p,
+                                   time_max_s=(m.time_max_s - p) * f + p)
     return {k: dataclasses.replace(p, results={c: rescaled(m) for c, m in p.results.items()})
             for k, p in window_profiles.items()}, scale_s
 

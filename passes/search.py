@@ -554,6 +554,9 @@ class Prediction:
     # device (None: not compiled), and those GPUs
     compiled_peak_bytes: int | None = None
     compiled_for: str | None = None
+    # of ``predicted_s``, the seconds priced, not measured: under mocked GPUs the windows'
+    # collectives and the reshardings (``priced_seconds``); the rest was timed on the GPU here
+    priced_s: float = 0.0
 
 
 def predict_plan(analysis, profile, memory_budget_bytes: int | None,
@@ -578,7 +581,20 @@ def predict_plan(analysis, profile, memory_budget_bytes: int | None,
                       predicted_seconds(problem, sol.choices, profile.launch_overhead_s),
                       sol.memory, sol.status, sol.solve_s, plan_flops(analysis), profile.cost,
                       memory_budget_bytes, storage, hand, tuple(sol.choices),
-                      profile.memory_source(), peak, profile.compiled_for)
+                      profile.memory_source(), peak, profile.compiled_for,
+                      priced_seconds(analysis, profile, sol.choices)
+                      if profile.cost == "mock" else 0.0)
+
+
+def priced_seconds(analysis, profile, choices) -> float:
+    """Of the step ``choices`` composes from a mocked profile, the seconds priced rather than
+    timed: each window's collectives (``Measurement.priced_s``) and every resharding. The
+    composition of a profile whose windows take only their priced seconds."""
+    results = lambda p: {c: dataclasses.replace(m, time_s=m.priced_s)  # noqa: E731
+                         for c, m in p.results.items()}
+    priced = dataclasses.replace(profile, window_profiles={
+        k: dataclasses.replace(p, results=results(p)) for k, p in profile.window_profiles.items()})
+    return predicted_seconds(build_problem(analysis, priced, None)[0], choices, 0.0)
 
 
 def _compiled_for_gpus(analysis, problem: Problem, profile, sol: Solution,
