@@ -304,8 +304,8 @@ class RunOptions:
 
 def _options(options) -> RunOptions:
     """Every check that needs no device: sizes, mesh against device count, budgets."""
-    from cfp.workloads import (WorkloadSpec, check_mesh, device_order, mesh_from, mesh_text,
-                               parse_mesh)
+    from cfp.mesh import check_mesh, device_order, mesh_from, mesh_text, parse_mesh
+    from cfp.workloads import WorkloadSpec
     device_ids = None
     if options.mesh is not None and not isinstance(options.mesh, str):  # the user's Mesh
         shape_and_names = mesh_from(options.mesh)
@@ -392,7 +392,7 @@ def _check_devices(opts: RunOptions, options) -> None:
     """The checks that need JAX's devices (none compiles anything): the mesh fits them, and
     search on CPU has a memory budget."""
     import jax
-    from cfp.workloads import make_mesh
+    from cfp.mesh import make_mesh
     if opts.cluster is not None:
         return  # planned, not run: analysis and analytic pricing need no devices
     if opts.runtime is not None:  # the global mesh exists only in the workers' runtime
@@ -412,7 +412,7 @@ def _default_workdir(opts: RunOptions) -> Path:
     """profiles/<model>-<config>[-overrides][-b<batch>]-<mesh>[-devices-<digest of the user's
     mesh's device order>], from the flags as given."""
     import hashlib
-    from cfp.workloads import mesh_text
+    from cfp.mesh import mesh_text
     spec = opts.spec
     if spec.config is None and ":" not in spec.model:
         spec = dataclasses.replace(spec, config="tiny")
@@ -537,7 +537,7 @@ def _memory_budget_bytes(options, opts: RunOptions, *, required: bool = False) -
 def _cost_model(options, mesh_shape, device_ids=None):
     from cfp.measure import DEVICE_PRESETS, CostModel, fit_cost_model
     if options.device_preset == "here":
-        from cfp.workloads import make_mesh
+        from cfp.mesh import make_mesh
         fitted = fit_cost_model(make_mesh(mesh_shape, device_ids=device_ids))
         from cfp import report
         report.say(f"fitted here: alpha {fitted.alpha} s, beta {fitted.beta} s/B, "

@@ -36,7 +36,7 @@ from pathlib import Path
 from cfp import dims as dimrules
 from cfp.errors import CfpError
 from cfp.strategies import Strategy, op_loop_dims, strategy_name
-from cfp.workloads import AXIS_NAMES
+from cfp.mesh import AXIS_NAMES
 
 RULES_DIR = Path(__file__).parent / "baseline_rules"
 ROLES = ("data", "expert", "weight_out", "weight_in", "follow")

@@ -84,7 +84,7 @@ def _segment_text(splits: list[dict[str, list[str]]], axis_names) -> str:
 
 def axis_names_of(analysis) -> tuple[str, ...]:
     """The mesh's axis names, as the plan speaks them."""
-    from cfp.workloads import AXIS_NAMES
+    from cfp.mesh import AXIS_NAMES
     return tuple(getattr(analysis, "mesh_axes", None) or AXIS_NAMES[:len(analysis.mesh_shape)])
 
 

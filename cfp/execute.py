@@ -16,8 +16,7 @@ import numpy as np
 
 from cfp import dims as dimrules
 from cfp.jax_compat import dtype_name, is_key, to_dtype
-from cfp.sharding import (STATE_LAYOUTS, block_constraints, split_rest, state_specs,
-                           step_function)
+from cfp.sharding import STATE_LAYOUTS, block_constraints, state_specs, step_function
 from cfp.strategies import Strategy
 
 
@@ -331,7 +330,7 @@ def step_values(workload, analysis, strategies, mesh, storage=None, values=(), *
     import jax
     from cfp.multihost import put, to_host
     from cfp.sharding import SubProgram, sub_function
-    from cfp.workloads import trace_step
+    from cfp.tracing import trace_step
     from jax.sharding import NamedSharding, PartitionSpec
     program, g = program or trace_step(workload), analysis.graph
     host = real_inputs(workload) if host is None else host
@@ -354,7 +353,7 @@ _LAST: dict = {}  # the last step run on one device: its inputs and checked valu
 def reference_run(workload, analysis, program=None) -> tuple[list, list]:
     """(``real_inputs``, the checked values on one device) of the analysed step, made once
     per step in a process: the profile's check, search's runs and its check share them."""
-    from cfp.workloads import trace_step
+    from cfp.tracing import trace_step
     values = tuple(v for v, _ in checked_values(analysis))
     key = (analysis.spec, analysis.graph.fingerprint(), values)
     if key not in _LAST:
@@ -368,7 +367,7 @@ def reference_run(workload, analysis, program=None) -> tuple[list, list]:
 def compare_numerics(workload, analysis, strategies, mesh, storage=None, *,
                      program=None) -> Numerics:
     """The step's checked values (``checked_values``) under the plan against one device's."""
-    from cfp.workloads import trace_step
+    from cfp.tracing import trace_step
     program = program or trace_step(workload)
     host, want = reference_run(workload, analysis, program)
     checked = checked_values(analysis)

@@ -4,8 +4,7 @@ On the CPU backend a device's buffers come from the process heap. glibc hands a 
 larger than its mmap threshold (which grows to at most 32 MB) back to the operating system,
 so a program whose temporaries exceed it faults their pages in again on every run, its
 device threads contending for the kernel's memory map, and whether a program crosses the
-threshold is an accident of its size (``scripts/diagnostics/step_vs_windows.py --heap-as-is``
-shows what it costs). Accelerator runtimes pool device memory instead. So every process
+threshold is an accident of its size. Accelerator runtimes pool device memory instead. So every process
 that times programs runs with the threshold raised and trimming off (``POOLED``); glibc
 reads these once, when the process starts.
 """

@@ -84,7 +84,7 @@ class Measurement:
 
 # Over this share of the cores taken by others while a batch is timed, its times read high:
 # one other JAX process on 8 virtual devices takes about half of 2 cores and slows a program
-# 1.5x; an idle machine leaves a few percent to daemons (scripts/diagnostics/busy_machine.py).
+# 1.5x; an idle machine leaves a few percent to daemons.
 BUSY_SHARE = 0.15
 
 
@@ -796,7 +796,7 @@ def _sliced_allreduces(text: str) -> set[str]:
 def fit_cost_model_for(mesh_shape, device_ids=None) -> CostModel:
     """``fit_cost_model`` on a mesh of this shape over JAX's devices, or those of
     ``device_ids`` in that order (run in the worker)."""
-    from cfp.workloads import make_mesh
+    from cfp.mesh import make_mesh
     return fit_cost_model(make_mesh(tuple(mesh_shape), device_ids=device_ids))
 
 

@@ -90,7 +90,7 @@ def make_plan(analysis, strategies, *, in_specs=None, out_specs=None, source: st
     update it constrains to the split layout it names."""
     import jax
     from cfp.execute import plan_specs
-    from cfp.workloads import AXIS_NAMES
+    from cfp.mesh import AXIS_NAMES
     g, blocks = analysis.graph, analysis.blocks.blocks
     ours = AXIS_NAMES[:len(analysis.mesh_shape)]  # the axes cfp measured on, m0, m1, ...
     ins, outs, op_constraints = plan_specs(analysis, strategies, ours, storage)
@@ -160,7 +160,7 @@ def load_plan(path) -> dict:
 def mesh_of(plan: dict):
     """The plan's mesh over the devices it was measured on in that order (JAX's first devices
     when it names none), with its axis names (Auto axis types)."""
-    from cfp.workloads import make_mesh
+    from cfp.mesh import make_mesh
     devices = plan["mesh"].get("devices")
     return make_mesh(tuple(plan["mesh"]["shape"]), tuple(plan["mesh"]["axes"]),
                      None if devices is None else tuple(devices))

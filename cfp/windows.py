@@ -417,16 +417,14 @@ class MemoryTerms:
     labels), its forward readers' in the window, its backward readers' in the window). It is
     held in the producer's layout, unless a backward reader wants a layout that a forward
     reader wanted too: XLA then keeps the forward pass's copy (an all-gather's result, say)
-    instead of gathering again, and the larger layout counts
-    (``scripts/diagnostics/memory_gap.py``).
+    instead of gathering again, and the larger layout counts.
 
     A gathered residual is (value, its producer's (position, labels), its backward readers'
     in the window): a forward result the held set leaves to recomputation (a cheap
     elementwise op's) that the backward pass reads. Where a backward reader wants it in a
     larger layout than its producer makes, it is held in the largest such layout: a backward
     fusion cannot recompute past the all-gather, and XLA keeps the gathered copy from the
-    forward pass to the backward (``scripts/diagnostics/memory_gap.py`` lists these at the
-    compiled peak).
+    forward pass to the backward.
     Otherwise it is recomputed and counts nothing.
 
     A table is a parameter that a gather reads in the forward pass (an embedding). Its

@@ -368,7 +368,7 @@ def _quiet_log(runtime, generation: int) -> str:
 
 def _setup(analysis, phases: Phases, compile_for: str | None = None):
     from cfp.measure import launch_overhead, speed_anchor
-    from cfp.workloads import trace_step
+    from cfp.tracing import trace_step
     with phases("tracing"):
         program = trace_step(analysis.spec.build())
         if program.graph().fingerprint() != analysis.graph.fingerprint():
@@ -382,7 +382,7 @@ def _setup(analysis, phases: Phases, compile_for: str | None = None):
     cpu_mesh = None
     if compile_for is not None:  # nothing runs: the programs are compiled for those GPUs
         from cfp.gpu_compile import gpu_mesh
-        from cfp.workloads import AXIS_NAMES
+        from cfp.mesh import AXIS_NAMES
         mesh = gpu_mesh(compile_for, analysis.mesh_shape, AXIS_NAMES[:len(analysis.mesh_shape)])
         overhead, anchor = 0.0, None
         import jax

@@ -3,7 +3,7 @@ import functools
 
 from cfp.blocks import build_blocks
 from cfp.models import get_workload
-from cfp.workloads import trace_step
+from cfp.tracing import trace_step
 
 
 @functools.lru_cache(maxsize=None)

@@ -6,7 +6,8 @@ from cfp.cli import main
 from cfp.execute import check_numerics
 from cfp.passes.analysis import run_analysis
 from helpers import assert_loop_matches, assert_users_loop, run_loop
-from cfp.workloads import WorkloadSpec, make_mesh
+from cfp.mesh import make_mesh
+from cfp.workloads import WorkloadSpec
 
 
 def test_users_own_step_and_optimizer_through_three_passes(tmp_path, capsys):

@@ -12,7 +12,9 @@ from cfp.errors import CfpError
 from cfp.execute import PlannedStep, check_numerics
 from cfp.measure import memory_of
 from cfp.sharding import collectives
-from cfp.workloads import WorkloadSpec, make_mesh, trace_step
+from cfp.mesh import make_mesh
+from cfp.tracing import trace_step
+from cfp.workloads import WorkloadSpec
 from cfp.passes.analysis import run_analysis
 
 GPT = (("num_layers", 2), ("num_heads", 8))  # 8 heads: Megatron splits them 8 ways

@@ -5,7 +5,8 @@ import pytest
 
 import zoo_extra
 from cfp.blocks import build_blocks
-from cfp.workloads import make_mesh, trace_step
+from cfp.mesh import make_mesh
+from cfp.tracing import trace_step
 from cfp.sharding import unexpected_collectives
 from helpers import blocks_of
 
@@ -187,7 +188,8 @@ def test_a_combined_all_reduce_is_read_by_the_operators_its_metadata_lists(monke
     from cfp.measure import WindowProgram
     from cfp.passes.analysis import run_analysis
     from cfp.windows import split_windows
-    from cfp.workloads import WorkloadSpec, trace_step
+    from cfp.tracing import trace_step
+    from cfp.workloads import WorkloadSpec
     spec = WorkloadSpec("gpt", "tiny", None, "float32",
                         (("num_layers", 2), ("hidden_size", 256), ("seq_len", 128),
                          ("num_heads", 8))).resolved()

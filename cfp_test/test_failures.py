@@ -190,8 +190,7 @@ def test_a_window_type_is_timed_in_batches_of_even_size():
 def test_timings_taken_on_a_busy_machine_are_told(capsys):
     """Every timed combination carries the share of the cores other processes took while it
     was timed; one over ``BUSY_SHARE`` is reported as timed on a busy machine, naming its
-    window type (the same record under the threshold reports nothing). That the share sees a
-    real contender is measured by scripts/diagnostics/busy_machine.py."""
+    window type (the same record under the threshold reports nothing)."""
     import dataclasses
     import math
     from cfp import report

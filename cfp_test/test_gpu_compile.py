@@ -92,7 +92,7 @@ def test_a_bf16_window_compiled_for_gpus_holds_less_than_compiled_on_cpu():
     import math
     from cfp.measure import WindowProgram
     from cfp.windows import split_windows
-    from cfp.workloads import trace_step
+    from cfp.tracing import trace_step
     spec = WorkloadSpec("gpt", "tiny", None, "bfloat16", (("num_layers", 2),)).resolved()
     analysis = run_analysis(spec, (8,))
     windows, reps = split_windows(analysis, 32)

@@ -757,7 +757,7 @@ def test_who_raised_is_told_by_the_innermost_frame_not_jax_s_or_python_s(where, 
     import os
     import sysconfig
     import cfp
-    from cfp.workloads import _raised_outside_cfp
+    from cfp.tracing import _raised_outside_cfp
     files = {"installed": os.path.join(sysconfig.get_paths()["purelib"], "mypkg", "model.py"),
              "cfp": os.path.join(os.path.dirname(cfp.__file__), "blocks.py"),
              "python": os.path.join(sysconfig.get_paths()["stdlib"], "functools.py")}

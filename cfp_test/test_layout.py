@@ -103,3 +103,30 @@ def test_every_results_file_is_in_the_index(tmp_path):
     (tmp_path / "a.csv").write_text("x")
     (tmp_path / "new.csv").write_text("x")
     assert unindexed_results(tmp_path) == (["new.csv"], ["gone.csv"])
+
+
+SCRIPT_LINES_MAX = 3000
+
+
+def unnamed_scripts(scripts: Path) -> list[str]:
+    """The files under ``scripts`` (its results aside) that its README.md does not name."""
+    readme = (scripts / "README.md").read_text() if (scripts / "README.md").exists() else ""
+    return sorted(str(p.relative_to(scripts)) for p in scripts.rglob("*")
+                  if p.is_file() and "results" not in p.relative_to(scripts).parts
+                  and p.name != "README.md" and "__pycache__" not in p.parts
+                  and str(p.relative_to(scripts)) not in readme)
+
+
+def test_scripts_are_few_and_each_is_named(tmp_path):
+    """scripts/ holds the drivers, the benchmarks and what the README quotes, each named in
+    scripts/README.md, under SCRIPT_LINES_MAX lines in all. Control: an unnamed file is
+    found, and a named one is not."""
+    scripts = ROOT / "scripts"
+    code = [p for p in scripts.rglob("*") if p.suffix in (".py", ".sh")
+            and "results" not in p.relative_to(scripts).parts]
+    assert sum(len(p.read_text().splitlines()) for p in code) < SCRIPT_LINES_MAX
+    assert unnamed_scripts(scripts) == []
+    (tmp_path / "README.md").write_text("| `named.py` | what it writes |\n")
+    (tmp_path / "named.py").write_text("")
+    (tmp_path / "stray.py").write_text("")
+    assert unnamed_scripts(tmp_path) == ["stray.py"]

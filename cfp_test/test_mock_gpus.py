@@ -19,7 +19,8 @@ from cfp.measure import CostModel, Measurement, collectives_cost
 from cfp.passes.analysis import run_analysis
 from cfp.passes.profile import ProfileOptions, on_one_scale, run_profile
 from cfp.passes.search import build_problem, predict_plan, predicted_seconds, priced_seconds
-from cfp.workloads import WorkloadSpec, make_mesh
+from cfp.mesh import make_mesh
+from cfp.workloads import WorkloadSpec
 
 no_gpu = pytest.mark.skipif(mock_unavailable_reason() is None, reason="a GPU is here")
 

@@ -11,7 +11,9 @@ from cfp.measure import CostModel, WindowProgram, model_cost
 from cfp.records import read_record, write_record
 from cfp.sharding import collectives, sub_function
 from cfp.windows import Window, split_windows
-from cfp.workloads import WorkloadSpec, make_mesh, trace_step
+from cfp.mesh import make_mesh
+from cfp.tracing import trace_step
+from cfp.workloads import WorkloadSpec
 from cfp.passes.analysis import run_analysis
 from cfp.workdir import WINDOW_FORMAT
 

@@ -13,7 +13,9 @@ from cfp import blocks as blockrules
 from cfp import graph as graphrules
 from cfp.blocks import build_blocks
 from cfp.segments import find_segments
-from cfp.workloads import WorkloadSpec, make_mesh, trace_step
+from cfp.mesh import make_mesh
+from cfp.tracing import trace_step
+from cfp.workloads import WorkloadSpec
 
 
 def segment_types(model: str, recipe: str, num_layers: int) -> int:

@@ -13,7 +13,9 @@ from cfp.execute import PlannedStep, check_numerics
 from cfp.graph import trace_program
 from cfp.passes.analysis import run_analysis
 from cfp.windows import split_windows, window_space
-from cfp.workloads import WorkloadSpec, make_mesh, trace_step
+from cfp.mesh import make_mesh
+from cfp.tracing import trace_step
+from cfp.workloads import WorkloadSpec
 
 TWINS = [("flax_scan", "flax_unrolled"), ("flax_remat", "flax_unrolled"),
          ("flax_scan_remat", "flax_unrolled"), ("jax_scan", "jax_unrolled"),

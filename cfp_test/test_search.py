@@ -12,7 +12,8 @@ from cfp.baselines import baseline_plan, load_rules
 from cfp.plan import load_plan, shardings
 from cfp.records import read_record
 from cfp.workdir import SEARCH_FORMAT
-from cfp.workloads import WorkloadSpec, make_mesh
+from cfp.mesh import make_mesh
+from cfp.workloads import WorkloadSpec
 from cfp.passes.analysis import run_analysis
 
 MODELS = [("mlp", {}), ("gpt", {"num_layers": 1}), ("llama", {"num_layers": 1}),

@@ -196,7 +196,7 @@ def test_a_stage_pays_for_what_crosses_to_later_stages():
     from cfp.cluster import load_cluster
     from cfp.passes.search import SCALE
     from cfp.passes.stages import StageOptions, _SubmeshPricing
-    from cfp.workloads import trace_step
+    from cfp.tracing import trace_step
     spec = _gpt(2)
     graph = trace_step(spec.build()).graph()
     pricing = _SubmeshPricing(spec, load_cluster("a100-8"), graph, group_blocks(graph),

@@ -13,7 +13,9 @@ from cfp.measure import WindowProgram, memory_of
 from cfp.passes.analysis import run_analysis
 from cfp.sharding import STATE_LAYOUTS, state_kinds
 from cfp.windows import held_state, split_windows, window_space
-from cfp.workloads import WorkloadSpec, make_mesh, trace_step
+from cfp.mesh import make_mesh
+from cfp.tracing import trace_step
+from cfp.workloads import WorkloadSpec
 
 GPT = (("num_layers", 2), ("num_heads", 8))
 

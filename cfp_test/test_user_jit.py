@@ -16,7 +16,9 @@ from cfp import dims as dimrules
 from cfp.models import adam_init
 from helpers import assert_users_loop
 from cfp.sharding import collectives
-from cfp.workloads import WorkloadSpec, make_mesh, trace_step
+from cfp.mesh import make_mesh
+from cfp.tracing import trace_step
+from cfp.workloads import WorkloadSpec
 
 MODELS = [("users_models:flax_dropout", "adam"), ("users_models:equinox_attention", "adam"),
           ("users_models:optax_attention", "adam"), ("users_models:optax_attention", "adafactor")]

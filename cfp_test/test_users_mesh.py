@@ -12,7 +12,8 @@ from cfp.errors import CfpError
 from cfp.passes.analysis import run_analysis
 from cfp.plan import jit as plan_jit
 from cfp.plan import make_plan, shardings, step_shardings
-from cfp.workloads import WorkloadSpec, mesh_from, parse_mesh
+from cfp.mesh import mesh_from, parse_mesh
+from cfp.workloads import WorkloadSpec
 from helpers import assert_users_loop
 
 NAMES = ("data", "model")

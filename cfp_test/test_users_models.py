@@ -12,7 +12,8 @@ from cfp.execute import check_numerics, example_inputs
 from cfp.models import adam_init
 from cfp.passes.analysis import run_analysis
 from cfp.plan import load_plan
-from cfp.workloads import WorkloadSpec, make_mesh, parse_mesh
+from cfp.mesh import make_mesh, parse_mesh
+from cfp.workloads import WorkloadSpec
 from helpers import assert_users_loop
 
 RESHAPED = ["users_models:equinox_attention", "zoo_extra:reshape_attention",
@@ -146,7 +147,7 @@ def test_the_step_as_users_write_it_plans_and_matches_one_device(model):
     the optimizer state; under the most split plan, three steps in a loop, the state donated
     and fed back, match three on one device."""
     from cfp.execute import PlannedStep
-    from cfp.workloads import trace_step
+    from cfp.tracing import trace_step
     from helpers import assert_loop_matches, planned_loop
     spec = WorkloadSpec(model).resolved()
     a = run_analysis(spec, (2, 4))
@@ -240,7 +241,7 @@ def test_a_state_step_given_wrong_is_one_clear_error():
     import users_models
     from cfp.errors import CfpError
     from cfp.models import user_workload
-    from cfp.workloads import trace_step
+    from cfp.tracing import trace_step
     init_state, make_batch = users_models.train_state_parts()
     bad = user_workload(train_step=users_models.train_state_step,
                         init_state=lambda key: {"w": jnp.ones(2)}, make_batch=make_batch)
@@ -277,7 +278,7 @@ def test_users_models_with_split_state_in_a_loop(model):
     from cfp.execute import PlannedStep, Storage
     from cfp.windows import held_state, split_windows
     from helpers import assert_loop_matches, planned_loop
-    from cfp.workloads import trace_step
+    from cfp.tracing import trace_step
     spec = WorkloadSpec(model, None, None, "float32", ()).resolved()
     a = run_analysis(spec, (8,))
     windows, _ = split_windows(a, 32)

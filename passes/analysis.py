@@ -15,7 +15,9 @@ from cfp.blocks import BlockAnalysis, build_blocks, with_strategies
 from cfp.errors import CfpError
 from cfp.graph import Graph
 from cfp.segments import SegmentAnalysis, find_segments
-from cfp.workloads import AXIS_NAMES, WorkloadSpec, make_mesh, trace_step
+from cfp.mesh import AXIS_NAMES, make_mesh
+from cfp.tracing import trace_step
+from cfp.workloads import WorkloadSpec
 
 @dataclasses.dataclass(frozen=True)
 class AnalysisStats:
@@ -40,7 +42,7 @@ class AnalysisRecord:
     segments: SegmentAnalysis
     stats: AnalysisStats
     mesh_axes: tuple[str, ...]  # the user's names of the mesh axes, m0, m1, ... if none given
-    # the user's mesh's device ids in its order, which cfp measures on (workloads.device_order);
+    # the user's mesh's device ids in its order, which cfp measures on (cfp.mesh.device_order);
     # None: JAX's first devices in order
     device_ids: tuple[int, ...] | None = None
 
@@ -68,7 +70,7 @@ def run_analysis(spec: WorkloadSpec, mesh_shape: tuple[int, ...], graph: Graph |
     meshes), so only the strategies and segments are found again. ``axis_names``: the
     user's names of the mesh axes, which the plan speaks (None: m0, m1, ...); cfp itself
     measures on axes m0, m1, ... of the same shape. ``device_ids``: the user's mesh's devices
-    in its order (``cfp.workloads.device_order``), which the later passes measure on."""
+    in its order (``cfp.mesh.device_order``), which the later passes measure on."""
     start = time.perf_counter()
     workload = spec.build()
     graph = graph or trace_step(workload).graph()

@@ -30,7 +30,7 @@ from typing import Callable, Literal
 from cfp.measure import CostModel, Measurement
 from cfp.phases import Phases
 from cfp.sharding import STATE_LAYOUTS
-from cfp.workloads import AXIS_NAMES
+from cfp.mesh import AXIS_NAMES
 from cfp.windows import Boundary, Window, boundaries, layouts, split_windows, window_space
 from cfp.worker import Worker, WorkerOptions
 
@@ -241,7 +241,7 @@ def _chosen(analysis, windows, reps, options: ProfileOptions, worker, notify,
     profile measures what the first run chose, and ``--cost model`` prices the combinations
     the measured profile holds (its top plan is then one search could compose)."""
     from cfp import ranking
-    from cfp.workloads import AXIS_NAMES
+    from cfp.mesh import AXIS_NAMES
     large = [k for k, rep in enumerate(reps)
              if ranking.space_size(analysis, windows[rep]) > options.max_combinations]
     if not large:
@@ -354,7 +354,7 @@ def _priced(analysis, options: ProfileOptions, windows, reps, start,
     """The profile of ``cost="analytic"``: every combination (of a window too large to
     measure whole, those ``_chosen`` gives) and resharding priced."""
     from cfp import analytic
-    from cfp.workloads import AXIS_NAMES
+    from cfp.mesh import AXIS_NAMES
     names = AXIS_NAMES[:len(analysis.mesh_shape)]
     cost = options.cost_model
     window_profiles = {}
@@ -380,7 +380,7 @@ def _priced(analysis, options: ProfileOptions, windows, reps, start,
 def _priced_reshards(analysis, bounds, cost: CostModel) -> dict:
     """Every resharding the boundaries can need, priced without compiling."""
     from cfp import analytic
-    from cfp.workloads import AXIS_NAMES
+    from cfp.mesh import AXIS_NAMES
     names = AXIS_NAMES[:len(analysis.mesh_shape)]
     return {key: analytic.reshard_s(*key, analysis.mesh_shape, names, cost)
             for key in needed_reshards(bounds, analysis.blocks.blocks, names)}
@@ -433,7 +433,8 @@ def cluster_pricing(analysis, max_combinations: int, *, max_devices: int = 64,
     from cfp.gpu_compile import gpu_mesh, label, needs_nvidia_libraries
     from cfp.jax_compat import no_compilation_cache
     from cfp.measure import WindowProgram
-    from cfp.workloads import AXIS_NAMES, trace_step
+    from cfp.mesh import AXIS_NAMES
+    from cfp.tracing import trace_step
     n = math.prod(analysis.mesh_shape)
     names = AXIS_NAMES[:len(analysis.mesh_shape)]
     if n > max_devices:

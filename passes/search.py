@@ -30,7 +30,7 @@ from cfp.solver import (Group, Option, Problem, Solution, evaluate, least_memory
 from cfp.execute import Storage
 from cfp.sharding import STATE_LAYOUTS
 from cfp.jax_compat import itemsize
-from cfp.workloads import AXIS_NAMES
+from cfp.mesh import AXIS_NAMES
 from cfp.windows import (COMBINED_REDUCTION_BYTES, held_for_backward, held_state,
                          inputs_read_earlier, layouts, memory_terms, option_memory,
                          read_back_across, shard_bytes, state_layout)
@@ -117,7 +117,7 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
     from cfp.execute import checkable, compare_numerics, real_inputs, reference_run
     from cfp.measure import memory_of
     from cfp.multihost import share
-    from cfp.workloads import trace_step
+    from cfp.tracing import trace_step
     start = time.perf_counter()
     phases = Phases()
     with phases("tracing"):
@@ -605,7 +605,7 @@ def _compiled_for_gpus(analysis, problem: Problem, profile, sol: Solution,
     per solve), else the last of them."""
     from cfp.jax_compat import no_compilation_cache
     from cfp.measure import memory_of
-    from cfp.workloads import trace_step
+    from cfp.tracing import trace_step
     if problem.memory_budget is None:
         storage = plan_storage(analysis, problem, profile.windows, sol.choices)
         return sol, compiled_peak_for(analysis, sol.strategies, storage, profile.compiled_for)
@@ -632,7 +632,7 @@ def compiled_peak_for(analysis, strategies, storage, gpu: str | None) -> int | N
     from cfp.execute import PlannedStep
     from cfp.jax_compat import no_compilation_cache
     from cfp.measure import memory_of
-    from cfp.workloads import trace_step
+    from cfp.tracing import trace_step
     step = PlannedStep(trace_step(analysis.spec.build()), analysis, strategies,
                        gpu_mesh_of(analysis, gpu), storage)
     with no_compilation_cache():
@@ -655,7 +655,7 @@ def rank_meshes(spec, cluster, *, max_combinations: int, memory_budget_bytes: in
     from cfp.blocks import group_blocks
     from cfp.cluster import logical_meshes
     from cfp.pool import map_meshes
-    from cfp.workloads import trace_step
+    from cfp.tracing import trace_step
     graph = trace_step(spec.build()).graph()
     grouping = group_blocks(graph)
     out = map_meshes(_mesh_candidate, (spec, cluster, graph, grouping, max_combinations,

@@ -89,7 +89,7 @@ def run_stages(spec, cluster, options: StageOptions) -> StagesRecord:
     from cfp.blocks import group_blocks
     from cfp.pool import map_meshes
     from cfp.stages import submeshes
-    from cfp.workloads import trace_step
+    from cfp.tracing import trace_step
     start = time.perf_counter()
     mb_spec = micro_batch_spec(spec, options.micro_batches)
     graph = trace_step(mb_spec.build()).graph()
@@ -168,7 +168,8 @@ def run_staged(spec, stages, micro_batches: int, *, iters: int = 0):
     from cfp.execute import example_inputs, plan_specs
     from cfp.graph import trace_program
     from cfp.passes.analysis import run_analysis
-    from cfp.workloads import AXIS_NAMES, trace_step
+    from cfp.mesh import AXIS_NAMES
+    from cfp.tracing import trace_step
     mb_spec = micro_batch_spec(spec, micro_batches)
     mb_workload = mb_spec.build()
     params = example_inputs(mb_workload)[0]  # the same values as the step's, its own types

@@ -114,7 +114,8 @@ def hand_plan_peak(name: str, analysis, spec, mesh_shape) -> int:
     from cfp.baselines import applies, baseline_plan, load_rules
     from cfp.execute import PlannedStep
     from cfp.measure import memory_of
-    from cfp.workloads import make_mesh, trace_step
+    from cfp.mesh import make_mesh
+    from cfp.tracing import trace_step
     rule = load_rules()[name]
     if not applies(rule, analysis):
         raise SystemExit(f"benchmark: the hand plan {name} does not apply to {spec.model}")
@@ -279,7 +280,8 @@ def benchmark(a) -> None:
     from cfp.execute import real_inputs, time_interleaved
     from cfp.measure import CpuShare, memory_of
     from cfp.sharding import collectives
-    from cfp.workloads import make_mesh, trace_step
+    from cfp.mesh import make_mesh
+    from cfp.tracing import trace_step
     n_dev = math.prod(mesh_shape)
     t_an, t_pr, t_se = sec["analysis"], sec["profile"], sec["search"]
     t_model = run_cfp(cfp_flags(a) + ["--workdir", str(workdir), "--cost", "model",

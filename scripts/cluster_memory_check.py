@@ -123,7 +123,8 @@ def part_rows(out: str, models: str, meshes: str) -> None:
     from cfp.passes.profile import ProfileOptions, run_profile
     from cfp.passes.search import (baseline_candidates, build_problem, compiled_peak_for,
                                    plan_storage, predict_plan)
-    from cfp.workloads import WorkloadSpec, trace_step
+    from cfp.tracing import trace_step
+    from cfp.workloads import WorkloadSpec
     jax.config.update("jax_enable_compilation_cache", False)  # every program compiled here
     cluster = load_cluster("a100-8")
     rows = []

@@ -72,7 +72,9 @@ def main(argv=None) -> None:
     from cfp.solver import Group, Option, Problem, evaluate
     from cfp.windows import (COMBINED_REDUCTION_BYTES, held_for_backward,
                              inputs_read_earlier, split_windows)
-    from cfp.workloads import WorkloadSpec, make_mesh, trace_step
+    from cfp.mesh import make_mesh
+    from cfp.tracing import trace_step
+    from cfp.workloads import WorkloadSpec
     spec = WorkloadSpec(a.model, a.config, a.batch_size, a.dtype, tuple(
         (k, getattr(a, k)) for k in ("num_layers", "seq_len", "hidden_size", "num_heads",
                                      "vocab_size", "num_experts") if getattr(a, k) is not None)

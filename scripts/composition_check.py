@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def plan_arguments() -> argparse.ArgumentParser:
-    """The options of a check that runs random whole-model plans (also simulator_check.py)."""
+    """The options of a check that runs random whole-model plans."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="gpt")
     ap.add_argument("--config", default="tiny")
@@ -108,7 +108,8 @@ def main() -> None:
     import jax
     from cfp.measure import CpuShare, memory_of
     from cfp.records import read_record
-    from cfp.workloads import make_mesh, run_fingerprint
+    from cfp.mesh import make_mesh
+    from cfp.workloads import run_fingerprint
     from cfp.workdir import ANALYSIS_FORMAT, WorkDir
     from cfp.passes.search import SCALE, build_problem
 
@@ -356,7 +357,7 @@ def random_plan_steps(analysis, problem, mesh, args):
     from cfp.execute import PlannedStep, real_inputs, time_steps
     from cfp.measure import run_once_s, speed_anchor
     from cfp.solver import evaluate
-    from cfp.workloads import trace_step
+    from cfp.tracing import trace_step
     plans = random_plans(problem, args.plans, args.seed)
     workload = analysis.spec.build()
     program, host = trace_step(workload), real_inputs(workload)

@@ -82,7 +82,7 @@ def matmul_peak(n: int) -> float:
 def step_row(model, preset, overrides, batch, peak, ver) -> dict:
     import jax
     from cfp.models import get_workload, adam_init
-    from cfp.workloads import trace_step
+    from cfp.tracing import trace_step
     w = get_workload(model, preset, batch_size=batch, dtype="bfloat16", **overrides)
     flops = float(sum(op.flops for op in trace_step(w).graph().ops))
     params = w.init_params(jax.random.key(0))

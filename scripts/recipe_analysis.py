@@ -25,7 +25,7 @@ def counts(model: str, recipe: str, num_layers: int, mesh_shape=(8,)) -> dict:
     from cfp.blocks import build_blocks
     from cfp.segments import find_segments
     from cfp.windows import split_windows, window_space
-    from cfp.workloads import trace_step
+    from cfp.tracing import trace_step
     import recipes
     graph = trace_step(getattr(recipes, f"{model}_{recipe}")(num_layers=num_layers)).graph()
     blocks = build_blocks(graph, mesh_shape)

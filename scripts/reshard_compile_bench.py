@@ -41,7 +41,8 @@ def main() -> None:
     from cfp.passes.profile import needed_reshards
     from cfp.windows import boundaries, split_windows
     from cfp.worker import compile_reshards
-    from cfp.workloads import WorkloadSpec, make_mesh
+    from cfp.mesh import make_mesh
+    from cfp.workloads import WorkloadSpec
     a = run_analysis(WorkloadSpec("gpt", "tiny", None, "float32", ()).resolved(), (2, 4))
     keys = sorted(needed_reshards(boundaries(a, split_windows(a, 32)[0]), a.blocks.blocks,
                                   ("m0", "m1")), key=repr)

@@ -81,7 +81,8 @@ def counts(num_layers: int, mesh_shape=(2, 4), max_combinations: int = 32) -> di
     from cfp.passes.analysis import run_analysis
     from cfp.passes.profile import needed_reshards
     from cfp.windows import boundaries, split_windows, window_space
-    from cfp.workloads import AXIS_NAMES, WorkloadSpec
+    from cfp.mesh import AXIS_NAMES
+    from cfp.workloads import WorkloadSpec
     spec = WorkloadSpec("t5_segments:hf_t5", None, None, "float32",
                         (("num_layers", num_layers),)).resolved()
     a = run_analysis(spec, mesh_shape)

@@ -50,7 +50,8 @@ def main() -> None:
     from cfp.records import read_record
     from cfp.sharding import collectives
     from cfp.workdir import ANALYSIS_FORMAT
-    from cfp.workloads import make_mesh, trace_step
+    from cfp.mesh import make_mesh
+    from cfp.tracing import trace_step
 
     analysis = read_record(workdir / "analysis.pkl", ANALYSIS_FORMAT, None, hint="")
     plan = load_plan(workdir / "plan.json")

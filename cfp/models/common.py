@@ -95,3 +95,20 @@ class TransformerConfig:
     def ffn(self) -> int:
         """Feed-forward width."""
         return self.ffn_size or 4 * self.hidden_size
+
+
+def is_array(x) -> bool:  # tracers, too: init_params runs under eval_shape and jit
+    return isinstance(x, (jax.Array, np.ndarray))
+
+
+def split_arrays(tree):
+    """(the array leaves, the rest) of a pytree, each with ``None`` where the other holds."""
+    params = jax.tree_util.tree_map(lambda x: x if is_array(x) else None, tree)
+    rest = jax.tree_util.tree_map(lambda x: None if is_array(x) else x, tree)
+    return params, rest
+
+
+def join_arrays(params, rest):
+    """The tree ``split_arrays`` split, whole again."""
+    return jax.tree_util.tree_map(lambda p, r: r if p is None else p, params, rest,
+                                  is_leaf=lambda x: x is None)

@@ -37,6 +37,7 @@ from typing import Any, Callable
 import jax
 
 from cfp.errors import CfpError
+from cfp.models.common import is_array, split_arrays
 
 
 def _is_nnx(state) -> bool:
@@ -63,7 +64,6 @@ class StateLayout:
         if _is_nnx(state):
             from flax import nnx
             return cls(nnx_graph=nnx.split(state, nnx.Param, ...)[0])
-        from cfp.models.workload import _is_array
         plain = isinstance(state, tuple) and len(state) == 2
         if not plain and not (hasattr(state, "params") and hasattr(state, "replace")):
             raise CfpError(f"init_state returned a {type(state).__name__}: give a Flax "
@@ -72,10 +72,10 @@ class StateLayout:
         if plain:
             leaves, rest_def = jax.tree_util.tree_flatten(state[1])
             return cls(rest_def=rest_def, plain=True,
-                       rest_static=tuple(None if _is_array(x) else x for x in leaves))
+                       rest_static=tuple(None if is_array(x) else x for x in leaves))
         leaves, rest_def = jax.tree_util.tree_flatten(_rest(state))
         return cls(rest_def=rest_def,
-                   rest_static=tuple(None if _is_array(x) else x for x in leaves))
+                   rest_static=tuple(None if is_array(x) else x for x in leaves))
 
     def split(self, state) -> tuple[Any, Any]:
         """``(params, opt_state)``: the state's parameters and its other arrays (the record
@@ -84,10 +84,9 @@ class StateLayout:
             from flax import nnx
             _, params, rest = nnx.split(state, nnx.Param, ...)
             return params, rest
-        from cfp.models.workload import _partition
         if self.plain:
-            return state[0], _partition(state[1])[0]
-        return state.params, _partition(_rest(state))[0]
+            return state[0], split_arrays(state[1])[0]
+        return state.params, split_arrays(_rest(state))[0]
 
     def merge(self, params, opt_state):
         """The user's state from its two parts (the leaves of ``opt_state`` are its arrays,

@@ -3,8 +3,8 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
-import numpy as np
 
+from cfp.models.common import join_arrays, split_arrays
 from cfp.models.optim import AdamState, adam_init, adam_update
 
 STEPS = ("train", "forward")
@@ -203,15 +203,15 @@ def user_workload(loss_fn: Callable | None = None, init_params: Callable | None 
     static: dict = {}
 
     def arrays_of(key):
-        params, static["tree"] = _partition(init_params(key))
+        params, static["tree"] = split_arrays(init_params(key))
         return params
 
     if _positional_arity(loss_fn) == 3:
         def loss(params, batch, rng):
-            return loss_fn(_combine(params, static["tree"]), batch, rng)
+            return loss_fn(join_arrays(params, static["tree"]), batch, rng)
     else:
         def loss(params, batch):
-            return loss_fn(_combine(params, static["tree"]), batch)
+            return loss_fn(join_arrays(params, static["tree"]), batch)
     batch_shape = jax.eval_shape(make_batch, jax.random.key(0))
     leaves = jax.tree_util.tree_leaves(batch_shape)
     batch_size = leaves[0].shape[0] if leaves and leaves[0].shape else 1
@@ -261,19 +261,3 @@ def _state_workload(train_step, init_state, make_batch, loss_fn, init_params, op
     batch_size = leaves[0].shape[0] if leaves and leaves[0].shape else 1
     return Workload(name, "user", None, batch_size, dtype, params_of, make_batch, loss,
                     opt_init=opt_state_of, state_step=step)
-
-
-def _is_array(x) -> bool:  # tracers, too: init_params runs under eval_shape and jit
-    return isinstance(x, (jax.Array, np.ndarray))
-
-
-def _partition(tree):
-    """(the array leaves, the rest) of a pytree, each with ``None`` where the other holds."""
-    params = jax.tree_util.tree_map(lambda x: x if _is_array(x) else None, tree)
-    rest = jax.tree_util.tree_map(lambda x: None if _is_array(x) else x, tree)
-    return params, rest
-
-
-def _combine(params, rest):
-    return jax.tree_util.tree_map(lambda p, r: r if p is None else p, params, rest,
-                                  is_leaf=lambda x: x is None)

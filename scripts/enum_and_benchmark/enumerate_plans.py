@@ -74,7 +74,8 @@ def main(a) -> None:
     from cfp.execute import PlannedStep, real_inputs, time_steps
     from cfp.sharding import collectives
     from cfp.solver import evaluate
-    from cfp.workloads import make_mesh, trace_step
+    from cfp.mesh import make_mesh
+    from cfp.tracing import trace_step
     from cfp.workdir import WorkDir
     from cfp.passes.search import SCALE, build_problem, predicted_seconds
     n_dev = math.prod(mesh_shape)
