@@ -29,7 +29,8 @@ import math
 
 from cfp import dims as dimrules
 from cfp.jax_compat import itemsize
-from cfp.measure import CostModel, Measurement
+from cfp.measure import Measurement
+from cfp.cost_model import CostModel
 from cfp.sharding import sub_program
 from cfp.windows import (Window, apply_state, held_for_backward, shard_bytes,
                          window_layouts, window_ops)

@@ -535,7 +535,7 @@ def _memory_budget_bytes(options, opts: RunOptions, *, required: bool = False) -
 
 
 def _cost_model(options, mesh_shape, device_ids=None):
-    from cfp.measure import DEVICE_PRESETS, CostModel, fit_cost_model
+    from cfp.cost_model import DEVICE_PRESETS, CostModel, fit_cost_model
     if options.device_preset == "here":
         from cfp.mesh import make_mesh
         fitted = fit_cost_model(make_mesh(mesh_shape, device_ids=device_ids))

@@ -57,7 +57,7 @@ class Cluster:
     device_flops: float  # peak FLOP/s of one device
     device_bandwidth: float  # memory bytes/s of one device
     assumed: tuple[str, ...] = ()  # figures that are assumptions, not documented values
-    platform: str = "gpu"  # the devices' XLA platform (``cfp.measure.CostModel.platform``)
+    platform: str = "gpu"  # the devices' XLA platform (``cfp.cost_model.CostModel.platform``)
     gpu: str | None = None  # the devices' description (``cfp.gpu_compile.GPUS``), if any
 
     @property
@@ -82,9 +82,9 @@ class Cluster:
         return tuple(sorted(spans))
 
     def cost_model(self, mesh_shape):
-        """``cfp.measure.CostModel``: alpha-beta per mesh axis (the slowest level each axis
+        """``cfp.cost_model.CostModel``: alpha-beta per mesh axis (the slowest level each axis
         spans) and the roofline."""
-        from cfp.measure import CostModel  # imports JAX, which must not start before the CLI
+        from cfp.cost_model import CostModel  # imports JAX, which must not start before the CLI
         # has set the device count
         if math.prod(mesh_shape) != self.num_devices:
             raise CfpError(f"mesh {'x'.join(map(str, mesh_shape))} has "

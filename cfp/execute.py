@@ -175,7 +175,7 @@ def time_steps(run, *, iters: int | None = None, min_steps: int = 5,
     steps instead measures another thing (dispatch overlapped with the previous step, which
     ranked mlp plans differently here) and, hundreds deep, starves XLA CPU's collective
     rendezvous."""
-    from cfp.measure import run_once_s
+    from cfp.timing import run_once_s
     n, total_s = 0, 0.0
     while True:
         total_s += run_once_s(run, ())
@@ -204,7 +204,7 @@ def time_interleaved(runs, *, rounds: int, min_steps: int = 5,
     in ``time_steps``."""
     import random
     import statistics
-    from cfp.measure import run_once_s
+    from cfp.timing import run_once_s
     rng, last = random.Random(0), None
     times: list[list[float]] = [[] for _ in runs]
     for _ in range(rounds):

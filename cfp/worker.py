@@ -52,7 +52,7 @@ class WorkerOptions:
     cost: str
     memory_budget_bytes: int  # per device; a combination whose compiled peak exceeds it is oom
     batch: int  # combinations compiled before timing
-    cost_model: object | None = None  # cfp.measure.CostModel for cost == "model" or "mock"
+    cost_model: object | None = None  # cfp.cost_model.CostModel for cost == "model" or "mock"
     compilation_cache: str | None = None  # JAX's persistent compilation cache directory
     runtime: multihost.Runtime | None = None  # the processes measured across, when several
     # cost == "model" only: the GPUs (``cfp.gpu_compile.GPUS``) the programs are compiled for,
@@ -367,7 +367,7 @@ def _quiet_log(runtime, generation: int) -> str:
 
 
 def _setup(analysis, phases: Phases, compile_for: str | None = None):
-    from cfp.measure import launch_overhead, speed_anchor
+    from cfp.timing import launch_overhead, speed_anchor
     from cfp.tracing import trace_step
     with phases("tracing"):
         program = trace_step(analysis.spec.build())
@@ -531,7 +531,7 @@ def _verdict(state, options, wp, got) -> Measurement | None:
     """The measurement a compiled combination gets without running (a program measured
     before, a mismatch, a collective its strategies do not name, over the memory budget,
     priced by the model), or ``None``: run it."""
-    from cfp.measure import model_cost
+    from cfp.cost_model import model_cost
     exe, shardings, compile_s, mem, colls, note, program = got
     twin = state["programs"].get(program)
     if twin is not None:  # the same program as a combination measured before: reuse
@@ -554,9 +554,10 @@ def _run(state, runnable, host_inputs, best_s) -> list[Measurement]:
     """Measurements of the compiled combinations ``runnable`` ((combination, compiled),
     ...), in order: each run once alone (a program XLA fails running is that combination's
     ``run_error`` or ``oom``), then the rest timed in interleaved rounds against the speed
-    anchor (``measure.time_rounds``), the launch overhead subtracted."""
+    anchor (``timing.time_rounds``), the launch overhead subtracted."""
     import jax
-    from cfp.measure import CpuShare, Fresh, collectives_cost, time_rounds
+    from cfp.cost_model import collectives_cost
+    from cfp.timing import CpuShare, Fresh, time_rounds
     out, programs = {}, []
     for k, (combo, got) in enumerate(runnable):
         exe, shardings, compile_s, mem, colls, _, _ = got
@@ -595,7 +596,7 @@ def _run(state, runnable, host_inputs, best_s) -> list[Measurement]:
 
 def _measure_reshards(state, options, items):
     """Per resharding ``(seconds, interval low, interval high)``: timed after the op
-    producing its value (``measure.time_in_context``), or with ``cost == "model"`` priced
+    producing its value (``timing.time_in_context``), or with ``cost == "model"`` priced
     from its compiled collectives (so too under mocked GPUs, whose GPU here skips them, and a
     resharding is all collectives); ``None`` where XLA could not compile or run it (on any
     process). The batch compiles in threads (XLA releases the GIL), then each is timed with
@@ -603,7 +604,8 @@ def _measure_reshards(state, options, items):
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
     from cfp.jax_compat import to_dtype
-    from cfp.measure import model_cost, time_in_context
+    from cfp.cost_model import model_cost
+    from cfp.timing import time_in_context
     mesh = state["mesh"]
     priced = options.cost in ("model", "mock")
     producers = state.setdefault("producers", {})  # (shape, dtype, src) -> compiled

@@ -299,7 +299,7 @@ def test_cost_model_fitted_here(monkeypatch, law):
     that shrink as the size grows have no positive fit, and the fit says so with its floor
     values (1e-7 s, 1e-13 s/B) rather than the law's."""
     import cfp.measure
-    from cfp.measure import fit_cost_model
+    from cfp.cost_model import fit_cost_model
     law_alpha, law_beta = {2: 3e-5, 4: 7e-5}, {2: 2e-9, 4: 5e-9}
     t_matmul, t_add, k = 4e-3, 1e-3, 512
 

@@ -194,7 +194,7 @@ def test_timings_taken_on_a_busy_machine_are_told(capsys):
     import dataclasses
     import math
     from cfp import report
-    from cfp.measure import BUSY_SHARE
+    from cfp.timing import BUSY_SHARE
     rec = run_profile(run_analysis(MLP, (4,)), ProfileOptions())
     shares = [m.others_cpu_share for p in rec.window_profiles.values()
               for m in p.results.values()]

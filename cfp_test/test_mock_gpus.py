@@ -15,7 +15,8 @@ from cfp.api import Options, run
 from cfp.cluster import load_cluster
 from cfp.errors import CfpError
 from cfp.jax_compat import mock_unavailable_reason
-from cfp.measure import CostModel, Measurement, collectives_cost
+from cfp.measure import Measurement
+from cfp.cost_model import CostModel, collectives_cost
 from cfp.passes.analysis import run_analysis
 from cfp.passes.profile import ProfileOptions, on_one_scale, run_profile
 from cfp.passes.search import build_problem, predict_plan, predicted_seconds, priced_seconds

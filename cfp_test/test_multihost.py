@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cfp.measure import CostModel
+from cfp.cost_model import CostModel
 from cfp.passes.analysis import run_analysis
 from cfp.passes.profile import ProfileOptions, run_profile
 from cfp.workloads import WorkloadSpec

@@ -7,7 +7,8 @@ import pytest
 
 from cfp import dims
 from cfp.cli import main
-from cfp.measure import CostModel, WindowProgram, model_cost
+from cfp.measure import WindowProgram
+from cfp.cost_model import CostModel, model_cost
 from cfp.records import read_record, write_record
 from cfp.sharding import collectives, sub_function
 from cfp.windows import Window, split_windows
@@ -85,7 +86,8 @@ def test_a_window_that_updates_the_state_donates_it():
     step does: XLA updates them in place (aliased), and its temporaries hold the gradients
     the outputs held before. Controls: the batch it reads is not donated, and the same
     window compiled donating nothing aliases nothing."""
-    from cfp.measure import Fresh, run_once_s, valid_inputs
+    from cfp.measure import valid_inputs
+    from cfp.timing import Fresh, run_once_s
     a, wp, dp = _mlp_window(["SR = SR x RR"] * 3)
     donated = wp.donated(dp)
     new_of = dict(a.graph.state_pairs())
@@ -347,7 +349,7 @@ def test_a_resharding_is_timed_after_its_producer():
     the resharding's cost, in at least two of three tries (a 95% interval misses 0 one time
     in twenty by chance, and a busy machine widens one now and then)."""
     from jax.sharding import NamedSharding, PartitionSpec
-    from cfp.measure import time_in_context
+    from cfp.timing import time_in_context
     mesh = make_mesh((8,))
     split, whole = (NamedSharding(mesh, PartitionSpec(*s)) for s in (("m0", None), ()))
     x = jax.device_put(np.ones((1024, 1024), np.float32), split)

@@ -5,7 +5,7 @@ import random
 import numpy as np
 
 from cfp import ranking
-from cfp.measure import CostModel
+from cfp.cost_model import CostModel
 from cfp.passes.analysis import run_analysis
 from cfp.passes.profile import ProfileOptions, run_profile
 from cfp.passes.search import baseline_candidates, build_problem

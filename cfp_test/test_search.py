@@ -231,7 +231,7 @@ def test_validation_rounds_separate_plans_round_by_round():
     round is measurably slower, though the machine sped up and slowed down across the rounds
     so much that the two plans' ranges overlap (the rule before this one compared ranges and
     ran on); a plan within 1% either way round by round is not."""
-    from cfp.measure import slower
+    from cfp.timing import slower
     from cfp.passes.search import _separated
     fast = [1.00, 1.10, 1.20, 1.30, 1.40]  # drift across rounds, the same for both plans
     behind = [1.03 * t for t in fast]
@@ -293,11 +293,11 @@ def test_a_profile_batch_rotates_which_combination_follows_the_anchor(monkeypatc
     without the untimed run each program would be timed on the caches another one left.
     Controls: the log of a fixed order fails the first check, and a log without the untimed
     runs the second."""
-    import cfp.measure
-    from cfp.measure import time_rounds
+    import cfp.timing
+    from cfp.timing import time_rounds
     log = []
-    timed = cfp.measure.run_once_s
-    monkeypatch.setattr(cfp.measure, "run_once_s",
+    timed = cfp.timing.run_once_s
+    monkeypatch.setattr(cfp.timing, "run_once_s",
                         lambda fn, args: log.append("timed") or timed(fn, args))
 
     def program(name):

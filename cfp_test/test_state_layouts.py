@@ -66,7 +66,7 @@ def test_a_window_holding_state_takes_and_returns_it_in_each_layout():
 def analytic_problem():
     """gpt on mesh 8 priced by the analytic model (no compile): the search problem and the
     windows, with the memory of dp's plan and of the smallest plan."""
-    from cfp.measure import fit_cost_model_for
+    from cfp.cost_model import fit_cost_model_for
     from cfp.passes.profile import ProfileOptions, run_profile
     from cfp.passes.search import build_problem
     spec, analysis, *_ = setup((8,))
@@ -379,7 +379,7 @@ def test_a_value_a_later_window_gathers_for_its_backward_pass_is_held_gathered(m
     import cfp.passes.search as search
     from cfp.baselines import baseline_strategy_indices
     from cfp.execute import Storage
-    from cfp.measure import fit_cost_model_for
+    from cfp.cost_model import fit_cost_model_for
     from cfp.passes.profile import ProfileOptions, run_profile
     from cfp.solver import evaluate
     from cfp.windows import inputs_read_earlier

@@ -27,7 +27,8 @@ import statistics
 import time
 from typing import Callable, Literal
 
-from cfp.measure import CostModel, Measurement
+from cfp.measure import Measurement
+from cfp.cost_model import CostModel
 from cfp.phases import Phases
 from cfp.sharding import STATE_LAYOUTS
 from cfp.mesh import AXIS_NAMES
@@ -82,7 +83,7 @@ class ProfileRecord:
     phase_s: dict  # wall seconds per phase of this run (cfp.phases)
     whole_segments: bool = False
     # resharding -> 95% interval (s) of what it adds after its producer; where the interval
-    # does not lie above 0 the resharding counts as 0 (measure.time_in_context)
+    # does not lie above 0 the resharding counts as 0 (timing.time_in_context)
     reshard_interval_s: dict = dataclasses.field(default_factory=dict)
     # the speed anchor's median seconds over the profile: the scale of every window time
     # (``on_one_scale``; NaN where nothing was timed against it)
@@ -252,7 +253,7 @@ def _chosen(analysis, windows, reps, options: ProfileOptions, worker, notify,
         return chosen
     cost = options.cost_model
     if cost is None:
-        from cfp.measure import fit_cost_model_for
+        from cfp.cost_model import fit_cost_model_for
         cost = worker.call(fit_cost_model_for, tuple(analysis.mesh_shape), analysis.device_ids)
     names = AXIS_NAMES[:len(analysis.mesh_shape)]
     out = {}

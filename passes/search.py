@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from cfp.errors import CfpError
-from cfp.measure import slower
+from cfp.timing import slower
 from cfp.phases import Phases
 from cfp.solver import (Group, Option, Problem, Solution, evaluate, least_memory,
                         penalizing_reshardings, solve, solve_alike)

@@ -278,7 +278,8 @@ def benchmark(a) -> None:
     import jax
     import numpy as np
     from cfp.execute import real_inputs, time_interleaved
-    from cfp.measure import CpuShare, memory_of
+    from cfp.measure import memory_of
+    from cfp.timing import CpuShare
     from cfp.sharding import collectives
     from cfp.mesh import make_mesh
     from cfp.tracing import trace_step

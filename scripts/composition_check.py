@@ -16,7 +16,7 @@ windows; the launch is subtracted first), each with a 95% bootstrap interval ove
 
 Two more lines follow the summary: the time error and slope composed from the window times as
 timed (each profile batch at its own speed: ``as_timed``), and, with the profile's speed anchor
-(``measure.speed_anchor``, timed in every round of the profile) timed at the start of every
+(``timing.speed_anchor``, timed in every round of the profile) timed at the start of every
 round of steps too, its time then against its time over the profile and the figures with the
 predictions scaled by that ratio: the composition at the speed the machine ran the steps.
 
@@ -106,7 +106,8 @@ def main() -> None:
         assert cli(base + ["--mode", "profile", "-v"]) == 0
 
     import jax
-    from cfp.measure import CpuShare, memory_of
+    from cfp.measure import memory_of
+    from cfp.timing import CpuShare
     from cfp.records import read_record
     from cfp.mesh import make_mesh
     from cfp.workloads import run_fingerprint
@@ -355,7 +356,7 @@ def random_plan_steps(analysis, problem, mesh, args):
     ``args.rounds`` interleaved rounds: (steps, seconds per step of each round, seconds of the
     profile's speed anchor, ``ANCHOR_RUNS`` runs at the start of each round)."""
     from cfp.execute import PlannedStep, real_inputs, time_steps
-    from cfp.measure import run_once_s, speed_anchor
+    from cfp.timing import run_once_s, speed_anchor
     from cfp.solver import evaluate
     from cfp.tracing import trace_step
     plans = random_plans(problem, args.plans, args.seed)

@@ -86,7 +86,7 @@ def probe(out: Path) -> None:
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from cfp.measure import collectives_cost
+    from cfp.cost_model import collectives_cost
     from cfp.cluster import load_cluster
     info = dict(versions(), device_count=jax.device_count(),
                 local_device_count=jax.local_device_count(),
@@ -183,7 +183,8 @@ def step(out: Path, workdir: Path, memory_only: bool) -> None:
     from cfp import plan as cfp_plan
     from cfp.cluster import load_cluster
     from cfp.execute import real_inputs
-    from cfp.measure import collectives_cost, memory_of
+    from cfp.measure import memory_of
+    from cfp.cost_model import collectives_cost
     plan = cfp_plan.load_plan(workdir / "plan.json")
     mesh = cfp_plan.mesh_of(plan)
     from cfp.workloads import WorkloadSpec
