@@ -20,7 +20,8 @@ from cfp.gpu_compile import quiet_cuda_plugin as _quiet_cuda_plugin
 
 _quiet_cuda_plugin()  # before JAX starts
 
-from cfp.api import Options, Plan, autoshard, run  # noqa: E402
+from cfp.api import Plan, autoshard, run
+from cfp.options import Options  # noqa: E402
 from cfp.errors import CfpError  # noqa: E402
 
 __all__ = ["CfpError", "Options", "Plan", "autoshard", "run"]

@@ -1,6 +1,6 @@
 """``python -m cfp``: the three passes from the command line.
 
-The CLI parses the flags into ``cfp.api.Options`` and calls ``cfp.api.run``, which checks
+The CLI parses the flags into ``cfp.options.Options`` and calls ``cfp.api.run``, which checks
 them, runs the requested pass (or all of them in order when ``--mode`` is left out) and prints
 each pass's lines (``cfp.report``). A ``CfpError`` becomes one line on stderr and exit status
 2, a Ctrl-C one line and status 130.
@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from cfp.api import _BOUNDS, DEFAULT_CACHE, MODES, Options, _bounds_text
+from cfp.options import BOUNDS, DEFAULT_CACHE, MODES, Options, bounds_text
 from cfp.errors import CfpError
 
 
@@ -149,8 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--micro-batches", type=int, default=8,
                     help="micro-batches per step; must divide the batch size")
     for action in p._actions:
-        if action.dest in _BOUNDS:
-            action.help += f" [{_bounds_text(action.dest)}]"
+        if action.dest in BOUNDS:
+            action.help += f" [{bounds_text(action.dest)}]"
     return p
 
 

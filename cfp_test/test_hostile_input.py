@@ -126,7 +126,7 @@ def test_numbers_are_checked_as_numbers_before_any_work(tmp_path, capsys, compil
 
 def test_numbers_at_their_bounds_are_taken(capsys):
     """The control: the bounds themselves, and zero alpha and beta, pass the checks."""
-    from cfp.api import _options
+    from cfp.options import _options
     from cfp.cli import parse
     argv = ["--num-layers", "1024", "--batch-size", str(2**31), "--iters", "10000",
             "--validate-top", "64", "--alpha", "0,0", "--beta", "0,1e-9", "--time-limit", "86400",
@@ -183,7 +183,7 @@ def test_a_good_cluster_file_and_the_readme_cluster_cases_pass_the_checks(tmp_pa
     import json
     import shlex
     from pathlib import Path
-    from cfp.api import _options
+    from cfp.options import _options
     from cfp.cli import parse
     from cfp.cluster import load_cluster
     path = tmp_path / "cluster.json"

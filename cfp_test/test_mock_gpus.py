@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from cfp.api import Options, run
+from cfp.api import run
+from cfp.options import Options
 from cfp.cluster import load_cluster
 from cfp.errors import CfpError
 from cfp.jax_compat import mock_unavailable_reason

@@ -116,7 +116,8 @@ def test_autoshard_on_the_users_mesh(tmp_path):
     """``autoshard`` takes the user's mesh, Explicit axes over the devices in reverse order:
     the worker measured the windows on those devices in that order, and search ran the kept
     plan on them; the plan speaks the user's names and runs three steps on that mesh."""
-    from cfp.api import Options, workdir_of
+    from cfp.api import workdir_of
+    from cfp.options import Options
     mesh = reversed_mesh(AxisType.Explicit)
     kw = dict(model="zoo_extra:einsum_net_momentum", mesh=mesh, workdir=tmp_path,
               memory_budget_gb=1, max_combinations=4, validate_top=1,
@@ -161,7 +162,8 @@ def test_a_users_device_order_is_measured_and_kept(tmp_path, caplog):
     three steps on that mesh matching one device. Applying the plan on a mesh of JAX's order
     works and says in one log line that the plan was measured on another order."""
     import logging
-    from cfp.api import Options, run, workdir_of
+    from cfp.api import run, workdir_of
+    from cfp.options import Options
     from cfp.plan import mesh_of
     mesh = reversed_mesh()
     options = Options(mode="analysis", model="zoo_extra:einsum_net_momentum", mesh=mesh,
