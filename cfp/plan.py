@@ -278,7 +278,7 @@ def jit(train_step: Callable, plan: dict, mesh, *args) -> Callable:
     the analysed one (same fingerprint). A forward plan's step is ``forward(params, batch)``,
     ``args`` are ``(params, batch)``, and nothing is donated."""
     import jax
-    from cfp.graph import trace_program
+    from cfp.program import trace_program
     from cfp.jax_compat import auto_inside, constraint_mesh
     from cfp.sharding import step_function
     check_mesh(plan, mesh)

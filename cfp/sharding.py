@@ -23,7 +23,8 @@ import numpy as np
 from cfp import dims as dimrules
 from cfp.blocks import Block
 from cfp.jax_compat import to_dtype
-from cfp.graph import Graph, Program, memo
+from cfp.graph import Graph, memo
+from cfp.program import Program
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                     "collective-permute")

@@ -23,7 +23,7 @@ def trace_step(workload):
     forward computation) with abstract inputs (nothing allocated)."""
     import jax
     import jax.numpy as jnp
-    from cfp.graph import trace_program
+    from cfp.program import trace_program
     with user_code(workload.model):
         args = (workload.abstract_params(), workload.abstract_opt_state(),
                 workload.abstract_batch())

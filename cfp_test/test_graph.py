@@ -2,7 +2,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cfp.graph import trace_program
+from cfp.program import trace_program
 from helpers import traced
 
 

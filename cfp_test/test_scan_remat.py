@@ -10,7 +10,7 @@ from cfp.blocks import build_blocks
 from cfp.cli import main
 from cfp.errors import CfpError
 from cfp.execute import PlannedStep, check_numerics
-from cfp.graph import trace_program
+from cfp.program import trace_program
 from cfp.passes.analysis import run_analysis
 from cfp.windows import split_windows, window_space
 from cfp.mesh import make_mesh
@@ -146,7 +146,7 @@ def test_an_elementwise_residual_is_held_where_xla_cannot_recompute_it_cheaply()
     held set without elementwise residuals, holds neither: only the gelu's output, which the
     next contraction's backward reads."""
     import jax.numpy as jnp
-    from cfp.graph import trace_program
+    from cfp.program import trace_program
     from cfp.windows import held_for_backward
 
     def loss(w1, b, w2, x):
@@ -173,7 +173,7 @@ def test_a_softmax_exp_is_held_on_cpu_and_recomputed_on_gpu_in_float32():
     the exp reads (the logits, a contraction's result) instead. Control: XLA's rule does not
     name a bfloat16 exp as cheap, so the held set keeps it on GPU too."""
     import jax.numpy as jnp
-    from cfp.graph import trace_program
+    from cfp.program import trace_program
     from cfp.windows import held_for_backward
 
     def loss(w, x):

@@ -166,7 +166,7 @@ def run_staged(spec, stages, micro_batches: int, *, iters: int = 0):
     from cfp import sharding
     from cfp.blocks import group_blocks
     from cfp.execute import example_inputs, plan_specs
-    from cfp.graph import trace_program
+    from cfp.program import trace_program
     from cfp.passes.analysis import run_analysis
     from cfp.mesh import AXIS_NAMES
     from cfp.tracing import trace_step
