@@ -199,7 +199,7 @@ def _cache_dir(options) -> str | None:
 
 
 def _run_analysis(opts: RunOptions, options) -> None:
-    from cfp import report
+    from cfp import dumps, report
     from cfp.passes.analysis import run_analysis
 
     if options.verbose:
@@ -212,7 +212,7 @@ def _run_analysis(opts: RunOptions, options) -> None:
         return
     wd = _workdir(opts)
     path = wd.write_analysis(rec)
-    report.write_analysis_dumps(rec, wd.path / "debug_analysis_global")
+    dumps.write_analysis_dumps(rec, wd.path / "debug_analysis_global")
     if options.verbose or opts.modes == ("analysis",):
         report.say(f"wrote {path} and {wd.path / 'debug_analysis_global'}/")
 
@@ -330,7 +330,7 @@ def _check_step(analysis) -> None:
 
 
 def _run_search(opts: RunOptions, options) -> None:
-    from cfp import report
+    from cfp import dumps, report
     from cfp.passes.search import SearchOptions, run_search
     wd = _workdir(opts)
     analysis = _analysis(opts, options, wd)
@@ -351,7 +351,7 @@ def _run_search(opts: RunOptions, options) -> None:
         return
     wd.write_search(rec)
     report.search_console(rec, analysis, opts.num_devices, budget, options.verbose)
-    report.write_search_dumps(wd.path, analysis, profile, rec)
+    dumps.write_search_dumps(wd.path, analysis, profile, rec)
     _write_logical_rules(wd.path, analysis, options.verbose)
     report.usage_console(wd.path)
 
@@ -374,7 +374,7 @@ def _write_logical_rules(workdir: Path, analysis, verbose: bool) -> None:
 
 
 def _predict(opts: RunOptions, options, wd, analysis) -> None:
-    from cfp import report
+    from cfp import dumps, report
     from cfp.passes.search import predict_plan
     from cfp.plan import make_plan, write_plan
     tried = ([("mock", None)] if options.cost == "mock" else
@@ -393,7 +393,7 @@ def _predict(opts: RunOptions, options, wd, analysis) -> None:
     path = wd.path / "plan.json"
     plan = make_plan(analysis, rec.strategies, storage=rec.storage,
                      source=f"predicted for {opts.cluster.name} ({rec.pricing})")
-    plan["memory_per_device"] = report.prediction_memory(rec)
+    plan["memory_per_device"] = dumps.prediction_memory(rec)
     plan["predicted_step"] = {"seconds": rec.predicted_s, "pricing": rec.pricing}
     if rec.pricing == "mock":  # of the seconds, those priced rather than timed here
         plan["predicted_step"]["priced_seconds"] = rec.priced_s
@@ -402,7 +402,7 @@ def _predict(opts: RunOptions, options, wd, analysis) -> None:
 
 
 def _run_stages(opts: RunOptions, options) -> None:
-    from cfp import report
+    from cfp import dumps, report
     from cfp.passes.stages import StageOptions, micro_batch_spec, run_stages
     from cfp.plan import write_plan
     micro_batch_spec(opts.spec, options.micro_batches)  # a batch it does not divide: no work
@@ -429,7 +429,7 @@ def _run_stages(opts: RunOptions, options) -> None:
         report.staged_run_console(seconds, programs, loss_err, len(rec.stages))
     path = _workdir(opts).path / "stages" / "plan.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_plan(path, report.stages_json(rec))
+    write_plan(path, dumps.stages_json(rec))
     report.say(f"wrote {path}")
 
 

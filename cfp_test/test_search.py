@@ -160,7 +160,7 @@ def test_plan_figure_colours_what_each_axis_splits():
     """One cell per block, coloured by what each mesh axis splits there (a replicated block
     too), and one bar per candidate. Control: a plan whose blocks all split alike is one
     colour."""
-    from cfp.report import plan_figure
+    from cfp.dumps import plan_figure
     rows = [("blocks 0-2 (type 0)", ["m0: batch; m1: heads", "m0: batch; m1: weight rows",
                                      "replicated"]),
             ("blocks 3-5 (type 0)", ["m0: batch; m1: heads", "m0: batch; m1: weight rows",

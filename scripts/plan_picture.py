@@ -22,12 +22,12 @@ def main() -> None:
     wd = workdir_of(options)
     os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count="
                                f"{options.num_devices or 8}")
-    from cfp import report
+    from cfp import dumps, report
     analysis, search = wd.read_analysis(), wd.read_search()
     budget = None if options.memory_budget_gb is None else int(options.memory_budget_gb * 2**30)
     report.search_console(search, analysis, math.prod(analysis.mesh_shape), budget)
-    rows, candidates = report.plan_figure_data(analysis, search)
-    fig = report.plan_figure(rows, candidates, title=(
+    rows, candidates = dumps.plan_figure_data(analysis, search)
+    fig = dumps.plan_figure(rows, candidates, title=(
         f"{analysis.spec.label} on mesh {'x'.join(map(str, analysis.mesh_shape))}: "
         f"{search.plan.source}"))
     fig.savefig(own.out, dpi=110)
