@@ -12,7 +12,7 @@ import numpy as np
 
 from cfp.gpu_compile import hlo_cost
 from cfp.jax_compat import cost_analysis
-from cfp.sharding import collectives
+from cfp.collectives import collectives
 from cfp.timing import time_runs
 
 

@@ -80,7 +80,7 @@ def write_search_dumps(workdir, analysis, profile, rec) -> None:
     import jax
     from cfp.dims import spec_axes
     from cfp.plan import make_plan, write_plan
-    from cfp.sharding import collectives
+    from cfp.collectives import collectives
     out = Path(workdir) / "debug_search"
     out.mkdir(parents=True, exist_ok=True)
     axis_names = analysis.mesh_axes

@@ -192,7 +192,7 @@ def hlo_cost(hlo_text: str) -> tuple[float, float]:
     convolution; elementwise work is left to the bytes. Bytes are what the entry
     computation's instructions (fusions, GEMMs, collectives, copies) read and write: each
     one's operands and result, as XLA's cost analysis counts them at the fusion level."""
-    from cfp.sharding import HLO_BYTES
+    from cfp.collectives import HLO_BYTES
     flops, nbytes = 0.0, 0.0
     shapes: dict[str, str] = {}
     entry = False

@@ -23,9 +23,8 @@ import numpy as np
 from cfp import dims as dimrules
 from cfp.errors import CfpError
 from cfp.jax_compat import is_key, random_keys, to_dtype
-from cfp.sharding import (COLLECTIVE_KINDS, HLO_BYTES, SubProgram, op_name, state_updates,
-                          sub_function, sub_program, tagged_op, unnamed_collectives,
-                          update_statistics)
+from cfp.sharding import SubProgram, state_updates, sub_function, sub_program, update_statistics
+from cfp.collectives import COLLECTIVE_KINDS, HLO_BYTES, op_name, tagged_op, unnamed_collectives
 from cfp.timing import BUSY_SHARE
 from cfp.windows import (Window, apply_state, held_for_backward, held_state, option_memory,
                          param_values, state_layout, window_layouts, window_ops)

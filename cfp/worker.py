@@ -459,7 +459,7 @@ def _compile_one(wp, combo, check_wp=None):
     import hashlib
     import time as _time
     from cfp.measure import normalized_hlo
-    from cfp.sharding import collectives
+    from cfp.collectives import collectives
     t0 = _time.perf_counter()
     try:
         exe, shardings = wp.compile(combo)

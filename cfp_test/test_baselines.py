@@ -11,7 +11,7 @@ from cfp.baselines import applies, baseline_plan, input_kinds, load_rules
 from cfp.errors import CfpError
 from cfp.execute import PlannedStep, check_numerics
 from cfp.measure import memory_of
-from cfp.sharding import collectives
+from cfp.collectives import collectives
 from cfp.mesh import make_mesh
 from cfp.tracing import trace_step
 from cfp.workloads import WorkloadSpec

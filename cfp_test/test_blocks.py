@@ -119,7 +119,8 @@ def test_a_collective_without_its_tag_is_caught():
     requirement erased, is caught; so it is with its metadata stripped, and with its name
     changed to look like a contraction's. Untagged, even a named all-reduce is caught."""
     import re
-    from cfp.sharding import compile_block, unnamed_collectives
+    from cfp.sharding import compile_block
+    from cfp.collectives import unnamed_collectives
     program, graph, ba = blocks_of("llama", (4,), 1)  # its rotary slices need all-gathers
     mesh = make_mesh((4,))
     planted_text = None
@@ -156,8 +157,9 @@ def test_an_all_reduce_combined_with_a_named_one_is_caught():
     """XLA combines all-reduces into one over a tuple that carries the first one's tag: a
     planted member's all-reduce combined with a contraction's named one is caught by the tag
     of its operand. Negative control: read by the combined all-reduce's own tag, it passes."""
-    from cfp.sharding import (_definitions, collectives, compile_block, served_ops, tagged_op,
-                              unnamed_collectives)
+    from cfp.sharding import compile_block
+    from cfp.collectives import (_definitions, collectives, served_ops, tagged_op,
+                                 unnamed_collectives)
     program, graph, ba = blocks_of("gpt", (4,), 1)
     mesh = make_mesh((4,))
     for block, s in ((b, s) for b in ba.blocks for s in b.strategies):
@@ -184,7 +186,7 @@ def test_a_combined_all_reduce_is_read_by_the_operators_its_metadata_lists(monke
     metadata lists every combined operator. Read by that list, every all-reduce is named.
     Negative control: read by walking from each operand to a reduction inside the fusion that
     computes it, the position embedding's is pinned on a reduction over features, unnamed."""
-    from cfp import sharding
+    import cfp.collectives as hlo
     from cfp.measure import WindowProgram
     from cfp.passes.analysis import run_analysis
     from cfp.windows import split_windows
@@ -198,10 +200,10 @@ def test_a_combined_all_reduce_is_read_by_the_operators_its_metadata_lists(monke
     wp = WindowProgram(trace_step(a.spec.build()), a, windows[0], make_mesh((8,)))
     dp = (0,) * (windows[0].end - windows[0].start)
     compiled, _ = wp.compile(dp)
-    assert any(len(sharding.listed_ops(c.line, wp.sub.ops)) > 1
-               for c in sharding.collectives(compiled.as_text(), (8,)))
+    assert any(len(hlo.listed_ops(c.line, wp.sub.ops)) > 1
+               for c in hlo.collectives(compiled.as_text(), (8,)))
     assert wp.unnamed_collectives(compiled, dp) == []
-    monkeypatch.setattr(sharding, "listed_ops", lambda line, ops: [])
+    monkeypatch.setattr(hlo, "listed_ops", lambda line, ops: [])
     assert wp.unnamed_collectives(compiled, dp)
 
 

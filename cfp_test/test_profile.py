@@ -10,7 +10,8 @@ from cfp.cli import main
 from cfp.measure import WindowProgram
 from cfp.cost_model import CostModel, model_cost
 from cfp.records import read_record, write_record
-from cfp.sharding import collectives, sub_function
+from cfp.sharding import sub_function
+from cfp.collectives import collectives
 from cfp.windows import Window, split_windows
 from cfp.mesh import make_mesh
 from cfp.tracing import trace_step

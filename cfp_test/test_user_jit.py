@@ -15,7 +15,7 @@ from cfp.plan import make_plan, shardings
 from cfp import dims as dimrules
 from cfp.models import adam_init
 from helpers import assert_users_loop
-from cfp.sharding import collectives
+from cfp.collectives import collectives
 from cfp.mesh import make_mesh
 from cfp.tracing import trace_step
 from cfp.workloads import WorkloadSpec

@@ -280,7 +280,7 @@ def benchmark(a) -> None:
     from cfp.execute import real_inputs, time_interleaved
     from cfp.measure import memory_of
     from cfp.timing import CpuShare
-    from cfp.sharding import collectives
+    from cfp.collectives import collectives
     from cfp.mesh import make_mesh
     from cfp.tracing import trace_step
     n_dev = math.prod(mesh_shape)

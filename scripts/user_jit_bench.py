@@ -48,7 +48,7 @@ def main() -> None:
     from cfp.plan import jit as plan_jit
     from cfp.plan import DONATE_ARGNUMS, load_plan, step_shardings
     from cfp.records import read_record
-    from cfp.sharding import collectives
+    from cfp.collectives import collectives
     from cfp.workdir import ANALYSIS_FORMAT
     from cfp.mesh import make_mesh
     from cfp.tracing import trace_step

@@ -72,7 +72,7 @@ def main(a) -> None:
     import jax
     import numpy as np
     from cfp.execute import PlannedStep, real_inputs, time_steps
-    from cfp.sharding import collectives
+    from cfp.collectives import collectives
     from cfp.solver import evaluate
     from cfp.mesh import make_mesh
     from cfp.tracing import trace_step
