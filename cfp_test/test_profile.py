@@ -373,7 +373,7 @@ def test_a_window_with_a_collective_its_strategies_do_not_name_is_not_timed(monk
     import cfp.windows
     from cfp.passes.profile import ProfileOptions
     from cfp.sharding import block_constraints
-    from cfp.worker import _compile_one, _verdict
+    from cfp.worker_jobs import _compile_one, _verdict
     a = _analysis("gpt", (4,), num_layers=1)
     wp = WindowProgram(trace_step(a.spec.build()), a, Window(0, 2, 0), make_mesh((4,)))
     combo = tuple(next(i for i, s in enumerate(b.strategies) if s.name.startswith(n))

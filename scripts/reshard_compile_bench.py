@@ -1,5 +1,5 @@
 """Compiling the profile's reshardings one at a time against in threads
-(``cfp.worker.compile_reshards``).
+(``cfp.worker_jobs.compile_reshards``).
 
 The reshardings tiny GPT's 2x4 profile times, shuffled, go in batches of 16 (the profile's
 batch); in each round two fresh batches compile, one in one thread and one in a thread per
@@ -40,7 +40,7 @@ def main() -> None:
     from cfp.passes.analysis import run_analysis
     from cfp.passes.profile import needed_reshards
     from cfp.windows import boundaries, split_windows
-    from cfp.worker import compile_reshards
+    from cfp.worker_jobs import compile_reshards
     from cfp.mesh import make_mesh
     from cfp.workloads import WorkloadSpec
     a = run_analysis(WorkloadSpec("gpt", "tiny", None, "float32", ()).resolved(), (2, 4))
