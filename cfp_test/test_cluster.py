@@ -10,7 +10,8 @@ from cfp.cluster import PRESETS, load_cluster, logical_meshes
 from cfp.errors import CfpError
 from cfp.passes.analysis import run_analysis
 from cfp.passes.profile import ProfileOptions, run_profile
-from cfp.passes.search import build_problem, rank_meshes
+from cfp.passes.search import rank_meshes
+from cfp.problem import build_problem
 from cfp.workloads import WorkloadSpec
 
 

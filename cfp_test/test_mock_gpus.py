@@ -20,7 +20,8 @@ from cfp.measure import Measurement
 from cfp.cost_model import CostModel, collectives_cost
 from cfp.passes.analysis import run_analysis
 from cfp.passes.profile import ProfileOptions, on_one_scale, run_profile
-from cfp.passes.search import build_problem, predict_plan, predicted_seconds, priced_seconds
+from cfp.passes.search import predict_plan, priced_seconds
+from cfp.problem import build_problem, predicted_seconds
 from cfp.mesh import make_mesh
 from cfp.workloads import WorkloadSpec
 

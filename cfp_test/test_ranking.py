@@ -8,7 +8,7 @@ from cfp import ranking
 from cfp.cost_model import CostModel
 from cfp.passes.analysis import run_analysis
 from cfp.passes.profile import ProfileOptions, run_profile
-from cfp.passes.search import baseline_candidates, build_problem
+from cfp.problem import baseline_candidates, build_problem
 from cfp.workloads import WorkloadSpec
 
 COST = CostModel((1e-5, 1e-5), (1e-9, 1e-9), 1e11, 1e10)

@@ -210,7 +210,8 @@ def test_kept_plan_fits_the_budget_once_compiled():
     """A budget between a plan's composed and compiled memory: the next plan is kept, or the
     run says none fits."""
     from cfp.errors import CfpError
-    from cfp.passes.search import Candidate, fastest_within_budget
+    from cfp.passes.search import Candidate
+    from cfp.problem import fastest_within_budget
     gb = 2**30
 
     def cand(median_s, composed_gb, compiled_gb):
@@ -325,7 +326,7 @@ def test_search_also_validates_the_best_plan_without_reshardings():
     """Three one-block windows of two strategies. Boundary (0, 1) reshards at a price of 1 and
     boundary (1, 2) at a price of 0 (an interval that included 0): the plan (1, 1, 0) costs
     nothing in reshardings but still reshards, so the plan without any is (0, 0, 0)."""
-    from cfp.passes.search import UNRESHARDED, predicted_plans
+    from cfp.problem import UNRESHARDED, predicted_plans
     from cfp.solver import Group, Option, Problem
     moved = np.array([[False, True], [True, False]])
     problem = Problem([Group((0,), [Option((0,), 10), Option((1,), 13)]),

@@ -147,7 +147,7 @@ def test_alike_layers_solve_on_the_quotient(seed):
 def test_whole_problem_mixes_layers_under_a_tight_budget():
     """Fast layers need 10 bytes, lean ones 5: within 25 bytes, plans with alike layers must
     all be lean (cost 60); the whole problem runs two fast and one lean (cost 40)."""
-    from cfp.passes.search import top_plans
+    from cfp.problem import top_plans
     layer = [Option((0,), 10, 10), Option((1,), 20, 5)]
     p = Problem([Group((b,), layer) for b in range(3)], [2, 2, 2], {}, 25, [], [(0, 1), (1, 2)])
     assert solve_alike(p).objective == 60

@@ -194,7 +194,7 @@ def test_a_stage_pays_for_what_crosses_to_later_stages():
     alpha and beta. The crossing tensors are found here from the graph, independently."""
     from cfp.blocks import group_blocks
     from cfp.cluster import load_cluster
-    from cfp.passes.search import SCALE
+    from cfp.problem import SCALE
     from cfp.passes.stages import StageOptions, _SubmeshPricing
     from cfp.tracing import trace_step
     spec = _gpt(2)

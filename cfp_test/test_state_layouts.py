@@ -68,7 +68,7 @@ def analytic_problem():
     windows, with the memory of dp's plan and of the smallest plan."""
     from cfp.cost_model import fit_cost_model_for
     from cfp.passes.profile import ProfileOptions, run_profile
-    from cfp.passes.search import build_problem
+    from cfp.problem import build_problem
     spec, analysis, *_ = setup((8,))
     profile = run_profile(analysis, ProfileOptions(
         cost="analytic", cost_model=fit_cost_model_for((8,))))
@@ -82,7 +82,7 @@ def test_where_memory_binds_search_splits_the_state_and_the_plan_runs_as_a_loop(
     split layouts (the control) no plan fits."""
     import dataclasses
     from helpers import assert_loop_matches, planned_loop
-    from cfp.passes.search import plan_storage, top_plans
+    from cfp.problem import plan_storage, top_plans
     from cfp.solver import least_memory
     spec, analysis, profile, build_problem = analytic_problem
     problem, _ = build_problem(analysis, profile, None)
@@ -187,12 +187,13 @@ def test_a_prediction_over_the_budget_once_compiled_is_replaced(xla_stand_in, mo
     and solves again for the others, to plans it has not compiled: it returns more plans that
     fit than the first solve gave, and none over the budget. Control: without calibrating,
     only the first solve's plans that fit."""
+    import cfp.problem
     import dataclasses
     import cfp.passes.search as search
     problem, analysis, profile, xla_peak = xla_stand_in
-    for budget in sorted({xla_peak(s.choices) for s in search.predicted_plans(problem, 4, 30.0)}):
+    for budget in sorted({xla_peak(s.choices) for s in cfp.problem.predicted_plans(problem, 4, 30.0)}):
         tight = dataclasses.replace(problem, memory_budget=budget)
-        first = search.predicted_plans(tight, 3, 30.0)
+        first = cfp.problem.predicted_plans(tight, 3, 30.0)
         if min(map(xla_peak, (s.choices for s in first))) <= budget < max(
                 map(xla_peak, (s.choices for s in first))):
             break
@@ -220,12 +221,13 @@ def test_where_xla_holds_more_than_composed_search_calibrates_and_fits(
     fixed amount more besides, predictions are over the budget still after it, and search
     solves against a budget scaled down. Controls: without calibrating, none fits; where the
     per-byte factor accounts for all XLA holds, the budget is not scaled."""
+    import cfp.problem
     import dataclasses
     import logging
     import cfp.passes.search as search
     from cfp.solver import evaluate
     problem, analysis, profile, xla_peak = xla_stand_in
-    free = search.predicted_plans(problem, 3, 30.0)
+    free = cfp.problem.predicted_plans(problem, 3, 30.0)
     for extra, scaled in ((2**18, True), (0, False)):
         xla_peak.extra = extra
         budget = min(xla_peak(s.choices) for s in free) - 1  # the free predictions are over
@@ -375,6 +377,7 @@ def test_a_value_a_later_window_gathers_for_its_backward_pass_is_held_gathered(m
     counted before, and the three it does not, 4 MiB each (with a [32, 128, 1] one), and is
     still at most the compiled peak.
     Control: without the three the composition is more than 6 points further below it."""
+    import cfp.problem
     import dataclasses
     import cfp.passes.search as search
     from cfp.baselines import baseline_strategy_indices
@@ -399,7 +402,7 @@ def test_a_value_a_later_window_gathers_for_its_backward_pass_is_held_gathered(m
             combo, earlier[k])))
 
     def composed():
-        problem, _ = search.build_problem(analysis, profile, None)
+        problem, _ = cfp.problem.build_problem(analysis, profile, None)
         groups, choices = [], []
         for grp, (combo, terms) in zip(problem.groups, measured):
             c = next(i for i, o in enumerate(grp.options) if o.strategies == combo)

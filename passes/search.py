@@ -16,30 +16,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import statistics
 import time
 
-import numpy as np
-
 from cfp.errors import CfpError
-from cfp.timing import slower
-from cfp.phases import Phases
-from cfp.solver import (Group, Option, Problem, Solution, evaluate, least_memory,
-                        penalizing_reshardings, solve, solve_alike)
 from cfp.execute import Storage
-from cfp.sharding import STATE_LAYOUTS
-from cfp.jax_compat import itemsize
 from cfp.mesh import AXIS_NAMES
-from cfp.windows import (COMBINED_REDUCTION_BYTES, held_for_backward, held_state,
-                         inputs_read_earlier, layouts, memory_terms, option_memory,
-                         read_back_across, shard_bytes, state_layout)
+from cfp.phases import Phases
+from cfp.problem import (UNRESHARDED, baseline_candidates, build_problem, calibrated,
+                         fastest_within_budget, plan_flops, plan_storage, predicted_plans,
+                         predicted_seconds, top_plans, unresharded_plan)
+from cfp.solver import Problem, Solution, evaluate
+from cfp.timing import slower
 
 log = logging.getLogger(__name__)
-
-UNRESHARDED = "predicted without reshardings"  # the source of ``predicted_plans``' extra plan
-SCALE = 1e7  # integer cost units per second: 0.1 microsecond, finer than any timing here
-FAILED_RESHARD_S = 1e6  # a resharding XLA could not compile or run: never worth choosing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,275 +207,6 @@ def fitting_predictions(analysis, problem: Problem, profile, options: SearchOpti
             for s in kept], compiled, status
 
 
-def calibrated(analysis, problem: Problem, windows, over, *, first: bool) -> Problem:
-    """``problem`` calibrated on the predictions ``over`` the budget once compiled ((solution,
-    compiled peak) each, the solution's memory as ``problem`` composes it):
-
-    - The ``first`` time, where every one of them keeps parameters whole, what their steps
-      hold beyond the composition is attributed to those parameters (state layouts ``plan``
-      and ``zero1``: the composition counts their gradients waiting and the weight copies
-      their windows make, and XLA may hold more of either, longer;
-      ``scripts/composed_memory.py --peak-top`` lists them). Every option then counts its
-      whole-kept parameters' bytes (its ``Option.waiting``, their gradients' size; a
-      gathered table's is not among them) times the smallest such excess per byte among
-      them.
-    - Otherwise the budget the solver composes against is scaled by the composed / compiled
-      ratio of the one closest to fitting."""
-    peaks = [p for _, p in over]
-    if first:
-        kept_whole = [sum(g.options[c].waiting for g, c in zip(problem.groups, s.choices))
-                      for s, _ in over]
-        if all(kept_whole):
-            per_byte = min((p - s.memory) / k for (s, p), k in zip(over, kept_whole))
-            log.info("%d predictions over the budget once compiled (peaks %s); parameters "
-                     "kept whole count %.2f times their bytes more", len(over), peaks,
-                     per_byte)
-            return dataclasses.replace(problem, groups=[
-                dataclasses.replace(grp, options=[
-                    dataclasses.replace(o, memory=o.memory + math.ceil(per_byte * o.waiting))
-                    for o in grp.options])
-                for grp in problem.groups])
-    budget = int(problem.memory_budget * max(s.memory / p for s, p in over))
-    log.info("%d predictions over the budget once compiled (peaks %s); solving against %d "
-             "bytes", len(over), peaks, budget)
-    return dataclasses.replace(problem, memory_budget=budget)
-
-
-def plan_storage(analysis, problem: Problem, windows, choices) -> Storage:
-    """Where the plan of ``choices`` (one option per window instance) keeps each state leaf:
-    the state layout each window's combination names for the state it holds."""
-    leaves = []
-    for w, grp, c in zip(windows, problem.groups, choices):
-        layout = state_layout(analysis, w, grp.options[c].strategies)
-        leaves += [(k, layout) for k in held_state(analysis, w)]
-    return Storage(leaves=tuple(sorted(leaves)))
-
-
-def fastest_within_budget(candidates, memory_budget_bytes: int | None) -> int:
-    """Index of the measured fastest candidate whose compiled peak fits the budget (the
-    composed memory that chose them can be off either way)."""
-    fits = [i for i, c in enumerate(candidates)
-            if memory_budget_bytes is None or c.compiled_peak_bytes <= memory_budget_bytes]
-    if not fits:
-        peaks = sorted(c.compiled_peak_bytes / 2**30 for c in candidates)
-        raise CfpError(f"no candidate plan fits {memory_budget_bytes / 2**30:.3f} GB per device "
-                       f"once compiled (compiled peaks {peaks[0]:.3f} to {peaks[-1]:.3f} GB, "
-                       f"though their composed memory fit): raise --memory-budget")
-    return min(fits, key=lambda i: candidates[i].median_s)
-
-
-def build_problem(analysis, profile, memory_budget_bytes: int | None
-                  ) -> tuple[Problem, dict]:
-    """The CP-SAT problem and, per group, the option -> combination table."""
-    names = AXIS_NAMES[:len(analysis.mesh_shape)]
-    blocks = analysis.blocks.blocks
-    groups, combos = [], {}
-    read_earlier = inputs_read_earlier(analysis, profile.windows)
-    held = held_for_backward(analysis.graph, platform=profile.platform)
-    read_back = read_back_across(analysis)  # boundaries a backward pass reads
-    for gi, w in enumerate(profile.windows):
-        seg = profile.window_profiles[w.type]
-        terms = memory_terms(analysis, w, read_earlier[gi], held)
-        opts, table = [], []
-        for combo, m in sorted(seg.results.items()):
-            if m.status != "ok":
-                continue
-            opts.append(Option(combo, int(round(m.time_s * SCALE)),
-                               *option_memory(analysis, w, combo, m, names, terms=terms)))
-            table.append(combo)
-        if not opts:
-            statuses = {m.status for m in seg.results.values()}
-            fix = ("profile again to measure the combinations the budget did not reach"
-                   if "not_measured" in statuses else "raise --memory-budget and profile again"
-                   if "oom" in statuses else "see profile.csv for why")
-            raise CfpError(f"window type {w.type} has no measured combination that runs "
-                           f"({', '.join(sorted(statuses))}): {fix}")
-        groups.append(Group(tuple(range(w.start, w.end)), opts))
-        combos[gi] = table
-    edges: dict = {}
-    reshards: dict = {}
-    edge_memory: dict = {}
-    for b in profile.boundaries:
-        src, src_of = layouts(b.src_labels, blocks[b.src].strategies, names)
-        dst, dst_of = layouts(b.dst_labels, blocks[b.dst].strategies, names)
-        small = np.zeros((len(src), len(dst)), dtype=np.int64)  # per distinct layout pair
-        moved = np.zeros((len(src), len(dst)), dtype=bool)
-        for i, s in enumerate(src):
-            for j, d in enumerate(dst):
-                if s != d:
-                    moved[i, j] = True
-                    key = (b.shape, b.dtype, s, d)
-                    if key not in profile.reshard_s:
-                        raise CfpError("the profile has reshardings it did not time (its budget "
-                                       "ran out): profile again to time them")
-                    seconds = profile.reshard_s[key]
-                    small[i, j] = int(round((FAILED_RESHARD_S if seconds is None else seconds)
-                                            * SCALE))
-        key = (b.src, b.dst)
-        edges[key] = edges.get(key, 0) + small[np.ix_(src_of, dst_of)]
-        reshards[key] = reshards.get(key, False) | moved[np.ix_(src_of, dst_of)]
-        if b.value in held or (b.value, b.dst, b.dst_labels) in read_back:
-            # held for the backward pass, or read by the reader's: a larger copy is held
-            size = [shard_bytes(b.shape, itemsize(b.dtype), s, analysis.mesh_shape, names)
-                    for s in src + dst]
-            src_b, dst_b = size[:len(src)], size[len(src):]
-            extra = np.array([[d if d > s else 0 for d in dst_b] for s in src_b], np.int64)
-            if extra.any():
-                edge_memory[key] = edge_memory.get(key, 0) + extra[np.ix_(src_of, dst_of)]
-    copies: dict[int, list[int]] = {}  # a scan body's block -> its copy in every iteration
-    for b in blocks:
-        origin = analysis.graph.ops[b.seed].scan_origin
-        if origin is not None:
-            copies.setdefault(origin, []).append(b.index)
-    ties = [(c[k], c[k + 1]) for c in copies.values() for k in range(len(c) - 1)]
-    problem = Problem(groups, [len(b.strategies) for b in blocks], edges, memory_budget_bytes,
-                      ties, alike_blocks(analysis), reshards=reshards,
-                      edge_memory=edge_memory, waiting_cap=COMBINED_REDUCTION_BYTES)
-    return problem, combos
-
-
-def alike_blocks(analysis) -> list[tuple[int, int]]:
-    """Pairs of blocks at the same offset of consecutive instances of one segment type (the
-    same block of repeated layers) that have the same strategies."""
-    blocks = analysis.blocks.blocks
-    last: dict[int, object] = {}
-    out = []
-    for seg in analysis.segments.instances:
-        prev = last.get(seg.type)
-        last[seg.type] = seg
-        if prev is None or prev.end - prev.start != seg.end - seg.start:
-            continue
-        for a, b in zip(range(prev.start, prev.end), range(seg.start, seg.end)):
-            if [t.axes for t in blocks[a].strategies] == [t.axes for t in blocks[b].strategies]:
-                out.append((a, b))
-    return out
-
-
-ALIKE_FROM_OPTIONS = 2000  # options over all groups above which a solve starts alike
-
-
-def _options(problem: Problem) -> int:
-    return sum(len(g.options) for g in problem.groups)
-
-
-def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool = False,
-              exclude=()):
-    """The ``k`` cheapest plans, cheapest first. A large problem (deep, or on a large mesh)
-    starts each from the cheapest plan whose repeated layers are alike (``solve_alike``:
-    quick at any depth); unless ``alike_only``, the whole problem then runs from it within
-    ``time_limit_s``, free to give layers different strategies, which pays under a tight
-    memory budget. A small one is solved whole at once: there the alike problem is hardly
-    smaller, and proving it optimal can take as long as the whole."""
-    sols = []
-    k = max(1, k)
-    if problem.memory_budget is not None and least_memory(problem) > problem.memory_budget:
-        k = 0  # a lower bound already over the budget: no solve can succeed
-    for _ in range(k):
-        t0 = time.perf_counter()
-        excluded = list(exclude) + [s.choices for s in sols]
-        start = solve_alike(problem, time_limit_s=time_limit_s, exclude=excluded) \
-            if problem.alike and (alike_only or _options(problem) > ALIKE_FROM_OPTIONS) \
-            else None
-        if alike_only and start is not None:
-            sol = dataclasses.replace(start, status=f"{start.status} among plans whose "
-                                                    f"repeated layers are alike")
-        else:
-            try:
-                sol = solve(problem, time_limit_s=time_limit_s, exclude=excluded,
-                            hint=start.choices if start else None)
-            except CfpError:  # out of time: the plans found so far are the candidates
-                if start is None and sols:
-                    break
-                if start is None:
-                    raise
-                sol = None
-            if start is not None and (sol is None or sol.objective >= start.objective):
-                sol = dataclasses.replace(
-                    start, status="OPTIMAL" if sol is not None and sol.status == "OPTIMAL"
-                    else f"FEASIBLE (the best plan whose repeated layers are alike: "
-                         f"{start.status} among those)")
-        if sol is None:
-            break
-        sols.append(dataclasses.replace(sol, solve_s=time.perf_counter() - t0))
-    if not sols:
-        need = least_memory(problem)
-        raise CfpError(f"no plan fits the memory budget of "
-                       f"{problem.memory_budget / 2**30:.3f} GB per device; the smallest any "
-                       f"plan reaches is about {need / 2**30:.3f} GB")
-    return sols
-
-
-def predicted_plans(problem: Problem, k: int, time_limit_s: float, exclude=()
-                    ) -> list[Solution]:
-    """The ``k`` cheapest plans (``top_plans``) but those in ``exclude`` and, when every one
-    of them reshards between blocks, the cheapest plan that reshards nothing
-    (``unresharded_plan``). The composition prices a boundary resharding alone, after a
-    producer op; inside a whole step the same resharding can cost more (README, *Why the
-    composition's picks lose*). Validating the best plan that needs none keeps a plan
-    predicted faster by a few percent, but with reshardings, from winning unmeasured against
-    it."""
-    sols = top_plans(problem, k, time_limit_s, exclude=exclude)
-    if not problem.reshards or not all(resharded(problem, s.strategies) for s in sols):
-        return sols
-    return sols + unresharded_plan(problem, time_limit_s, exclude)
-
-
-def unresharded_plan(problem: Problem, time_limit_s: float, exclude=()) -> list[Solution]:
-    """The cheapest plan but those in ``exclude`` that reshards nothing between blocks (status
-    ``UNRESHARDED``), if one fits the budget: a list of it, or an empty one."""
-    try:
-        sol = top_plans(penalizing_reshardings(problem), 1, time_limit_s, exclude=exclude)[0]
-    except CfpError:  # out of time, or none fits
-        return []
-    if resharded(problem, sol.strategies):
-        return []
-    return [dataclasses.replace(sol, objective=evaluate(problem, sol.choices)[0],
-                                status=UNRESHARDED)]
-
-
-def resharded(problem: Problem, strategies) -> bool:
-    """Whether the plan changes the layout of some tensor between two blocks."""
-    return any(bool(moved[strategies[i], strategies[j]])
-               for (i, j), moved in problem.reshards.items())
-
-
-def baseline_candidates(analysis, problem: Problem, known, *, within_budget: bool = True
-                        ) -> list[tuple[str, Solution]]:
-    """The rule-file baselines (``cfp.baselines``) that are plans of this problem: every block
-    on a profiled strategy, every window on a feasible measured combination, parameters kept as
-    the plan keeps them, one strategy per scan body, and within the memory budget. Search
-    validates them next to its own predictions, so a plan people already use is measured too,
-    not only predicted."""
-    from cfp.baselines import baseline_strategy_indices
-    out, seen = [], set(known)
-    for name, (idx, layout) in baseline_strategy_indices(analysis, storage=True).items():
-        if None in idx:
-            continue
-        choices = []
-        for g in problem.groups:
-            want = tuple(idx[b] for b in g.blocks)
-            choices.append(next((i for i, o in enumerate(g.options)
-                                 if o.strategies[:len(want)] == want
-                                 and (len(o.strategies) == len(want)
-                                      or STATE_LAYOUTS[o.strategies[-1]] == layout)), None))
-        if None in choices or tuple(choices) in seen:
-            continue
-        cost, mem, strategies = evaluate(problem, choices)
-        if within_budget and problem.memory_budget is not None and mem > problem.memory_budget:
-            continue
-        if any(strategies[i] != strategies[j] for i, j in problem.ties):
-            continue  # layers of one scan on different strategies: not a plan of a scan
-        seen.add(tuple(choices))
-        out.append((name, Solution(tuple(choices), strategies, cost, mem, f"baseline {name}",
-                                   0.0)))
-    return out
-
-
-def predicted_seconds(problem: Problem, choices, launch_overhead_s: float) -> float:
-    """Composed step time: windows, boundary reshardings, and one program launch."""
-    return evaluate(problem, choices)[0] / SCALE + launch_overhead_s
-
-
 def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOptions,
                   phases: Phases | None = None):
     """Compile every plan ((block strategies, ``Storage``); a compiled ``PlannedStep`` is
@@ -521,10 +242,6 @@ def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOpti
 def _separated(times) -> bool:
     best = min(range(len(times)), key=lambda i: statistics.median(times[i]))
     return all(slower(t, times[best]) for i, t in enumerate(times) if i != best)
-
-
-def plan_flops(analysis) -> float:
-    return float(sum(op.flops for op in analysis.graph.ops))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -271,7 +271,7 @@ class _SubmeshPricing:
     def __init__(self, spec, cluster, graph, grouping, options: StageOptions, m: Submesh):
         from cfp.passes.analysis import run_analysis
         from cfp.passes.profile import ProfileOptions, run_profile
-        from cfp.passes.search import build_problem
+        from cfp.problem import build_problem
         self.cluster = cluster.submesh(*m.shape)
         self.options = options
         shape = self.cluster.mesh_shape
@@ -358,7 +358,7 @@ class _SubmeshPricing:
 
     def price(self, k: int, i: int):
         """(StageCost, strategies of the stage's blocks) of units ``k..i`` here, or None."""
-        from cfp.passes.search import SCALE
+        from cfp.problem import SCALE
         lo, hi = self.block_range(k, i)
         inside = (self.group_start >= lo) & (self.group_start < hi)
         best = None

@@ -180,7 +180,7 @@ def own_pick(workdir: Path, run_fp, budget) -> tuple[tuple, int]:
     """((block strategies, storage) of ``cfp_own``'s pick: the measured fastest of search's own
     predictions within the budget, how many top predictions search measured, not counting
     the best without reshardings)."""
-    from cfp.passes.search import fastest_within_budget
+    from cfp.problem import fastest_within_budget
     from cfp.records import read_record
     from cfp.workdir import SEARCH_FORMAT
     rec = read_record(workdir / "search.pkl", SEARCH_FORMAT, run_fp, hint="run search first")
@@ -221,7 +221,7 @@ def analytic_plans(a, workdir: Path, analysis, run_fp, k: int) -> list:
     CP-SAT finds, best first, and the best without reshardings when all of those reshard
     (``predicted_plans``)."""
     from cfp.workdir import WorkDir
-    from cfp.passes.search import build_problem, plan_storage, predicted_plans
+    from cfp.problem import build_problem, plan_storage, predicted_plans
     profile = WorkDir(workdir, run_fp).read_profile(analysis, "model", a.max_combinations,
                                                       a.whole_segments)
     budget = budget_bytes(a)

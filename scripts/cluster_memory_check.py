@@ -51,7 +51,8 @@ def analysis_of(workdir: Path):
 def plans_of(analysis, profile, budget_bytes):
     """The prediction, and (name, predicted seconds, composed bytes, strategies, storage) of
     cfp's plan and each hand plan priced from ``profile``, fastest first."""
-    from cfp.passes.search import baseline_candidates, build_problem, plan_storage, predict_plan
+    from cfp.passes.search import predict_plan
+    from cfp.problem import baseline_candidates, build_problem, plan_storage
     pred = predict_plan(analysis, profile, budget_bytes, 60.0)
     problem = build_problem(analysis, profile, None)[0]
     hand = dict(baseline_candidates(analysis, problem, [], within_budget=False))
@@ -121,8 +122,8 @@ def part_rows(out: str, models: str, meshes: str) -> None:
     from cfp.measure import memory_of
     from cfp.passes.analysis import run_analysis
     from cfp.passes.profile import ProfileOptions, run_profile
-    from cfp.passes.search import (baseline_candidates, build_problem, compiled_peak_for,
-                                   plan_storage, predict_plan)
+    from cfp.passes.search import compiled_peak_for, predict_plan
+    from cfp.problem import baseline_candidates, build_problem, plan_storage
     from cfp.tracing import trace_step
     from cfp.workloads import WorkloadSpec
     jax.config.update("jax_enable_compilation_cache", False)  # every program compiled here

@@ -112,7 +112,7 @@ def main() -> None:
     from cfp.mesh import make_mesh
     from cfp.workloads import run_fingerprint
     from cfp.workdir import ANALYSIS_FORMAT, WorkDir
-    from cfp.passes.search import SCALE, build_problem
+    from cfp.problem import SCALE, build_problem
 
     analysis = read_record(workdir / "analysis.pkl", ANALYSIS_FORMAT, None, hint="")
     run_fp = run_fingerprint(analysis.spec, mesh_shape)
@@ -183,7 +183,7 @@ def memory_again(path: Path, label: str, args, problem, profile) -> None:
     from the same profile by the current rule against the compiled peaks ``path`` recorded.
     The composed step times must match the recorded ones: else the profile is another."""
     import pandas as pd
-    from cfp.passes.search import SCALE
+    from cfp.problem import SCALE
     from cfp.solver import evaluate
     rows = pd.read_csv(path)
     rows = rows[(rows.workload == label) & (rows.mesh.astype(str) == args.mesh)].tail(args.plans)
@@ -216,7 +216,7 @@ def as_timed_s(ps, problem, profile) -> float:
     """``ps``'s composed step seconds with each window time back at its batch's own speed:
     the rescaling to the speed anchor's median over the profile
     (``passes.profile.on_one_scale``) undone."""
-    from cfp.passes.search import SCALE
+    from cfp.problem import SCALE
     seconds = ps.predicted_s
     for window, group, c in zip(profile.windows, problem.groups, ps.choices):
         option = group.options[c]
@@ -297,7 +297,7 @@ def predictions_from_profiles(flags, workdir: Path, analysis, plans, more: int,
     import shutil
     import tempfile
     from cfp.cli import main as cli
-    from cfp.passes.search import build_problem, predicted_seconds
+    from cfp.problem import build_problem, predicted_seconds
     from cfp.workdir import WorkDir
     from cfp.workloads import run_fingerprint
     run_fp = run_fingerprint(analysis.spec, analysis.mesh_shape)

@@ -77,7 +77,7 @@ def main(a) -> None:
     from cfp.mesh import make_mesh
     from cfp.tracing import trace_step
     from cfp.workdir import WorkDir
-    from cfp.passes.search import SCALE, build_problem, predicted_seconds
+    from cfp.problem import SCALE, build_problem, predicted_seconds
     n_dev = math.prod(mesh_shape)
     prof = WorkDir(workdir, run_fp).read_profile(analysis, "measure", a.max_combinations,
                                                  a.whole_segments)
