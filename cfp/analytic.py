@@ -17,7 +17,7 @@ implies (Alpa's cost model, ``../shared/REFERENCE.md``):
 - **memory**: arguments and results from the window's layouts; temporaries as the largest
   contraction's per-device operands and result (XLA reuses the rest), less those the window's
   own program would not hold as temporaries: its arguments and results, and the activations
-  held for the backward pass (``cfp.windows.held_for_backward`` on the cost model's platform),
+  held for the backward pass (``cfp.window_memory.held_for_backward`` on the cost model's platform),
   which the composition counts as held.
 
 All collectives use ``CostModel.collective_s`` with the alpha and beta of the slowest network
@@ -32,8 +32,8 @@ from cfp.jax_compat import itemsize
 from cfp.measure import Measurement
 from cfp.cost_model import CostModel
 from cfp.sharding import sub_program
-from cfp.windows import (Window, apply_state, held_for_backward, shard_bytes,
-                         window_layouts, window_ops)
+from cfp.windows import Window, apply_state, shard_bytes, window_layouts, window_ops
+from cfp.window_memory import held_for_backward
 
 
 def _axes_of(spec, axis_names) -> list[tuple[int, ...]]:

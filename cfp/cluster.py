@@ -4,7 +4,7 @@ onto them.
 A ``Cluster`` is a stack of network *levels*, outermost first (``50 nodes x 4 GPUs``: a node
 level over a GPU level), each with its alpha (seconds per collective) and beta (seconds per
 byte), plus per-device memory, peak FLOP/s and memory bandwidth; the devices are GPUs unless
-said otherwise (their memory follows XLA's GPU fusion: ``cfp.windows.expensive``). Devices
+said otherwise (their memory follows XLA's GPU fusion: ``cfp.window_memory.expensive``). Devices
 are numbered
 row-major over the levels (the innermost level varies fastest), and a logical mesh is laid
 over them row-major too, so its last axis is the fastest-varying one. A mesh axis whose devices

@@ -25,7 +25,7 @@ class CostModel:
     device_flops: float  # FLOP/s of one device
     device_bandwidth: float  # bytes/s of one device's memory
     # the devices' XLA platform: which elementwise results its fusion recomputes
-    # (``cfp.windows.expensive``) and so which the forward pass holds
+    # (``cfp.window_memory.expensive``) and so which the forward pass holds
     platform: str = "cpu"
     # the GPUs' description (``cfp.gpu_compile.GPUS``): where JAX's CUDA plugin is installed,
     # compile-only programs are compiled for them, not for the devices here

@@ -26,8 +26,8 @@ from cfp.jax_compat import is_key, random_keys, to_dtype
 from cfp.sharding import SubProgram, state_updates, sub_function, sub_program, update_statistics
 from cfp.collectives import COLLECTIVE_KINDS, HLO_BYTES, op_name, tagged_op, unnamed_collectives
 from cfp.timing import BUSY_SHARE
-from cfp.windows import (Window, apply_state, held_for_backward, held_state, option_memory,
-                         param_values, state_layout, window_layouts, window_ops)
+from cfp.windows import Window, apply_state, held_state, state_layout, window_layouts, window_ops
+from cfp.window_memory import held_for_backward, option_memory, param_values
 
 _FLOAT_LOW, _FLOAT_HIGH = 0.5, 1.5  # positive, away from zero: safe for log, sqrt, division
 
@@ -143,9 +143,9 @@ class WindowProgram:
 
     def option_memory(self, combo, read_earlier: frozenset[int] = frozenset(),
                       held: frozenset[int] | None = None) -> tuple[int, int, int, int]:
-        """``cfp.windows.option_memory`` of ``combo`` compiled here (nothing run): what a
+        """``cfp.window_memory.option_memory`` of ``combo`` compiled here (nothing run): what a
         measured profile composes for it; ``held`` by default as the mesh's platform holds
-        it (``cfp.windows.held_for_backward``)."""
+        it (``cfp.window_memory.held_for_backward``)."""
         compiled, _ = self.compile(combo)
         if held is None:
             held = held_for_backward(self.graph, platform=self.mesh.devices.flat[0].platform)

@@ -41,7 +41,7 @@ _ALLOWED_NUMPY = {("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiar
                   ("numpy", "int64"), ("numpy", "int32")}
 _ALLOWED_CFP_MODULES = {"cfp.records", "cfp.graph", "cfp.strategies", "cfp.blocks",
                         "cfp.segments", "cfp.workloads", "cfp.measure", "cfp.windows", "cfp.execute",
-                        "cfp.cost_model",
+                        "cfp.cost_model", "cfp.window_memory",
                         "cfp.passes.analysis", "cfp.passes.profile",
                         "cfp.passes.search"}
 

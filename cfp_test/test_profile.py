@@ -233,7 +233,8 @@ def test_a_step_input_counts_once_in_composed_memory():
     gradient aside: ``test_state_layouts``)."""
     import dataclasses
     import types
-    from cfp.windows import inputs_read_earlier, memory_terms, option_memory, window_ops
+    from cfp.windows import inputs_read_earlier, window_ops
+    from cfp.window_memory import memory_terms, option_memory
     from cfp.sharding import sub_program
     a = _analysis("gpt", (4,), num_layers=2)
     g, windows = a.graph, split_windows(a, 32)[0]
@@ -279,7 +280,8 @@ def test_a_held_activation_counts_in_the_copy_xla_keeps():
     """A held activation counts in its producer's layout, or in a larger one where a backward
     reader in its window wants the layout a forward reader there made (XLA keeps that copy);
     the control: a backward reader alone wanting a larger layout leaves the producer's."""
-    from cfp.windows import held_for_backward, memory_terms, shard_bytes, term_sizers
+    from cfp.windows import shard_bytes
+    from cfp.window_memory import held_for_backward, memory_terms, term_sizers
     a = _analysis("gpt", (2, 4), num_layers=2)
     g, names = a.graph, ("m0", "m1")
     windows = split_windows(a, 32, whole_segments=True)[0]
@@ -316,7 +318,8 @@ def test_a_residual_a_backward_reader_gathers_counts_gathered():
     import dataclasses
     import types
     from cfp.jax_compat import itemsize
-    from cfp.windows import memory_terms, option_memory, shard_bytes
+    from cfp.windows import shard_bytes
+    from cfp.window_memory import memory_terms, option_memory
     a = _analysis("gpt", (8,), num_layers=2)
     g, names = a.graph, ("m0",)
     windows = split_windows(a, 32, whole_segments=True)[0]

@@ -132,9 +132,9 @@ def test_composed_memory_holds_only_what_remat_saves():
 def test_without_the_barrier_remats_inputs_are_not_held(monkeypatch):
     """Negative control: not counting what remat's barrier reads, the layer inputs it saves
     (each a residual add's result, cheap to recompute) drop out of the held set."""
-    import cfp.windows
-    feeds = cfp.windows._feeds_contraction
-    monkeypatch.setattr(cfp.windows, "_feeds_contraction", lambda g, i, depth=3: (
+    import cfp.window_memory
+    feeds = cfp.window_memory._feeds_contraction
+    monkeypatch.setattr(cfp.window_memory, "_feeds_contraction", lambda g, i, depth=3: (
         g.ops[i].primitive != "optimization_barrier" and feeds(g, i, depth)))
     g, held = _held("flax_remat")
     assert not _read_by_barrier(g) <= held
@@ -147,7 +147,7 @@ def test_an_elementwise_residual_is_held_where_xla_cannot_recompute_it_cheaply()
     next contraction's backward reads."""
     import jax.numpy as jnp
     from cfp.program import trace_program
-    from cfp.windows import held_for_backward
+    from cfp.window_memory import held_for_backward
 
     def loss(w1, b, w2, x):
         h = x @ w1 + b
@@ -174,7 +174,7 @@ def test_a_softmax_exp_is_held_on_cpu_and_recomputed_on_gpu_in_float32():
     name a bfloat16 exp as cheap, so the held set keeps it on GPU too."""
     import jax.numpy as jnp
     from cfp.program import trace_program
-    from cfp.windows import held_for_backward
+    from cfp.window_memory import held_for_backward
 
     def loss(w, x):
         logits = x @ w
@@ -198,7 +198,7 @@ def test_a_softmax_exp_is_held_on_cpu_and_recomputed_on_gpu_in_float32():
 
 
 def _held(model):
-    from cfp.windows import held_for_backward
+    from cfp.window_memory import held_for_backward
     g = run_analysis(_spec(model, num_layers=4), (8,)).graph
     return g, held_for_backward(g)
 

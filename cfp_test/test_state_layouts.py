@@ -254,8 +254,8 @@ def test_a_tables_gradient_is_held_and_a_whole_kept_gradient_waits(analytic_prob
     no tables the embedding window adds up less by exactly the table's bytes, and under zero1
     its gradient waits instead."""
     import dataclasses
-    from cfp.windows import (held_params, memory_terms, option_memory, state_layout,
-                             term_sizers)
+    from cfp.windows import state_layout
+    from cfp.window_memory import held_params, memory_terms, option_memory, term_sizers
     spec, analysis, profile, _ = analytic_problem
     names = analysis.mesh().axis_names
     seen = {"plan": 0, "zero1": 0, "fsdp": 0, "table": 0}
@@ -329,7 +329,8 @@ def test_composed_memory_of_whole_kept_plans_counts_the_weight_copies():
     from cfp.execute import Storage
     from cfp.measure import Measurement
     from cfp.solver import Group, Option, Problem, evaluate
-    from cfp.windows import COMBINED_REDUCTION_BYTES, inputs_read_earlier, option_memory
+    from cfp.windows import inputs_read_earlier
+    from cfp.window_memory import COMBINED_REDUCTION_BYTES, option_memory
     spec = WorkloadSpec("llama", "tiny", 8, "float32", GPT + (
         ("seq_len", 128), ("hidden_size", 256))).resolved()
     analysis, mesh = run_analysis(spec, (8,)), make_mesh((8,))

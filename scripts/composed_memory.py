@@ -5,7 +5,7 @@ analysis kept (``dp``, ``megatron``, ``zero1``, ``fsdp``, ...) is composed as se
 plan: its windows (split as the profile splits them) are compiled one by one under its block
 strategies and its state layout (a window holding state takes and returns it split as the
 plan stores it), donating what they update, and their memory terms add up
-(``cfp.windows.option_memory``, ``cfp.solver.evaluate``). The whole step is compiled under the
+(``cfp.window_memory.option_memory``, ``cfp.solver.evaluate``). The whole step is compiled under the
 same plan, and the two peaks are printed side by side. Nothing is timed.
 
     python scripts/composed_memory.py --model gpt --mesh 8 --num-layers 2 --num-heads 8 \
@@ -70,8 +70,8 @@ def main(argv=None) -> None:
     from cfp.measure import WindowProgram, memory_of
     from cfp.passes.analysis import run_analysis
     from cfp.solver import Group, Option, Problem, evaluate
-    from cfp.windows import (COMBINED_REDUCTION_BYTES, held_for_backward,
-                             inputs_read_earlier, split_windows)
+    from cfp.windows import inputs_read_earlier, split_windows
+    from cfp.window_memory import COMBINED_REDUCTION_BYTES, held_for_backward
     from cfp.mesh import make_mesh
     from cfp.tracing import trace_step
     from cfp.workloads import WorkloadSpec
