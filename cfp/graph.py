@@ -275,3 +275,41 @@ def _flops(prim: str, ins: list[Value], outs: list[Value], attrs: dict) -> float
                                                "cummax", "cumlogsumexp"):
         return float(math.prod(ins[0].shape))
     return float(out_n)
+
+
+def computed_from_inputs(graph: Graph) -> set[int]:
+    """The values computed from a step input (the others are constants: the same every
+    step)."""
+    out = {v for v, val in graph.values.items() if val.input_index is not None}
+    for op in graph.ops:
+        if any(v in out for v in op.inputs):
+            out.update(op.outputs)
+    return out
+
+
+def repeats(graph: Graph) -> dict[int, int]:
+    """Value -> the value it recomputes, for the values remat recomputes behind an
+    optimization barrier: a barrier's result repeats its operand, and an operator applied to
+    repeated operands (and same attributes) repeats the earlier operator it matches."""
+    repeats: dict[int, int] = {}
+    seen: dict[tuple, tuple[int, ...]] = {}
+    constant = {v for v, val in graph.values.items()  # computed from constants only
+                if val.producer is None and val.input_index is None}
+
+    def same(v):  # scalar literals are equal by value
+        lit = graph.values[v].literal
+        return (lit, graph.values[v].dtype) if lit is not None else repeats.get(v, v)
+
+    for op in graph.ops:
+        if op.primitive == "optimization_barrier":
+            for i, o in zip(op.inputs, op.outputs):
+                repeats[o] = repeats.get(i, i)
+            continue
+        if all(v in constant for v in op.inputs):
+            constant.update(op.outputs)
+        key = (op.primitive, op.attrs, tuple(same(v) for v in op.inputs))
+        if key in seen and any(v in repeats or v in constant for v in op.inputs):
+            repeats.update(zip(op.outputs, seen[key]))
+        else:
+            seen.setdefault(key, op.outputs)
+    return repeats

@@ -36,7 +36,8 @@ import collections
 import dataclasses
 import re
 
-from cfp.blocks import LAYOUT_OPS, BlockAnalysis, computed_from_inputs
+from cfp.blocks import LAYOUT_OPS, BlockAnalysis
+from cfp.graph import computed_from_inputs
 from cfp.graph import Graph
 
 

@@ -1,7 +1,7 @@
 """Shared test helpers: traced tiny workloads, cached per process (tracing costs ~0.2 s)."""
 import functools
 
-from cfp.blocks import build_blocks
+from cfp.grouping import build_blocks
 from cfp.models import get_workload
 from cfp.tracing import trace_step
 

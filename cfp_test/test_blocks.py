@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 
 import zoo_extra
-from cfp.blocks import build_blocks
+from cfp.grouping import build_blocks
 from cfp.mesh import make_mesh
 from cfp.tracing import trace_step
 from cfp.sharding import unexpected_collectives

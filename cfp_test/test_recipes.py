@@ -11,7 +11,7 @@ import pytest
 import recipes
 from cfp import blocks as blockrules
 from cfp import graph as graphrules
-from cfp.blocks import build_blocks
+from cfp.grouping import build_blocks
 from cfp.segments import find_segments
 from cfp.mesh import make_mesh
 from cfp.tracing import trace_step

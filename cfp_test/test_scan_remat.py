@@ -6,7 +6,7 @@ import math
 import jax
 import pytest
 
-from cfp.blocks import build_blocks
+from cfp.grouping import build_blocks
 from cfp.cli import main
 from cfp.errors import CfpError
 from cfp.execute import PlannedStep, check_numerics

@@ -192,7 +192,7 @@ def test_a_stage_pays_for_what_crosses_to_later_stages():
     """The whole model as one stage sends nothing; the first layer's stage sends each tensor
     (not a step input) that crosses between its blocks and later ones, once, at the link's
     alpha and beta. The crossing tensors are found here from the graph, independently."""
-    from cfp.blocks import group_blocks
+    from cfp.grouping import group_blocks
     from cfp.cluster import load_cluster
     from cfp.problem import SCALE
     from cfp.passes.stages import StageOptions, _SubmeshPricing

@@ -11,7 +11,9 @@ import dataclasses
 import math
 import time
 
-from cfp.blocks import BlockAnalysis, build_blocks, with_strategies
+from cfp.blocks import BlockAnalysis
+from cfp.blocks import with_strategies
+from cfp.grouping import build_blocks
 from cfp.errors import CfpError
 from cfp.graph import Graph
 from cfp.segments import SegmentAnalysis, find_segments

@@ -369,7 +369,7 @@ def rank_meshes(spec, cluster, *, max_combinations: int, memory_budget_bytes: in
     network levels) planned analytically, on every core (``cfp.pool``), best predicted step
     time first. Shapes are ranked by their best plan whose repeated layers are alike; the
     chosen one is then planned whole."""
-    from cfp.blocks import group_blocks
+    from cfp.grouping import group_blocks
     from cfp.cluster import logical_meshes
     from cfp.pool import map_meshes
     from cfp.tracing import trace_step

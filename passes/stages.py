@@ -86,7 +86,7 @@ def micro_batch_spec(spec, micro_batches: int):
 
 def run_stages(spec, cluster, options: StageOptions) -> StagesRecord:
     """Plan pipeline stages for ``spec`` (resolved, global batch) on ``cluster``."""
-    from cfp.blocks import group_blocks
+    from cfp.grouping import group_blocks
     from cfp.pool import map_meshes
     from cfp.stages import submeshes
     from cfp.tracing import trace_step
@@ -164,7 +164,7 @@ def run_staged(spec, stages, micro_batches: int, *, iters: int = 0):
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
     from cfp import sharding
-    from cfp.blocks import group_blocks
+    from cfp.grouping import group_blocks
     from cfp.execute import example_inputs, plan_specs
     from cfp.program import trace_program
     from cfp.passes.analysis import run_analysis

@@ -22,7 +22,7 @@ MAX_COMBINATIONS = 100  # the profile pass's default
 
 def counts(model: str, recipe: str, num_layers: int, mesh_shape=(8,)) -> dict:
     """The analysis of one recipe: blocks, segment types, window types and combinations."""
-    from cfp.blocks import build_blocks
+    from cfp.grouping import build_blocks
     from cfp.segments import find_segments
     from cfp.windows import split_windows, window_space
     from cfp.tracing import trace_step
