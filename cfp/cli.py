@@ -108,9 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--profile-budget", type=float, default=None,
                    help="seconds for the whole profile pass; what it does not reach is "
                         "not_measured, and profiling again measures it")
-    f.add_argument("--memory-budget", dest="memory_budget_gb", metavar="GB", type=float,
+    f.add_argument("--memory-budget", dest="memory_budget_gb", metavar="GiB", type=float,
                    default=None,
-                   help="GB per device (the GPU's memory when left out; required on CPU)")
+                   help="GiB per device (the GPU's memory when left out; required on CPU)")
     f.add_argument("--device-preset", choices=("a100", "h100", "h200", "here"), default=None,
                    help="--cost model: documented device and network figures (a100 when left "
                         "out), or 'here': alpha-beta and roofline fitted on these devices")

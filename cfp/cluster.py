@@ -19,8 +19,10 @@ Clusters come from a named preset (``PRESETS``) or a small JSON file::
      "memory_per_device_GB": 80, "peak_TFLOPs": 312, "memory_bandwidth_GBps": 1555,
      "assumed": ["alpha_s"], "gpu": "a100"}
 
-``gpu`` (optional) names the devices' description (``cfp.gpu_compile.GPUS``: a100, h100,
-h200): with JAX's CUDA plugin installed, the cluster's programs are compiled for those GPUs.
+Bandwidths are in GB/s (10**9 bytes), and ``memory_per_device_GB`` is read in GiB (2**30
+bytes, as budgets and the console count memory). ``gpu`` (optional) names the devices'
+description (``cfp.gpu_compile.GPUS``: a100, h100, h200): with JAX's CUDA plugin installed,
+the cluster's programs are compiled for those GPUs.
 
 Example:
     >>> c = load_cluster("alpa-50x4")
@@ -120,7 +122,7 @@ class Cluster:
     def describe(self) -> str:
         levels = " x ".join(f"{lv.size} {lv.name}s ({1 / lv.beta_s_per_byte / 1e9:g} GB/s, "
                             f"alpha {lv.alpha_s:g} s)" for lv in self.levels)
-        text = (f"{self.name}: {levels}; {self.memory_per_device_bytes / 2**30:g} GB and "
+        text = (f"{self.name}: {levels}; {self.memory_per_device_bytes / 2**30:g} GiB and "
                 f"{self.device_flops / 1e12:g} TFLOP/s per device")
         return text + (f"; assumed: {', '.join(self.assumed)}" if self.assumed else "")
 
@@ -135,7 +137,7 @@ def _cluster(name, levels, memory_gb, tflops, hbm_gbps, assumed=(), gpu=None) ->
 # Per-device figures are the vendors' (dense bf16 peak, HBM bandwidth, memory); per-link
 # bandwidth is one direction per device: A100 NVLink 3 (600 GB/s both ways, about 150 GB/s
 # effective for a ring collective), H100 NVLink 4 (450 GB/s), one 200 or 400 Gb/s NIC per GPU
-# across nodes. Alphas are assumed everywhere. ``alpa-50x4`` is the case of Alpa's notes: 32 GB
+# across nodes. Alphas are assumed everywhere. ``alpa-50x4`` is the case of Alpa's notes: 32 GiB
 # and 125 TFLOP/s per device (V100-class), 100 GB/s inside a node and 1 GB/s across, the
 # notes' 100:1 ratio; its memory bandwidth is assumed (V100's 900 GB/s).
 PRESETS = {

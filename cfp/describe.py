@@ -94,6 +94,23 @@ def state_layout_of(analysis, storage) -> str | None:
     return layouts.pop() if len(layouts) == 1 else None
 
 
+def state_of_blocks(analysis, storage, start: int, end: int) -> str:
+    """Where ``storage`` keeps the state that blocks ``[start, end)`` read first and update
+    (``cfp.windows.held_state``'s rule): its one layout (``zero1``), the count of leaves per
+    layout where they differ (``2 leaves fsdp, 4 leaves plan``), or "" where they hold none."""
+    from collections import Counter
+    from cfp.windows import first_readers
+    g, owner = analysis.graph, analysis.blocks.owner
+    first, inside = first_readers(analysis), range(start, end)
+    layouts = (storage or _plain()).layouts(len(g.state_pairs()))
+    held = Counter(layouts[k] for k, (v, new) in enumerate(g.state_pairs())
+                   if g.values[v].shape and first.get(v) in inside
+                   and owner.get(g.values[new].producer) in inside)
+    if len(held) <= 1:
+        return next(iter(held), "")
+    return ", ".join(f"{n} leaves {z}" for z, n in sorted(held.items()))
+
+
 def _plain():
     from cfp.execute import Storage
     return Storage()

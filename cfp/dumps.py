@@ -111,9 +111,9 @@ def write_search_dumps(workdir, analysis, profile, rec) -> None:
         "\n".join(f"output {i}: {s}" for i, s in enumerate(rec.out_specs)) + "\n")
     mem = rec.memory
     (out / "mem_usage.txt").write_text("\n".join(
-        [f"{k}: {v} B ({v / 2**30:.4f} GB)" for k, v in mem.items()]
+        [f"{k}: {v} B ({v / 2**30:.4f} GiB)" for k, v in mem.items()]
         + [f"composed from the profiles: {plan.composed_memory_bytes} B "
-           f"({plan.composed_memory_bytes / 2**30:.4f} GB)"]) + "\n")
+           f"({plan.composed_memory_bytes / 2**30:.4f} GiB)"]) + "\n")
     from cfp.describe import plan_words
     plan_json = make_plan(analysis, plan.strategies, in_specs=rec.in_specs,
                           out_specs=rec.out_specs, source=plan.source, storage=plan.storage)
@@ -154,10 +154,10 @@ def write_search_dumps(workdir, analysis, profile, rec) -> None:
 
 
 def plan_figure_data(analysis, rec):
-    """What ``plan_figure`` draws: per segment instance its label and, per block, what each
-    mesh axis splits under the kept plan; per candidate its label, measured median seconds,
+    """What ``plan_figure`` draws: per segment instance its label (with where the kept plan
+    keeps the state its blocks update) and, per block, what each mesh axis splits under it; per candidate its label, measured median seconds,
     compiled peak bytes, whether it is a hand plan and whether it was kept."""
-    from cfp.describe import block_splits, same_programs
+    from cfp.describe import block_splits, same_programs, state_of_blocks
     splits = block_splits(analysis, rec.plan.strategies)
     rows = []
     for seg in analysis.segments.instances:
@@ -165,7 +165,9 @@ def plan_figure_data(analysis, rec):
                  or "replicated" for b in range(seg.start, seg.end)]
         where = (f"block {seg.start}" if seg.end == seg.start + 1
                  else f"blocks {seg.start}-{seg.end - 1}")
-        rows.append((f"{where} (type {seg.type})", cells))
+        state = state_of_blocks(analysis, rec.plan.storage, seg.start, seg.end)
+        rows.append((f"{where} (type {seg.type}" + (f"; state {state})" if state else ")"),
+                     cells))
     candidates = []
     for i, c in enumerate(rec.candidates):
         if c.source.startswith("baseline "):

@@ -277,7 +277,7 @@ def check_devices(opts: RunOptions, options) -> None:
         make_mesh(opts.mesh_shape, device_ids=opts.device_ids)
     if (("search" in opts.modes or "stages" in opts.modes) and options.memory_budget_gb is None
             and jax.devices()[0].platform == "cpu"):
-        raise CfpError("on CPU the virtual devices share host memory: give --memory-budget GB "
+        raise CfpError("on CPU the virtual devices share host memory: give --memory-budget GiB "
                        "(per device)")
 
 
@@ -334,7 +334,7 @@ def memory_budget_bytes(options, opts: RunOptions, *, required: bool = False) ->
         if stats.get("bytes_limit"):
             return int(stats["bytes_limit"])
     if required:
-        raise CfpError("on CPU the virtual devices share host memory: give --memory-budget GB "
+        raise CfpError("on CPU the virtual devices share host memory: give --memory-budget GiB "
                        "(per device)")
     return 2**62
 

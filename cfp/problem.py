@@ -81,8 +81,8 @@ def fastest_within_budget(candidates, memory_budget_bytes: int | None) -> int:
             if memory_budget_bytes is None or c.compiled_peak_bytes <= memory_budget_bytes]
     if not fits:
         peaks = sorted(c.compiled_peak_bytes / 2**30 for c in candidates)
-        raise CfpError(f"no candidate plan fits {memory_budget_bytes / 2**30:.3f} GB per device "
-                       f"once compiled (compiled peaks {peaks[0]:.3f} to {peaks[-1]:.3f} GB, "
+        raise CfpError(f"no candidate plan fits {memory_budget_bytes / 2**30:.3f} GiB per device "
+                       f"once compiled (compiled peaks {peaks[0]:.3f} to {peaks[-1]:.3f} GiB, "
                        f"though their composed memory fit): raise --memory-budget")
     return min(fits, key=lambda i: candidates[i].median_s)
 
@@ -223,8 +223,8 @@ def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool
     if not sols:
         need = least_memory(problem)
         raise CfpError(f"no plan fits the memory budget of "
-                       f"{problem.memory_budget / 2**30:.3f} GB per device; the smallest any "
-                       f"plan reaches is about {need / 2**30:.3f} GB")
+                       f"{problem.memory_budget / 2**30:.3f} GiB per device; the smallest any "
+                       f"plan reaches is about {need / 2**30:.3f} GiB")
     return sols
 
 

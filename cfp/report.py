@@ -121,7 +121,7 @@ class ProfileProgress:
                     self.t_first = time.perf_counter()
                 m = f["measurement"]
                 _log.debug("window type %s combination %s: %s", f["k"], list(f["combo"]),
-                           f"{m.time_s * 1e3:.4g} ms, {m.peak_bytes / 2**30:.4g} GB"
+                           f"{m.time_s * 1e3:.4g} ms, {m.peak_bytes / 2**30:.4g} GiB"
                            if m.status == "ok" else f"{m.status} {m.note}")
                 if self.tty:
                     self._bar()
@@ -242,9 +242,9 @@ def ms_text(seconds: float) -> str:
 
 
 def gb_text(nbytes: float) -> str:
-    """Bytes in GB, or in MB under a tenth of a GB."""
-    return (f"{nbytes / 2**30:.3g} GB" if nbytes >= 2**30 / 10 else
-            f"{nbytes / 2**20:.3g} MB")
+    """Bytes in GiB, or in MiB under a tenth of a GiB."""
+    return (f"{nbytes / 2**30:.3g} GiB" if nbytes >= 2**30 / 10 else
+            f"{nbytes / 2**20:.3g} MiB")
 
 
 def hand_plan_times(analysis, rec, memory_budget_bytes: int | None = None
@@ -304,7 +304,9 @@ def search_console(rec, analysis, devices: int, memory_budget_bytes: int | None,
         vs = f"; best hand plan run{fitting}: {best} {ms_text(hand[best])}"
     else:
         vs = f"; no hand plan{fitting} was run"
-    say(f"step time: {ms_text(plan.median_s)} (predicted {ms_text(plan.predicted_s)}){vs}")
+    achieved = rec.step_flops / plan.median_s / devices / 1e12
+    say(f"step time: {ms_text(plan.median_s)}, {achieved:.3g} TFLOP/s per device (predicted "
+        f"{ms_text(plan.predicted_s)}){vs}")
     budget = f", budget {gb_text(memory_budget_bytes)}" if memory_budget_bytes else ""
     import jax
     here = jax.devices()[0].platform.upper()
@@ -319,7 +321,7 @@ def search_console(rec, analysis, devices: int, memory_budget_bytes: int | None,
         say("scans run unrolled: this plan gives a scan's iterations different strategies")
     say(f"searched ParallelBlock Strategies solution ({source}): {list(plan.strategies)}")
     say(f"searched training cost (s per step, one per round): "
-        f"{[round(t, 6) for t in plan.measured_s]}, memory_cost (GB per device): "
+        f"{[round(t, 6) for t in plan.measured_s]}, memory_cost (GiB per device): "
         f"{rec.memory['peak_bytes'] / 2**30:.4f}")
     say(f"TFLOP_COUNT: {rec.step_flops / 1e12:.6g}")
 
@@ -350,18 +352,18 @@ def prediction_console(rec, cluster) -> None:
             f"{(rec.predicted_s - rec.priced_s) * 1e3:.3f} ms; priced (collectives and "
             f"reshardings, by the cluster's alpha-beta): {rec.priced_s * 1e3:.3f} ms")
     budget = rec.memory_budget_bytes or cluster.memory_per_device_bytes
-    composed = f"{rec.memory_bytes / 2**30:.3f} GB composed from {rec.memory_source}"
+    composed = f"{rec.memory_bytes / 2**30:.3f} GiB composed from {rec.memory_source}"
     if rec.compiled_peak_bytes is not None:
         from cfp.gpu_compile import label
-        figure = (f"{rec.compiled_peak_bytes / 2**30:.3f} GB compiled for "
-                  f"{label(rec.compiled_for)} ({composed}; budget {budget / 2**30:g} GB)")
+        figure = (f"{rec.compiled_peak_bytes / 2**30:.3f} GiB compiled for "
+                  f"{label(rec.compiled_for)} ({composed}; budget {budget / 2**30:g} GiB)")
     else:
-        figure = f"{composed} (budget {budget / 2**30:g} GB)"
+        figure = f"{composed} (budget {budget / 2**30:g} GiB)"
     say(f"memory per device: {figure}; state: {rec.storage.describe()}")
     if rec.hand_plans:
         say(f"hand plans priced the same way ({how}):")
         for name, seconds, nbytes in sorted(rec.hand_plans, key=lambda h: h[1]):
-            say(f"  {name:<10} predicted {seconds * 1e3:10.3f} ms, {nbytes / 2**30:8.3f} GB "
+            say(f"  {name:<10} predicted {seconds * 1e3:10.3f} ms, {nbytes / 2**30:8.3f} GiB "
                 f"per device, {'fits' if nbytes <= budget else 'does not fit'}")
 
 
@@ -379,7 +381,7 @@ def meshes_console(ranked, cluster) -> None:
         else:
             say(f"  mesh {shape} (axes over {levels}): predicted "
                 f"{c.prediction.predicted_s * 1e3:.3f} ms, "
-                f"{c.prediction.memory_bytes / 2**30:.3f} GB per device")
+                f"{c.prediction.memory_bytes / 2**30:.3f} GiB per device")
     say(f"mesh chosen: {'x'.join(map(str, ranked[0].mesh_shape))}")
 
 
@@ -393,7 +395,7 @@ def stages_console(rec, cluster) -> None:
         say(f"  stage {k}: layers {st.first_layer}-{st.last_layer} (blocks {st.blocks[0]}-"
             f"{st.blocks[1] - 1}) on submesh {st.submesh[0]}x{st.submesh[1]} (mesh "
             f"{'x'.join(map(str, st.mesh_shape))}): {st.time_s * 1e3:.3f} ms per micro-batch, "
-            f"{st.memory_bytes / 2**30:.3f} GB per device with {st.in_flight} in flight")
+            f"{st.memory_bytes / 2**30:.3f} GiB per device with {st.in_flight} in flight")
         say(f"    strategies: {list(st.strategies)}")
     say(f"predicted latency (1F1B: sum of stages + {rec.micro_batches - 1} x the slowest "
         f"{plan.slowest_s * 1e3:.3f} ms): {plan.latency_s * 1e3:.3f} ms")

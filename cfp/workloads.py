@@ -128,8 +128,8 @@ def check_fits_host(graph, host_bytes: int) -> None:
                        f"or plan without running it (--cost model or --cluster)")
     if largest.nbytes > host_bytes:
         raise CfpError(f"the step's largest array ({largest.type_str}, "
-                       f"{largest.nbytes / 2**30:.3g} GB) does not fit this host's "
-                       f"{host_bytes / 2**30:.3g} GB of memory: choose smaller sizes, or plan "
+                       f"{largest.nbytes / 2**30:.3g} GiB) does not fit this host's "
+                       f"{host_bytes / 2**30:.3g} GiB of memory: choose smaller sizes, or plan "
                        f"without running it (--cost model or --cluster)")
 
 

@@ -221,7 +221,7 @@ def test_a_forward_step_planned_for_a_cluster_beside_the_hand_plans(tmp_path, ca
                      "--workdir", str(tmp_path / step), "--max-combinations", "8"]) == 0
         out = capsys.readouterr().out
         hand = {name: (float(ms), float(gb)) for name, ms, gb in re.findall(
-            r"^  (\w+) +predicted +([\d.]+) ms, +([\d.]+) GB per device", out, re.M)}
+            r"^  (\w+) +predicted +([\d.]+) ms, +([\d.]+) GiB per device", out, re.M)}
         assert {"dp", "dp_tp"} <= set(hand)
         plan_ms = float(re.search(r"predicted step time: ([\d.]+) ms", out)[1])
         assert plan_ms <= min(ms for ms, _ in hand.values()) * 1.001  # the solver's optimum

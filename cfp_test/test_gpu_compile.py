@@ -162,8 +162,8 @@ def test_a_cluster_is_planned_from_windows_compiled_for_its_gpus(tmp_path, capsy
     assert "compile-only for 8 A100s (XLA's GPU compiler, no GPU here)" in out
     assert re.search(r"^profile: \d+ combinations of \d+ window types \(ok \d+\)", out, re.M)
     line = next(x for x in out.splitlines() if x.startswith("memory per device"))
-    assert re.match(r"memory per device: [\d.]+ GB compiled for A100 \([\d.]+ GB composed "
-                    r"from windows compiled for A100; budget 80 GB\)", line)
+    assert re.match(r"memory per device: [\d.]+ GiB compiled for A100 \([\d.]+ GiB composed "
+                    r"from windows compiled for A100; budget 80 GiB\)", line)
     memory = plan["memory_per_device"]
     assert memory["compiled_for"] == "A100" and memory["composed_from"] == "windows compiled for A100"
     assert 0.5 < memory["composed_bytes"] / memory["compiled_bytes"] < 2

@@ -221,7 +221,7 @@ def test_arrays_must_fit_the_host_only_where_the_step_runs_here(tmp_path, capsys
     monkeypatch.setattr(cfp.workloads, "host_memory_bytes", lambda: 2**10)
     rc = main(["--mode", "analysis", "--model", "gpt", "--workdir", str(tmp_path)] + extra)
     if refused:
-        assert rc == 2 and "does not fit this host's 9.54e-07 GB of memory" in _one_line(capsys)
+        assert rc == 2 and "does not fit this host's 9.54e-07 GiB of memory" in _one_line(capsys)
     else:
         assert rc == 0, capsys.readouterr().err
 
@@ -743,7 +743,7 @@ def test_the_readme_s_first_cluster_case_runs_every_pass_as_recorded(tmp_path, c
                "8", "--seq-len", "1024", "--cluster", "alpa-50x4", "--workdir", str(tmp_path)])
     out, err = capsys.readouterr()
     assert "priced for alpa-50x4 (analytic)" in out and "Search Pass (predicted" in out
-    assert rc == 2 and "no plan fits the memory budget of 32.000 GB per device; the smallest " \
+    assert rc == 2 and "no plan fits the memory budget of 32.000 GiB per device; the smallest " \
                        "any plan reaches is about " in err, err
 
 

@@ -1,6 +1,7 @@
 import dataclasses
 import json
 import random
+import re
 
 import jax
 import numpy as np
@@ -80,8 +81,13 @@ def test_three_passes_plan_json_and_user_jit(tmp_path, capsys):
                   "searched ParallelBlock Strategies solution (", "searched training cost",
                   "TFLOP_COUNT: ", "use it: plan = cfp.Plan.load("):
         assert sum(x.startswith(start) for x in lines) == 1, (start, out)
-    assert "best hand plan run that fits: " in out and "memory_cost (GB per device):" in out
+    assert "best hand plan run that fits: " in out and "memory_cost (GiB per device):" in out
     rec = read_record(tmp_path / "search.pkl", SEARCH_FORMAT, None, hint="")
+    # achieved throughput beside the step time: the step's FLOPs over its time, per device
+    step = next(x for x in lines if x.startswith("step time: "))
+    achieved = float(re.search(r", ([\d.e+-]+) TFLOP/s per device \(predicted", step)[1])
+    assert achieved == pytest.approx(rec.step_flops / rec.plan.median_s / 4 / 1e12, rel=2e-3)
+    assert achieved != pytest.approx(rec.step_flops / rec.plan.median_s / 1e12, rel=2e-3)
     candidates = json.loads((tmp_path / "debug_search" / "report.json").read_text())["candidates"]
     assert [c["source"] for c in candidates] == [c.source for c in rec.candidates]
     assert main(base + ["--mode", "analysis", "-v"]) == 0
@@ -344,3 +350,20 @@ def test_search_also_validates_the_best_plan_without_reshardings():
         (0, 1, 0), (1, 1, 0), (0, 0, 0)]
     unknown = dataclasses.replace(problem, reshards={})
     assert len(predicted_plans(unknown, 2, 10.0)) == 2
+
+
+def test_the_plan_picture_says_where_each_segment_keeps_its_state():
+    """A segment instance's row names the state layout of the leaves its blocks read first
+    and update: zero1 under zero1, a count per layout where they differ, nothing for a
+    segment that updates no state. Control: the plan layout reads as plan."""
+    from cfp.describe import state_of_blocks
+    from cfp.execute import Storage
+    analysis = run_analysis(WorkloadSpec("gpt", "tiny", None, "float32", ()).resolved(), (8,))
+    segs = analysis.segments.instances
+    said = [state_of_blocks(analysis, Storage("zero1"), s.start, s.end) for s in segs]
+    assert "zero1" in said and set(said) <= {"zero1", ""}
+    assert {state_of_blocks(analysis, Storage(), s.start, s.end) for s in segs} <= {"plan", ""}
+    one = Storage(leaves=((0, "fsdp"),))  # the first state leaf fsdp, the rest as computed
+    owner = next(s for s in segs if "fsdp" in state_of_blocks(analysis, one, s.start, s.end))
+    text = state_of_blocks(analysis, one, owner.start, owner.end)
+    assert re.fullmatch(r"1 leaves fsdp, \d+ leaves plan", text), text

@@ -289,7 +289,7 @@ def predict_plan(analysis, profile, memory_budget_bytes: int | None,
         if not hand:
             raise
         raise CfpError(f"{e}; the hand plans need " + ", ".join(
-            f"{name} {mem / 2**30:.1f} GB" for name, _, mem in hand)) from None
+            f"{name} {mem / 2**30:.1f} GiB" for name, _, mem in hand)) from None
     peak = None
     if profile.compiled_for is not None:  # the whole step compiled for the GPUs too
         sol, peak = _compiled_for_gpus(analysis, problem, profile, sol, time_limit_s)

@@ -122,7 +122,7 @@ def run_stages(spec, cluster, options: StageOptions) -> StagesRecord:
     if plan is None:
         budget = options.memory_budget_bytes
         raise CfpError(f"no split of the {len(units)} layers into stages on {cluster.name} "
-                       + (f"fits {budget / 2**30:.3f} GB per device" if budget is not None
+                       + (f"fits {budget / 2**30:.3f} GiB per device" if budget is not None
                           else "has a plan on every stage"))
     from cfp.passes.analysis import run_analysis
     layouts = []

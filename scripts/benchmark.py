@@ -53,7 +53,7 @@ def workload_parser(doc: str, *, model: str, rounds: int, min_seconds: float,
                  "vocab-size", "num-experts"):
         p.add_argument(f"--{name}", type=int, default=None)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--memory-budget", type=float, default=None, help="GB per device")
+    p.add_argument("--memory-budget", type=float, default=None, help="GiB per device")
     p.add_argument("--budget-of", default=None, metavar="PLAN",
                    help="set the memory budget from this hand plan's compiled peak (its state "
                         "donated), times --budget-factor: where memory binds")
