@@ -1,4 +1,4 @@
-"""What people read: console lines and the text dumps of each pass.
+"""What people read on the console: each pass's lines, through one ``say``.
 
 Library code logs; the lines users read come from here.
 """

@@ -1,14 +1,13 @@
-"""Turning block strategies into shardings, sub-programs and compiled collectives.
+"""Turning block strategies into shardings, sub-programs and state layouts.
 
 - ``sub_program``: the operators of a set (a block, a segment), with their live-ins and live-outs,
   as a function that re-evaluates exactly those equations of the traced step.
 - ``block_constraints``: a strategy's sharding constraints on a block's contractions (operands
   and results) and on every other member's labelled results, applied with
   ``jax.lax.with_sharding_constraint`` while re-evaluating.
-- ``collectives``: the collectives of a compiled program (kind, bytes, mesh axes), read from
-  ``Compiled.as_text()``.
-- ``check_communication_free``: compile a block alone under a strategy and list every collective
-  the strategy does not name.
+- ``state_specs``: where a plan keeps each state leaf (``STATE_LAYOUTS``).
+- ``unexpected_collectives``: compile a block alone under a strategy and list every collective
+  the strategy does not name (read by ``cfp.collectives``).
 """
 from __future__ import annotations
 

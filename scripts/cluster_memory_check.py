@@ -102,8 +102,8 @@ def part_67b(out: str) -> None:
                 t0 = time.perf_counter()
                 peak = compiled_peak_for(analysis, strategies, storage, "a100")
                 say(f"  {plan:<10} predicted {seconds * 1e3:7.1f} ms, composed "
-                    f"{nbytes / 2**30:6.2f} GB, whole step compiled for 8 A100s "
-                    f"{peak / 2**30:6.2f} GB ({time.perf_counter() - t0:.0f} s), "
+                    f"{nbytes / 2**30:6.2f} GiB, whole step compiled for 8 A100s "
+                    f"{peak / 2**30:6.2f} GiB ({time.perf_counter() - t0:.0f} s), "
                     f"composed/compiled {nbytes / peak:.3f}")
     del gpus
     Path(out).write_text("python scripts/cluster_memory_check.py --part 6.7b\n" + "\n".join(lines)
