@@ -298,7 +298,7 @@ def test_cost_model_fitted_here(monkeypatch, law):
     run here), and FLOP/s and bandwidth from the matmul's and the add's times. Control: times
     that shrink as the size grows have no positive fit, and the fit says so with its floor
     values (1e-7 s, 1e-13 s/B) rather than the law's."""
-    import cfp.measure
+    import cfp.cost_model
     from cfp.cost_model import fit_cost_model
     law_alpha, law_beta = {2: 3e-5, 4: 7e-5}, {2: 2e-9, 4: 5e-9}
     t_matmul, t_add, k = 4e-3, 1e-3, 512
@@ -314,7 +314,7 @@ def test_cost_model_fitted_here(monkeypatch, law):
         moved = 2 * (n - 1) / n * nbytes
         t = law_alpha[n] + law_beta[n] * moved if law == "alpha-beta" else 1.0 / moved
         return [t] * 3, False
-    monkeypatch.setattr(cfp.measure, "time_runs", fake_time_runs)
+    monkeypatch.setattr(cfp.cost_model, "time_runs", fake_time_runs)
     cm = fit_cost_model(make_mesh((2, 4)), sizes=(2**12, 2**16))
     if law == "alpha-beta":
         assert cm.alpha == pytest.approx((3e-5, 7e-5), rel=1e-6)

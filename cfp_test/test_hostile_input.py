@@ -309,11 +309,11 @@ def test_model_without_a_factory_is_one_line(tmp_path, capsys):
 def test_a_bug_in_cfp_under_a_user_step_keeps_its_traceback(monkeypatch, tmp_path):
     """The control: an exception raised in cfp's own code while it traces a user's step is
     cfp's bug, raised as it is (its traceback printed), not blamed on the user."""
-    import cfp.graph
+    import cfp.program
 
     def broken(*args, **kwargs):
         raise RuntimeError("a bug in cfp")
-    monkeypatch.setattr(cfp.graph, "trace_program", broken)
+    monkeypatch.setattr(cfp.program, "trace_program", broken)
     with pytest.raises(RuntimeError, match="a bug in cfp"):
         main(["--mode", "analysis", "--model", "zoo_extra:convnet", "--mesh", "4",
               "--workdir", str(tmp_path)])
@@ -401,12 +401,12 @@ def test_a_full_disk_is_one_line_naming_what_was_kept(tmp_path, capsys, monkeypa
     mistake, and is raised with its traceback."""
     import errno
     import os
-    import cfp.report
+    import cfp.dumps
 
     def full(rec, directory):
         raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)),
                       str(directory / "segments.txt"))
-    monkeypatch.setattr(cfp.report, "write_analysis_dumps", full)
+    monkeypatch.setattr(cfp.dumps, "write_analysis_dumps", full)
     argv = ["--mode", "analysis", "--model", "mlp", "--mesh", "4", "--workdir", str(tmp_path)]
     if code == "EIO":
         with pytest.raises(OSError, match="Input/output error"):

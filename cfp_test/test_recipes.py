@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import recipes
-from cfp import blocks as blockrules
-from cfp import graph as graphrules
+from cfp import grouping as blockrules
+from cfp import program as graphrules
 from cfp.grouping import build_blocks
 from cfp.segments import find_segments
 from cfp.mesh import make_mesh

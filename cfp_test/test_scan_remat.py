@@ -58,10 +58,10 @@ def test_scanned_and_remat_stacks_analyse_as_their_unrolled_twin(model, twin):
 def test_without_remats_recomputation_matched_the_twins_differ(monkeypatch):
     """Negative control: with recomputed contractions not matched to what they repeat, the
     remat stack gets blocks of its own and no longer analyses as its twin."""
-    import cfp.blocks
+    import cfp.grouping
     a = run_analysis(_spec("flax_scan_remat"), (8,))
     twin = _layer_view(run_analysis(_spec("flax_unrolled"), (8,)))
-    monkeypatch.setattr(cfp.blocks, "_repeats", lambda graph: {})
+    monkeypatch.setattr(cfp.grouping, "repeats", lambda graph: {})
     broken = build_blocks(a.graph, (8,))
     assert len(broken.blocks) > len(twin[0])
 

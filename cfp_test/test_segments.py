@@ -168,7 +168,7 @@ def test_a_rotary_table_made_by_a_contraction_leaves_layers_repeating(monkeypatc
     block, that block takes in what every layer computes from the table, and the whole model
     is one segment; where constants link, the first layer, which makes the cosines and sines
     read by all, differs from the others, and segments no longer start at layers."""
-    from cfp import blocks
+    from cfp import grouping
     for layers in (2, 4):
         a = _analysis(model, layers, (4,))
         plain = _analysis("zoo_extra:reshape_attention", layers, (4,))
@@ -177,7 +177,7 @@ def test_a_rotary_table_made_by_a_contraction_leaves_layers_repeating(monkeypatc
             (s.start, s.end) for s in plain.segments.instances]
         assert sum(a.graph.ops[i].is_contraction for i in a.blocks.unclaimed) == 1
     every = lambda graph: set(graph.values)  # noqa: E731
-    monkeypatch.setattr(blocks, "computed_from_inputs", every)
+    monkeypatch.setattr(grouping, "computed_from_inputs", every)
     assert _profiled(_analysis.__wrapped__(model, 4, (4,)))[0] == [1]
     monkeypatch.undo()
     monkeypatch.setattr(segments, "computed_from_inputs", every)
