@@ -126,12 +126,12 @@ def test_numbers_are_checked_as_numbers_before_any_work(tmp_path, capsys, compil
 
 def test_numbers_at_their_bounds_are_taken(capsys):
     """The control: the bounds themselves, and zero alpha and beta, pass the checks."""
-    from cfp.options import _options
+    from cfp.options import check_options
     from cfp.cli import parse
     argv = ["--num-layers", "1024", "--batch-size", str(2**31), "--iters", "10000",
             "--validate-top", "64", "--alpha", "0,0", "--beta", "0,1e-9", "--time-limit", "86400",
             "--memory-budget", "0.5", "--num-devices", "512", "--mesh", "2x256"]
-    opts = _options(parse(argv))
+    opts = check_options(parse(argv))
     assert opts.mesh_shape == (2, 256) and opts.num_devices == 512
     from cfp.cli import build_parser
     help_text = " ".join(build_parser().format_help().split())  # the bounds are in --help
@@ -183,7 +183,7 @@ def test_a_good_cluster_file_and_the_readme_cluster_cases_pass_the_checks(tmp_pa
     import json
     import shlex
     from pathlib import Path
-    from cfp.options import _options
+    from cfp.options import check_options
     from cfp.cli import parse
     from cfp.cluster import load_cluster
     path = tmp_path / "cluster.json"
@@ -194,7 +194,7 @@ def test_a_good_cluster_file_and_the_readme_cluster_cases_pass_the_checks(tmp_pa
              for line in script.replace("\\\n", " ").splitlines() if line.startswith("run ")]
     assert len(cases) == 5
     for argv in cases:
-        opts = _options(parse(argv))
+        opts = check_options(parse(argv))
         assert opts.cluster is not None and opts.num_devices in (64, 200)
 
 
@@ -293,7 +293,7 @@ def test_an_error_in_user_code_is_one_line_naming_the_factory(tmp_path, capsys, 
     mod = f"usermod_{tmp_path.name}"
     (tmp_path / f"{mod}.py").write_text(_USER_HEAD + body if "def make()" in body else body)
     monkeypatch.syspath_prepend(str(tmp_path))
-    with caplog.at_level("INFO", logger="cfp.workloads"):
+    with caplog.at_level("INFO", logger="cfp.tracing"):
         rc = main(["--mode", "analysis", "--model", f"{mod}:make", "--mesh", "4",
                    "--workdir", str(tmp_path / "w")])
     assert rc == 2 and expected.format(mod=mod) in _one_line(capsys)

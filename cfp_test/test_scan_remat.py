@@ -69,7 +69,7 @@ def test_without_remats_recomputation_matched_the_twins_differ(monkeypatch):
 def test_without_residuals_passed_through_a_scan_differs():
     """Negative control: the stacked residuals sliced again (not passed through by the trace)
     hide each backward contraction from its forward one."""
-    from cfp import graph as graphmod
+    from cfp import program as graphmod
     w = _spec("jax_scan").build()
     program = trace_step(w)
     original = graphmod._Builder.layer_slice

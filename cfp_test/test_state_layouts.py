@@ -234,7 +234,7 @@ def test_where_xla_holds_more_than_composed_search_calibrates_and_fits(
         options = search.SearchOptions(budget, time_limit_s=30.0)
         tight = dataclasses.replace(problem, memory_budget=budget)
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="cfp.passes.search"):
+        with caplog.at_level(logging.INFO, logger="cfp.problem"):
             sols, _, _ = search.fitting_predictions(analysis, tight, profile, options, None,
                                                     None)
         assert sols and max(xla_peak(s.choices) for s in sols) <= budget, extra
