@@ -10,6 +10,7 @@ from cfp.mesh import make_mesh
 from cfp.workloads import WorkloadSpec
 
 
+@pytest.mark.slow  # the README quick start (test_readme.py) runs a user's Optax step so too
 def test_users_own_step_and_optimizer_through_three_passes(tmp_path, capsys):
     """``cfp.autoshard`` on a user's step: a ``Plan`` whose ``jit`` and ``shardings`` run
     the user's loop (three steps, state donated) matching one device; ``save``/``load``

@@ -186,6 +186,7 @@ def test_without_the_plugin_a_cluster_is_planned_as_before_and_says_so_once(
 
 
 @needs_plugin
+@pytest.mark.slow  # the compile for described GPUs runs in the suite through a100-8 (above)
 def test_a_device_preset_named_compiles_for_that_gpu(tmp_path, capsys):
     """--cost model --device-preset h200 compiles the profile for 8 H200s; the preset left
     out prices A100 figures on the programs compiled here, as before (the control)."""
