@@ -28,12 +28,12 @@ from __future__ import annotations
 import math
 
 from cfp import dims as dimrules
+from cfp.cost_model import CostModel
 from cfp.jax_compat import itemsize
 from cfp.measure import Measurement
-from cfp.cost_model import CostModel
 from cfp.sharding import sub_program
-from cfp.windows import Window, apply_state, shard_bytes, window_layouts, window_ops
 from cfp.window_memory import held_for_backward
+from cfp.windows import Window, apply_state, shard_bytes, window_layouts, window_ops
 
 
 def _axes_of(spec, axis_names) -> list[tuple[int, ...]]:

@@ -35,8 +35,8 @@ from pathlib import Path
 
 from cfp import dims as dimrules
 from cfp.errors import CfpError
-from cfp.strategies import Strategy, op_loop_dims, strategy_name
 from cfp.mesh import AXIS_NAMES
+from cfp.strategies import Strategy, op_loop_dims, strategy_name
 
 RULES_DIR = Path(__file__).parent / "baseline_rules"
 ROLES = ("data", "expert", "weight_out", "weight_in", "follow")

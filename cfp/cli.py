@@ -12,8 +12,8 @@ import logging
 import os
 import sys
 
-from cfp.options import BOUNDS, DEFAULT_CACHE, MODES, Options, bounds_text
 from cfp.errors import CfpError
+from cfp.options import BOUNDS, DEFAULT_CACHE, MODES, Options, bounds_text
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):

@@ -10,9 +10,9 @@ import statistics
 
 import numpy as np
 
+from cfp.collectives import collectives
 from cfp.gpu_compile import hlo_cost
 from cfp.jax_compat import cost_analysis
-from cfp.collectives import collectives
 from cfp.timing import time_runs
 
 

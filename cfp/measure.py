@@ -21,13 +21,13 @@ from typing import Sequence
 import numpy as np
 
 from cfp import dims as dimrules
+from cfp.collectives import COLLECTIVE_KINDS, HLO_BYTES, op_name, tagged_op, unnamed_collectives
 from cfp.errors import CfpError
 from cfp.jax_compat import is_key, random_keys, to_dtype
 from cfp.sharding import SubProgram, state_updates, sub_function, sub_program, update_statistics
-from cfp.collectives import COLLECTIVE_KINDS, HLO_BYTES, op_name, tagged_op, unnamed_collectives
 from cfp.timing import BUSY_SHARE
-from cfp.windows import Window, apply_state, held_state, state_layout, window_layouts, window_ops
 from cfp.window_memory import held_for_backward, option_memory, param_values
+from cfp.windows import Window, apply_state, held_state, state_layout, window_layouts, window_ops
 
 _FLOAT_LOW, _FLOAT_HIGH = 0.5, 1.5  # positive, away from zero: safe for log, sqrt, division
 

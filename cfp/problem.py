@@ -18,9 +18,9 @@ from cfp.mesh import AXIS_NAMES
 from cfp.sharding import STATE_LAYOUTS
 from cfp.solver import (Group, Option, Problem, Solution, evaluate, least_memory,
                         penalizing_reshardings, solve, solve_alike)
-from cfp.windows import held_state, inputs_read_earlier, layouts, shard_bytes, state_layout
 from cfp.window_memory import (COMBINED_REDUCTION_BYTES, held_for_backward, memory_terms,
                                option_memory, read_back_across)
+from cfp.windows import held_state, inputs_read_earlier, layouts, shard_bytes, state_layout
 
 log = logging.getLogger(__name__)
 

@@ -36,9 +36,8 @@ import collections
 import dataclasses
 import re
 
-from cfp.blocks import LAYOUT_OPS, BlockAnalysis
-from cfp.graph import computed_from_inputs
-from cfp.graph import Graph
+from cfp.blocks import BlockAnalysis, LAYOUT_OPS
+from cfp.graph import Graph, computed_from_inputs
 
 
 @dataclasses.dataclass(frozen=True)

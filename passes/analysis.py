@@ -11,13 +11,12 @@ import dataclasses
 import math
 import time
 
-from cfp.blocks import BlockAnalysis
-from cfp.blocks import with_strategies
-from cfp.grouping import build_blocks
+from cfp.blocks import BlockAnalysis, with_strategies
 from cfp.errors import CfpError
 from cfp.graph import Graph
-from cfp.segments import SegmentAnalysis, find_segments
+from cfp.grouping import build_blocks
 from cfp.mesh import AXIS_NAMES, make_mesh
+from cfp.segments import SegmentAnalysis, find_segments
 from cfp.tracing import trace_step
 from cfp.workloads import WorkloadSpec
 

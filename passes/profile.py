@@ -27,11 +27,11 @@ import statistics
 import time
 from typing import Callable, Literal
 
-from cfp.measure import Measurement
 from cfp.cost_model import CostModel
+from cfp.measure import Measurement
+from cfp.mesh import AXIS_NAMES
 from cfp.phases import Phases
 from cfp.sharding import STATE_LAYOUTS
-from cfp.mesh import AXIS_NAMES
 from cfp.windows import Boundary, Window, boundaries, layouts, split_windows, window_space
 from cfp.worker import Worker, WorkerOptions
 
