@@ -130,3 +130,19 @@ def test_scripts_are_few_and_each_is_named(tmp_path):
     (tmp_path / "named.py").write_text("")
     (tmp_path / "stray.py").write_text("")
     assert unnamed_scripts(tmp_path) == ["stray.py"]
+
+
+README_LINES_MAX = 300
+
+
+def too_long(text: str, most: int = README_LINES_MAX) -> bool:
+    return len(text.splitlines()) > most
+
+
+def test_the_readme_is_at_most_300_lines():
+    """The README is for users: at most README_LINES_MAX lines (the method's detail is in
+    passes/README.md, every figure's run in scripts/README.md). Control: one line more is
+    too long."""
+    text = (ROOT / "README.md").read_text()
+    assert not too_long(text)
+    assert too_long("\n" * README_LINES_MAX + "one line more")
