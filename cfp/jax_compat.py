@@ -194,6 +194,9 @@ def mock_gpus(num_gpus: int) -> None:
     the mocked peers, which never answer (openxla/xla#28959)."""
     global _mocked_gpus
     import os
+    from jax._src import xla_bridge
+    if getattr(xla_bridge, "backends_are_initialized", lambda: False)():
+        raise RuntimeError("mock_gpus: JAX's backends have started; mock before any device use")
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
     if not any("xla_gpu_shard_autotuning" in f for f in flags):
@@ -201,6 +204,7 @@ def mock_gpus(num_gpus: int) -> None:
     # as many CPU devices, to compile a program on where its GPU form is unclear
     flags.append(f"--xla_force_host_platform_device_count={num_gpus}")
     os.environ["XLA_FLAGS"] = " ".join(flags)
+    jax.config.update("jax_cuda_visible_devices", "0")  # one GPU per mocked host
     jax.config.update("jax_mock_gpu_topology", f"1x{num_gpus}x1")
     _mocked_gpus = num_gpus
 
@@ -225,5 +229,5 @@ def mock_unavailable_reason() -> str | None:
         plugins = []
     if not any(p.startswith("xla_cuda") for p in plugins) and importlib.util.find_spec(
             "jaxlib.cuda") is None:
-        return "JAX here has no CUDA plugin (pip install \"jax[cuda12]\")"
+        return "JAX here has no CUDA plugin (pip install \"jax[cuda12]\" or \"jax[cuda13]\")"
     return None

@@ -120,10 +120,10 @@ def put(host_value, sharding):
     process under mocked GPUs places those of its one GPU."""
     import jax
     import numpy as np
-    if not isinstance(host_value, np.ndarray) or (processes() == 1
-                                                   and sharding.is_fully_addressable):
+    if sharding.is_fully_addressable:
         return jax.device_put(host_value, sharding)
-    return jax.make_array_from_callback(host_value.shape, sharding, lambda idx: host_value[idx])
+    return jax.make_array_from_callback(np.shape(host_value), sharding,
+                                        lambda idx: host_value[idx])
 
 
 def to_host(array):

@@ -53,7 +53,10 @@ def setup(analysis, phases: Phases, compile_for: str | None = None):
             mesh = analysis.mesh()
             overhead = launch_overhead(mesh)
             anchor = speed_anchor(mesh)
-        cpus = jax.devices("cpu") if mocked_gpus() else []
+        try:
+            cpus = jax.devices("cpu") if mocked_gpus() else []
+        except RuntimeError:  # JAX started without its CPU backend
+            cpus = []
         if len(cpus) >= math.prod(analysis.mesh_shape):  # to check collectives on, as above
             import numpy as np
             from cfp.jax_compat import auto_axis_types
@@ -68,8 +71,8 @@ def setup(analysis, phases: Phases, compile_for: str | None = None):
 def measure_window(conn, state, options, window, combos, best_s,
                     one_at_a_time=False):
     """Compile a batch of combinations (in threads: XLA releases the GIL), then time them with
-    nothing else running; on a host with cores to spare (8 or more) the next batch compiles
-    while this one is timed."""
+    nothing else running; on a CPU host with cores to spare (8 or more) the next batch
+    compiles while this one is timed."""
     import os
     from concurrent.futures import ThreadPoolExecutor
     from cfp.measure import WindowProgram, valid_inputs
@@ -84,10 +87,15 @@ def measure_window(conn, state, options, window, combos, best_s,
             state["programs"] = {}  # normalised program -> (combination, its measurement)
     host_inputs = state["inputs"][window.type]
     cores = os.cpu_count() or 1
-    overlap = cores >= 8
+    # A GPU compile autotunes its kernels on the GPU: it would time beside a batch being
+    # timed, and many at once contend for the device. There, compiles overlap no timing and
+    # run 2 at a time.
+    on_gpu = options.cost != "model" and state["mesh"].devices.flat[0].platform != "cpu"
+    overlap = cores >= 8 and not on_gpu
+    threads = max(1, min(cores - (1 if overlap else 0), 2 if on_gpu else 8))
     size = 1 if one_at_a_time else options.batch
     batches = [combos[i:i + size] for i in range(0, len(combos), size)]
-    with ThreadPoolExecutor(max_workers=max(1, min(cores - (1 if overlap else 0), 8))) as pool:
+    with ThreadPoolExecutor(max_workers=threads) as pool:
         submit = lambda batch: [(c, pool.submit(_compile_one, wp, c, check_wp))  # noqa
                                 for c in batch]
         pending = submit(batches[0]) if batches else []

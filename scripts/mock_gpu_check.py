@@ -5,13 +5,14 @@ own process, since XLA's mock topology is fixed when a process's backends start,
 as it goes, so a run stopped at a time limit keeps what it has:
 
 - ``probe``: under ``jax_mock_gpu_topology=1x8x1`` (8 mocked hosts of one GPU each), what JAX
-  shows (devices, processes), whether a collective runs (a 256 MiB all-reduce timed against
-  the same program without it), and a Megatron MLP (forward and backward, the first weight
+  shows (devices, processes), whether a collective runs (an all-reduce of 32 MiB per GPU
+  timed against the same program without it), and a Megatron MLP (forward and backward, the first weight
   split by columns, the second by rows) timed as partition 0 of the 8-GPU program against
   the same per-device computation written for one GPU and run alone. Where this JAX can
   describe a node of 8 GPUs (``topologies``, ``1x1x8``), the MLP is compiled for it too and
   its collectives compared with the mocked compile's.
-- ``cfp``: ``python -m cfp --cluster <gpu>-8 --cost mock`` (analysis, profile, search).
+- ``cfp``: ``python -m cfp --cluster <gpu>-8 --cost mock --max-combinations 8`` (analysis,
+  profile, search; windows of at most 8 combinations keep the GPU compiles to about 160).
 - ``step``: the plan's whole step compiled on the mocked mesh and run in a loop with its
   state donated (partition 0 timed), its collectives priced as the profile prices them,
   against the composition cfp predicted; ``step-memory``: the same step compiled without
@@ -19,7 +20,7 @@ as it goes, so a run stopped at a time limit keeps what it has:
 
 Writes ``<out>-log.txt`` (every part's output), ``<out>-checks.csv`` (check, measured,
 reference, ratio, note), and cfp's ``<out>-plan.json`` and ``<out>-profile.csv``. Each part
-stops at its own time limit (90, 240, 90 and 90 s), so the run ends within 9 minutes.
+stops at its own time limit (60, 300, 75 and 75 s), so the run ends within 9 minutes.
 Usage: ``python scripts/mock_gpu_check.py --out scripts/results/<date>-gpu-mock``
 """
 from __future__ import annotations
@@ -93,15 +94,15 @@ def probe(out: Path) -> None:
                 process_count=jax.process_count(), platform=jax.devices()[0].platform)
     print("mocked:", json.dumps(info), flush=True)
     mesh = Mesh(np.array(jax.devices()), ("m0",))
-    # A collective under mock: a 256 MiB all-reduce (a sum over a split dim) against the
-    # same elementwise work with no collective.
+    # A collective under mock: an all-reduce of 32 MiB per GPU (a sum over a split dim)
+    # against the same elementwise work with no collective.
     n = 2**26 // NUM_GPUS
     x = global_array(np.ones((NUM_GPUS, n), np.float32), NamedSharding(mesh, P("m0", None)))
     reduce = jax.jit(lambda v: (v * 2).sum(0), out_shardings=NamedSharding(mesh, P()))
     local = jax.jit(lambda v: v * 2, out_shardings=NamedSharding(mesh, P("m0", None)))
     t_reduce, t_local = median_s(reduce, (x,)), median_s(local, (x,))
     got = np.asarray(reduce(x).addressable_shards[0].data[:4])
-    row(out, "all-reduce of 256 MiB under mock (s)", t_reduce, t_local,
+    row(out, "all-reduce of 32 MiB per GPU under mock (s)", t_reduce, t_local,
         f"against the same work without it; partition 0's result {got.tolist()} "
         f"(the true sum is {2 * NUM_GPUS})")
     # Megatron MLP at gpt-1.3b's width, one layer's forward and backward.
@@ -256,14 +257,14 @@ def main() -> None:
                PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in os.environ.get(
                    "PYTHONPATH", "").split(os.pathsep) if p]))
     cluster = f"{gpu_name()}-8"
-    runs = [("probe", 90, me + ["probe", "--out", str(out)]),
-            ("cfp", 240, [sys.executable, "-m", "cfp", "--model", MODEL[0], "--config", MODEL[1],
+    runs = [("probe", 60, me + ["probe", "--out", str(out)]),
+            ("cfp", 300, [sys.executable, "-m", "cfp", "--model", MODEL[0], "--config", MODEL[1],
                      "--batch-size", str(MODEL[2]), "--dtype", MODEL[3], "--num-layers",
                      str(dict(MODEL[4])["num_layers"]), "--cluster", cluster, "--cost",
-                     "mock", "--workdir", str(workdir), "-v"]
+                     "mock", "--max-combinations", "8", "--workdir", str(workdir), "-v"]
              + (["--profile-budget", args.profile_budget] if args.profile_budget else [])),
-            ("step", 90, me + ["step", "--out", str(out), "--workdir", str(workdir)]),
-            ("step-memory", 90, me + ["step-memory", "--out", str(out), "--workdir",
+            ("step", 75, me + ["step", "--out", str(out), "--workdir", str(workdir)]),
+            ("step-memory", 75, me + ["step-memory", "--out", str(out), "--workdir",
                                       str(workdir)])]
     for name, limit_s, cmd in runs:
         with log.open("a") as f:
