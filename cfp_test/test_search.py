@@ -86,8 +86,9 @@ def test_three_passes_plan_json_and_user_jit(tmp_path, capsys):
     # achieved throughput beside the step time: the step's FLOPs over its time, per device
     step = next(x for x in lines if x.startswith("step time: "))
     achieved = float(re.search(r", ([\d.e+-]+) TFLOP/s per device \(predicted", step)[1])
-    assert achieved == pytest.approx(rec.step_flops / rec.plan.median_s / 4 / 1e12, rel=2e-3)
-    assert achieved != pytest.approx(rec.step_flops / rec.plan.median_s / 1e12, rel=2e-3)
+    # printed to 3 significant digits: within half a unit of the third
+    assert achieved == pytest.approx(rec.step_flops / rec.plan.median_s / 4 / 1e12, rel=6e-3)
+    assert achieved != pytest.approx(rec.step_flops / rec.plan.median_s / 1e12, rel=6e-3)
     candidates = json.loads((tmp_path / "debug_search" / "report.json").read_text())["candidates"]
     assert [c["source"] for c in candidates] == [c.source for c in rec.candidates]
     assert main(base + ["--mode", "analysis", "-v"]) == 0
