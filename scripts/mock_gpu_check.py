@@ -62,16 +62,10 @@ def row(out: Path, check: str, measured, reference, note: str = "") -> None:
     print(f"{check}: {measured} against {reference} ({note})", flush=True)
 
 
-def median_s(fn, args, reps: int = 20, warmup: int = 3) -> float:
-    import jax
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def median_s(fn, args) -> float:
+    """Median seconds of ``fn(*args)`` after 3 warm-up runs, over 20 (the GPU check's timer)."""
+    from gpu_check import time_call  # scripts/, beside this file
+    return statistics.median(time_call(fn, args, warmup=3, reps=20))
 
 
 def global_array(x, sharding):
