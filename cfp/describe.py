@@ -99,13 +99,9 @@ def state_of_blocks(analysis, storage, start: int, end: int) -> str:
     (``cfp.windows.held_state``'s rule): its one layout (``zero1``), the count of leaves per
     layout where they differ (``2 leaves fsdp, 4 leaves plan``), or "" where they hold none."""
     from collections import Counter
-    from cfp.windows import first_readers
-    g, owner = analysis.graph, analysis.blocks.owner
-    first, inside = first_readers(analysis), range(start, end)
-    layouts = (storage or _plain()).layouts(len(g.state_pairs()))
-    held = Counter(layouts[k] for k, (v, new) in enumerate(g.state_pairs())
-                   if g.values[v].shape and first.get(v) in inside
-                   and owner.get(g.values[new].producer) in inside)
+    from cfp.windows import Window, held_state
+    layouts = (storage or _plain()).layouts(len(analysis.graph.state_pairs()))
+    held = Counter(layouts[k] for k in held_state(analysis, Window(start, end, -1)))
     if len(held) <= 1:
         return next(iter(held), "")
     return ", ".join(f"{n} leaves {z}" for z, n in sorted(held.items()))
