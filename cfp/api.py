@@ -278,7 +278,7 @@ def _run_profile(opts: RunOptions, options) -> None:
         if options.compile_for is not None:
             from cfp.gpu_compile import label
             report.say(f"compile-only for {math.prod(opts.mesh_shape)} "
-                       f"{label(options.compile_for)}s (XLA's GPU compiler, no GPU here)")
+                       f"{label(options.compile_for)}s (XLA's GPU compiler, described GPUs)")
     if (opts.cluster is None and options.cost == "measure" and opts.runtime is None
             and not any(wd.path.glob("window_*.pkl"))):  # a resumed profile was checked
         _check_step(analysis)  # (several processes: search's check, on the global mesh)
@@ -337,8 +337,9 @@ def _run_search(opts: RunOptions, options) -> None:
     if opts.cluster is not None:
         return _predict(opts, options, wd, analysis)
     # Across processes the search runs on process 0's profile.
-    profile = (wd.read_profile(analysis, options.cost, options.max_combinations,
-                               options.whole_segments)
+    gpus = (cost_model_of(options, opts.mesh_shape, opts.device_ids).gpu
+            if options.cost == "model" else None)
+    profile = (_last_profile(wd, analysis, options, [(options.cost, gpus), (options.cost, None)])
                if opts.reports else None)
     budget = memory_budget_bytes(options, opts, required=True)
     search_options = SearchOptions(budget, options.time_limit, options.validate_top,
@@ -373,20 +374,25 @@ def _write_logical_rules(workdir: Path, analysis, verbose: bool) -> None:
                f": the plan is not expressible as logical-axis rules ({rules.conflicts[0]})"))
 
 
+def _last_profile(wd, analysis, options, tried: list[tuple[str, str | None]]):
+    """The profile the last profile pass wrote: the first of ``tried`` (its cost, and the
+    GPUs its programs were compiled for, None for the devices here) in the work dir."""
+    for k, (cost, gpus) in enumerate(dict.fromkeys(tried)):
+        try:
+            return wd.read_profile(analysis, cost, options.max_combinations,
+                                   options.whole_segments, gpus)
+        except CfpError:
+            if k + 1 == len(dict.fromkeys(tried)):
+                raise
+
+
 def _predict(opts: RunOptions, options, wd, analysis) -> None:
     from cfp import dumps, report
     from cfp.passes.search import predict_plan
     from cfp.plan import make_plan, write_plan
-    tried = ([("mock", None)] if options.cost == "mock" else
-             [("analytic", None), ("model", opts.cluster.gpu), ("model", None)])
-    for k, (cost, gpus) in enumerate(tried):  # the profile the last profile pass wrote
-        try:
-            profile = wd.read_profile(analysis, cost, options.max_combinations,
-                                      options.whole_segments, gpus)
-            break
-        except CfpError:
-            if k + 1 == len(tried):
-                raise
+    profile = _last_profile(wd, analysis, options, [("mock", None)] if options.cost == "mock"
+                            else [("analytic", None), ("model", opts.cluster.gpu),
+                                  ("model", None)])
     report.say("***********Search Pass (predicted, nothing runs)****************")
     rec = predict_plan(analysis, profile, memory_budget_bytes(options, opts), options.time_limit)
     report.prediction_console(rec, opts.cluster)

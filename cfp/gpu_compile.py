@@ -51,7 +51,8 @@ def quiet_cuda_plugin() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # XLA's INFO lines on loading it
     import pkgutil
     with plugin_quiet():  # the plugin's extensions, which jaxlib loads as JAX is imported
-        for package in ("jax_cuda12_plugin", "jaxlib"):
+        plugin = _cuda_plugin()
+        for package in (f"jax_{plugin[4:]}_plugin", "jaxlib"):
             try:
                 path = importlib.import_module(package).__path__
             except ImportError:
@@ -62,7 +63,7 @@ def quiet_cuda_plugin() -> None:
                         importlib.import_module(f"{package}.{module.name}")
                     except (ImportError, OSError, RuntimeError):  # JAX reports it at start
                         pass
-        spec = importlib.util.find_spec("jax_plugins.xla_cuda12")
+        spec = importlib.util.find_spec(f"jax_plugins.{plugin}")
         library = Path(spec.origin or "").parent / "xla_cuda_plugin.so"  # JAX loads it at start
         if spec.origin and library.exists():
             import ctypes
@@ -93,10 +94,19 @@ def plugin_quiet():
 
 
 def _plugin_installed() -> bool:
+    return _cuda_plugin() is not None
+
+
+def _cuda_plugin() -> str | None:
+    """The module name of JAX's CUDA plugin here (``xla_cuda12``, ``xla_cuda13``), or None."""
     try:
-        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-    except (ImportError, ValueError):
-        return False
+        import jax_plugins
+    except ImportError:
+        return None
+    import pkgutil
+    return next((m.name for m in sorted(pkgutil.iter_modules(jax_plugins.__path__),
+                                        key=lambda m: m.name)
+                 if m.name.startswith("xla_cuda")), None)
 
 
 def description(gpu: str) -> str:

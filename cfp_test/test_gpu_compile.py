@@ -2,10 +2,12 @@
 memory and cost of programs XLA's GPU compiler makes for them, the fallback without JAX's
 CUDA plugin, and the descriptions against a GPU where one is present."""
 import json
+import os
 import re
 
 import jax
 import jax.numpy as jnp
+
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -117,7 +119,9 @@ def test_a_bf16_window_compiled_for_gpus_holds_less_than_compiled_on_cpu():
 
 @pytest.mark.skipif(not any(d.platform == "gpu" for d in jax.devices()), reason="no GPU here")
 def test_each_description_matches_the_gpu_it_names():
-    """On a GPU: the description of its kind gives its name and its memory within 5%."""
+    """On a GPU: the description of its kind gives its name, and its memory: JAX's allocator
+    may use XLA_PYTHON_CLIENT_MEM_FRACTION of it (0.75 by default; on an H200, 112.58 GB of
+    the 150.75 GB described, 0.747: ``scripts/results/2026-11-27-gpu-compile-checks.csv``)."""
     device = next(d for d in jax.devices() if d.platform == "gpu")
     named = [g for g in gpu_compile.GPUS if gpu_compile.label(g) in device.device_kind]
     if not named:
@@ -126,7 +130,8 @@ def test_each_description_matches_the_gpu_it_names():
     limit = (device.memory_stats() or {}).get("bytes_limit")
     assert device.device_kind.split()[1][:4] == gpu_compile.device_name(gpu).split()[1][:4]
     if limit:
-        assert 0.85 * gpu_compile.memory_bytes(gpu) <= limit <= 1.05 * gpu_compile.memory_bytes(gpu)
+        share = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75))
+        assert 0.95 * share <= limit / gpu_compile.memory_bytes(gpu) <= 1.01 * share
 
 
 @needs_plugin
@@ -159,7 +164,7 @@ def test_a_cluster_is_planned_from_windows_compiled_for_its_gpus(tmp_path, capsy
     A100s (none refused for a collective its strategies do not name), the kept plan's whole
     step too, and the console and plan.json say so."""
     out, plan = _cluster_plan(tmp_path, capsys)
-    assert "compile-only for 8 A100s (XLA's GPU compiler, no GPU here)" in out
+    assert "compile-only for 8 A100s (XLA's GPU compiler, described GPUs)" in out
     assert re.search(r"^profile: \d+ combinations of \d+ window types \(ok \d+\)", out, re.M)
     line = next(x for x in out.splitlines() if x.startswith("memory per device"))
     assert re.match(r"memory per device: [\d.]+ GiB compiled for A100 \([\d.]+ GiB composed "
@@ -196,4 +201,7 @@ def test_a_device_preset_named_compiles_for_that_gpu(tmp_path, capsys):
         assert main(args + ["--mode", "analysis"]) == 0
         assert main(args + ["--mode", "profile"]) == 0
         out = capsys.readouterr().out
-        assert ("compile-only for 8 H200s (XLA's GPU compiler, no GPU here)" in out) == says
+        assert ("compile-only for 8 H200s (XLA's GPU compiler, described GPUs)" in out) == says
+    # search reads the profile compiled for the H200s, and runs its plan on the devices here
+    assert main(args + ["--mode", "search", "--validate-top", "1"]) == 0
+    assert (tmp_path / str(says) / "plan.json").exists()

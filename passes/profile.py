@@ -470,6 +470,6 @@ def cluster_pricing(analysis, max_combinations: int, *, max_devices: int = 64,
     if estimate > limit_s:
         return "analytic", (f"{fallback}compiling would take {why}, over {limit_s:.0f} s "
                             f"(--profile-budget gives more)"), None
-    where = (f"for {n} {label(compile_for)}s (XLA's GPU compiler, no GPU here)"
+    where = (f"for {n} {label(compile_for)}s (XLA's GPU compiler, described GPUs)"
              if compile_for else f"on {n} {jax.devices()[0].platform.upper()} devices")
     return "model", f"{fallback}compile-only {where}: {why}", compile_for
