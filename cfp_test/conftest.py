@@ -1,9 +1,14 @@
-"""Test set-up: 8 virtual CPU devices, configured once before JAX starts, and a fresh
-compilation cache."""
+"""Test set-up: 8 virtual CPU devices, compiled without LLVM's optimizations, configured once
+before JAX starts, and a fresh compilation cache."""
 import os
 
+# LLVM's optimizations off: what the tests check (the programs, their shardings, memory and
+# numerics) is fixed before XLA's CPU backend hands a program to LLVM, and the suite spends
+# most of its time compiling small programs. Speed figures come from scripts/, which compile
+# as users do.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

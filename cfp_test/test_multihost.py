@@ -17,7 +17,7 @@ from cfp.passes.analysis import run_analysis
 from cfp.passes.profile import ProfileOptions, run_profile
 from cfp.workloads import WorkloadSpec
 
-FLAGS = ["--model", "mlp", "--max-combinations", "8", "--memory-budget", "1",
+FLAGS = ["--model", "mlp", "--max-combinations", "4", "--memory-budget", "1",
          "--workdir", "wd", "--compilation-cache", "none", "--join-timeout", "10",
          "--num-processes", "2"]
 
@@ -101,7 +101,7 @@ def _combinations() -> int:
     import math
     from cfp.windows import split_windows, window_space
     a = run_analysis(WorkloadSpec("mlp", "tiny", None, "float32", ()).resolved(), (8,))
-    windows, reps = split_windows(a, 8)
+    windows, reps = split_windows(a, 4)
     return sum(math.prod(window_space(a, windows[k])) for k in reps)
 
 
@@ -112,7 +112,7 @@ def test_two_processes_match_one(runs):
     spec = WorkloadSpec("mlp", "tiny", None, "float32", ()).resolved()
     # compiled alone: the same programs, their hashes and statuses, without timing them
     one = run_profile(run_analysis(spec, (8,)), ProfileOptions(
-        cost="model", cost_model=CostModel((1e-5,), (1e-9,), 1e11, 1e10), max_combinations=8,
+        cost="model", cost_model=CostModel((1e-5,), (1e-9,), 1e11, 1e10), max_combinations=4,
         memory_budget_bytes=2**30))
     two = _record(p0 / "wd" / "profile.pkl")
     # the control: the compared hashes tell a window's block combinations apart (a split
