@@ -119,9 +119,10 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
                      else real_inputs(workload))
     with phases("solving"):
         problem, _ = build_problem(analysis, profile, options.memory_budget_bytes)
-        sols, compiled, status = fitting_predictions(analysis, problem, profile, options,
-                                                     program, mesh)
-        solve_s = time.perf_counter() - start
+    sols, compiled, status = fitting_predictions(analysis, problem, profile, options, program,
+                                                 mesh, phases)
+    solve_s = phases.seconds["solving"]  # the compiles that check its predictions aside
+    with phases("solving"):
         if options.validate_baselines:  # each run as a hand plan, though a prediction
             sols += [sol for _, sol in baseline_candidates(analysis, problem, ())]  # is it
         sols = share(sols)  # the solver's time limit makes its answer one process's to give
@@ -161,7 +162,8 @@ CALIBRATIONS = 4  # most solves against a composition calibrated to what XLA hol
 
 
 def fitting_predictions(analysis, problem: Problem, profile, options: SearchOptions, program,
-                        mesh) -> tuple[list[Solution], dict, str]:
+                        mesh, phases: Phases | None = None
+                        ) -> tuple[list[Solution], dict, str]:
     """``predicted_plans`` that fit the budget once compiled, the compiled steps (choices ->
     ``PlannedStep``, compiled, not run, for validation to run) and the first solve's status.
     The composition can count less than XLA holds. Under a budget every prediction is
@@ -169,11 +171,15 @@ def fitting_predictions(analysis, problem: Problem, profile, options: SearchOpti
     and they are solved again (the top plans again when a top plan was over, else the best
     plan without reshardings alone), never to a plan compiled already, up to
     ``CALIBRATIONS`` solves in all. The predictions that fit are returned, or where none
-    does, the last ones. The solutions' memory is the uncalibrated composition."""
+    does, the last ones. The solutions' memory is the uncalibrated composition. ``phases``
+    takes the seconds of solving and of compiling apart."""
     from cfp.execute import PlannedStep
     from cfp.measure import memory_of
+    phases = phases or Phases()
     budget, composed = problem.memory_budget, problem
-    sols, compiled = predicted_plans(problem, options.validate_top, options.time_limit_s), {}
+    with phases("solving"):
+        sols = predicted_plans(problem, options.validate_top, options.time_limit_s)
+    compiled = {}
     status = sols[0].status
     if budget is None:
         return sols, compiled, status
@@ -181,7 +187,8 @@ def fitting_predictions(analysis, problem: Problem, profile, options: SearchOpti
     def peak(sol) -> int:
         ps = PlannedStep(program, analysis, sol.strategies, mesh,
                          plan_storage(analysis, problem, profile.windows, sol.choices))
-        ps.compile()
+        with phases("compiling"):
+            ps.compile()
         compiled[sol.choices] = ps
         return memory_of(ps.compiled)["peak_bytes"]
 
@@ -192,12 +199,14 @@ def fitting_predictions(analysis, problem: Problem, profile, options: SearchOpti
         over = [(s, p) for s, p in zip(sols, peaks) if p > budget]
         if not over or n == CALIBRATIONS - 1:
             break
-        problem = calibrated(analysis, problem, profile.windows, over, first=n == 0)
+        with phases("solving"):
+            problem = calibrated(analysis, problem, profile.windows, over, first=n == 0)
         seen = list(compiled)
         try:
-            sols = (predicted_plans(problem, options.validate_top, options.time_limit_s, seen)
-                    if any(s.status != UNRESHARDED for s, _ in over)
-                    else unresharded_plan(problem, options.time_limit_s, seen))
+            with phases("solving"):
+                sols = (predicted_plans(problem, options.validate_top, options.time_limit_s,
+                                        seen) if any(s.status != UNRESHARDED for s, _ in over)
+                        else unresharded_plan(problem, options.time_limit_s, seen))
         except CfpError:  # nothing composes within the calibrated budget
             break
         if not sols:
