@@ -71,6 +71,23 @@ def test_numerics_check_can_fail():
     assert not numerics_of(a.graph, checked, got, skewed, [0 * x for x in shift]).ok
 
 
+def test_one_device_is_run_twice_where_it_may_not_repeat(monkeypatch):
+    """Off the CPU, the one-device reference runs twice and their difference is kept for the
+    check (here the CPU stands in: the two runs agree to the bit); on the CPU it runs once,
+    and no difference is kept (the control)."""
+    from cfp import execute
+    spec = WorkloadSpec("mlp", "tiny", None, "float32", ()).resolved()
+    a = run_analysis(spec, (4,))
+    execute._LAST.clear()
+    assert execute.reference_run(spec.build(), a)[2] is None
+    execute._LAST.clear()
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    host, want, noise = execute.reference_run(spec.build(), a)
+    assert len(noise) == len(want) == len(checked_values(a))
+    assert all(not np.any(x) for x in noise)
+    execute._LAST.clear()
+
+
 def test_three_passes_plan_json_and_user_jit(tmp_path, capsys):
     """The whole job: its console is at most 15 lines besides the progress lines (one per
     pass, the plan in words, step time against the hand plans, memory, the numerical check,
