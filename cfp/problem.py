@@ -182,13 +182,14 @@ def _options(problem: Problem) -> int:
 
 
 def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool = False,
-              exclude=()):
+              exclude=(), relative_gap: float = 0.0):
     """The ``k`` cheapest plans, cheapest first. A large problem (deep, or on a large mesh)
     starts each from the cheapest plan whose repeated layers are alike (``solve_alike``:
     quick at any depth); unless ``alike_only``, the whole problem then runs from it within
     ``time_limit_s``, free to give layers different strategies, which pays under a tight
     memory budget. A small one is solved whole at once: there the alike problem is hardly
-    smaller, and proving it optimal can take as long as the whole."""
+    smaller, and proving it optimal can take as long as the whole. ``relative_gap``: each
+    solve stops once proved within that share of the cheapest (``cfp.solver.solve``)."""
     sols = []
     k = max(1, k)
     if problem.memory_budget is not None and least_memory(problem) > problem.memory_budget:
@@ -196,7 +197,8 @@ def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool
     for _ in range(k):
         t0 = time.perf_counter()
         excluded = list(exclude) + [s.choices for s in sols]
-        start = solve_alike(problem, time_limit_s=time_limit_s, exclude=excluded) \
+        start = solve_alike(problem, time_limit_s=time_limit_s, exclude=excluded,
+                            relative_gap=relative_gap) \
             if problem.alike and (alike_only or _options(problem) > ALIKE_FROM_OPTIONS) \
             else None
         if alike_only and start is not None:
@@ -205,7 +207,7 @@ def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool
         else:
             try:
                 sol = solve(problem, time_limit_s=time_limit_s, exclude=excluded,
-                            hint=start.choices if start else None)
+                            hint=start.choices if start else None, relative_gap=relative_gap)
             except CfpError:  # out of time: the plans found so far are the candidates
                 if start is None and sols:
                     break
@@ -214,8 +216,8 @@ def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool
                 sol = None
             if start is not None and (sol is None or sol.objective >= start.objective):
                 sol = dataclasses.replace(
-                    start, status="OPTIMAL" if sol is not None and sol.status == "OPTIMAL"
-                    else f"FEASIBLE (the best plan whose repeated layers are alike: "
+                    start, status=sol.status if sol is not None and sol.status.startswith(
+                        "OPTIMAL") else f"FEASIBLE (the best plan whose repeated layers are alike: "
                          f"{start.status} among those)")
         if sol is None:
             break

@@ -285,15 +285,23 @@ class Prediction:
     priced_s: float = 0.0
 
 
+# A plan for a cluster is a prediction, priced from a model: its solve stops once its plan is
+# proved within 1% of the cheapest composition (the solver's status says how close).
+PREDICTION_GAP = 0.01
+
+
 def predict_plan(analysis, profile, memory_budget_bytes: int | None,
-                 time_limit_s: float, *, alike_only: bool = False) -> Prediction:
-    """The best plan of the priced profile, with its predicted step time and memory."""
+                 time_limit_s: float, *, alike_only: bool = False,
+                 hand_plans: bool = True) -> Prediction:
+    """The best plan of the priced profile, with its predicted step time and memory, and
+    unless not ``hand_plans``, the hand plans priced beside it."""
     problem, _ = build_problem(analysis, profile, memory_budget_bytes)
     hand = tuple((name, predicted_seconds(problem, sol.choices, profile.launch_overhead_s),
-                  sol.memory) for name, sol in baseline_candidates(analysis, problem, [],
-                                                                   within_budget=False))
+                  sol.memory) for name, sol in (baseline_candidates(
+                      analysis, problem, [], within_budget=False) if hand_plans else ()))
     try:
-        sol = top_plans(problem, 1, time_limit_s, alike_only=alike_only)[0]
+        sol = top_plans(problem, 1, time_limit_s, alike_only=alike_only,
+                        relative_gap=PREDICTION_GAP)[0]
     except CfpError as e:  # no plan fits: neither does any hand plan; say what they need
         if not hand:
             raise
@@ -400,7 +408,8 @@ def _mesh_candidate(spec, cluster, graph, grouping, max_combinations, memory_bud
         profile = run_profile(analysis, ProfileOptions(
             cost="analytic", max_combinations=max_combinations,
             cost_model=cluster.cost_model(shape)))
-        return MeshCandidate(shape, predict_plan(
-            analysis, profile, memory_budget_bytes, time_limit_s, alike_only=True))
+        return MeshCandidate(shape, predict_plan(  # a mesh is ranked by cfp's plan alone
+            analysis, profile, memory_budget_bytes, time_limit_s, alike_only=True,
+            hand_plans=False))
     except CfpError as e:
         return MeshCandidate(shape, None, str(e))
