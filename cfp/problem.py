@@ -175,6 +175,12 @@ def alike_blocks(analysis) -> list[tuple[int, int]]:
 
 
 ALIKE_FROM_OPTIONS = 2000  # options over all groups above which a solve starts alike
+# The whole problem's solve from the alike plan gets this many times the alike solve's
+# seconds, at least WHOLE_MIN_S, within the time limit: on LLaMA-2-13B's 361 blocks (2x25x4)
+# the whole solve ran its 60 s limit without beating the alike plan, whose quotient solved
+# in about 10 s.
+WHOLE_PER_ALIKE = 3
+WHOLE_MIN_S = 10.0
 
 
 def _options(problem: Problem) -> int:
@@ -188,7 +194,9 @@ def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool
     quick at any depth); unless ``alike_only``, the whole problem then runs from it within
     ``time_limit_s``, free to give layers different strategies, which pays under a tight
     memory budget. A small one is solved whole at once: there the alike problem is hardly
-    smaller, and proving it optimal can take as long as the whole. ``relative_gap``: each
+    smaller, and proving it optimal can take as long as the whole. The whole solve from an
+    alike start gets ``WHOLE_PER_ALIKE`` times the alike solve's seconds (at least
+    ``WHOLE_MIN_S``, within ``time_limit_s``). ``relative_gap``: each
     solve stops once proved within that share of the cheapest (``cfp.solver.solve``)."""
     sols = []
     k = max(1, k)
@@ -206,7 +214,9 @@ def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool
                                                     f"repeated layers are alike")
         else:
             try:
-                sol = solve(problem, time_limit_s=time_limit_s, exclude=excluded,
+                limit_s = time_limit_s if start is None else min(
+                    time_limit_s, max(WHOLE_MIN_S, WHOLE_PER_ALIKE * start.solve_s))
+                sol = solve(problem, time_limit_s=limit_s, exclude=excluded,
                             hint=start.choices if start else None, relative_gap=relative_gap)
             except CfpError:  # out of time: the plans found so far are the candidates
                 if start is None and sols:
