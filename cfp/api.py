@@ -377,12 +377,13 @@ def _write_logical_rules(workdir: Path, analysis, verbose: bool) -> None:
 def _last_profile(wd, analysis, options, tried: list[tuple[str, str | None]]):
     """The profile the last profile pass wrote: the first of ``tried`` (its cost, and the
     GPUs its programs were compiled for, None for the devices here) in the work dir."""
-    for k, (cost, gpus) in enumerate(dict.fromkeys(tried)):
+    tried = list(dict.fromkeys(tried))
+    for k, (cost, gpus) in enumerate(tried):
         try:
             return wd.read_profile(analysis, cost, options.max_combinations,
                                    options.whole_segments, gpus)
         except CfpError:
-            if k + 1 == len(dict.fromkeys(tried)):
+            if k + 1 == len(tried):
                 raise
 
 

@@ -51,7 +51,7 @@ def quiet_cuda_plugin() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # XLA's INFO lines on loading it
     import pkgutil
     with plugin_quiet():  # the plugin's extensions, which jaxlib loads as JAX is imported
-        plugin = _cuda_plugin()
+        plugin = cuda_plugin()
         for package in (f"jax_{plugin[4:]}_plugin", "jaxlib"):
             try:
                 path = importlib.import_module(package).__path__
@@ -94,10 +94,10 @@ def plugin_quiet():
 
 
 def _plugin_installed() -> bool:
-    return _cuda_plugin() is not None
+    return cuda_plugin() is not None
 
 
-def _cuda_plugin() -> str | None:
+def cuda_plugin() -> str | None:
     """The module name of JAX's CUDA plugin here (``xla_cuda12``, ``xla_cuda13``), or None."""
     try:
         import jax_plugins
@@ -107,6 +107,16 @@ def _cuda_plugin() -> str | None:
     return next((m.name for m in sorted(pkgutil.iter_modules(jax_plugins.__path__),
                                         key=lambda m: m.name)
                  if m.name.startswith("xla_cuda")), None)
+
+
+def mock_unavailable_reason() -> str | None:
+    """None where this machine has a GPU for ``cfp.jax_compat.mock_gpus`` (an NVIDIA driver,
+    and a CUDA plugin for JAX); else why not, in words. Starts no JAX backend."""
+    if not os.path.exists("/proc/driver/nvidia/version"):
+        return "this machine has no NVIDIA GPU (no driver)"
+    if cuda_plugin() is None and importlib.util.find_spec("jaxlib.cuda") is None:
+        return "JAX here has no CUDA plugin (pip install \"jax[cuda12]\" or \"jax[cuda13]\")"
+    return None
 
 
 def description(gpu: str) -> str:

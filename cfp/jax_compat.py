@@ -212,22 +212,3 @@ def mock_gpus(num_gpus: int) -> None:
 def mocked_gpus() -> int:
     """How many GPUs this process's one GPU stands for (``mock_gpus``); 0: none mocked."""
     return _mocked_gpus
-
-
-def mock_unavailable_reason() -> str | None:
-    """None where this machine has a GPU for ``mock_gpus`` (an NVIDIA driver, and a CUDA
-    plugin for JAX); else why not, in words. Starts no JAX backend."""
-    import importlib.util
-    import os
-    import pkgutil
-    if not os.path.exists("/proc/driver/nvidia/version"):
-        return "this machine has no NVIDIA GPU (no driver)"
-    try:
-        import jax_plugins
-        plugins = [m.name for m in pkgutil.iter_modules(jax_plugins.__path__)]
-    except ImportError:
-        plugins = []
-    if not any(p.startswith("xla_cuda") for p in plugins) and importlib.util.find_spec(
-            "jaxlib.cuda") is None:
-        return "JAX here has no CUDA plugin (pip install \"jax[cuda12]\" or \"jax[cuda13]\")"
-    return None

@@ -93,7 +93,7 @@ def _check_choices(options: Options) -> None:
 
 def _check_mock(options: Options) -> None:
     """``--cost mock`` profiles one mesh of a described node's GPUs on the GPU here."""
-    from cfp.jax_compat import mock_unavailable_reason
+    from cfp.gpu_compile import mock_unavailable_reason
     if options.cluster is None:
         raise CfpError("--cost mock stands the GPU here for a node of them: give --cluster "
                        "(h100-8, h200-8, a100-8, or a .json file)")

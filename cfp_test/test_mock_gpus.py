@@ -15,7 +15,7 @@ from cfp.api import run
 from cfp.options import Options
 from cfp.cluster import load_cluster
 from cfp.errors import CfpError
-from cfp.jax_compat import mock_unavailable_reason
+from cfp.gpu_compile import mock_unavailable_reason
 from cfp.measure import Measurement
 from cfp.cost_model import CostModel, collectives_cost
 from cfp.passes.analysis import run_analysis
