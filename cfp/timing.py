@@ -64,10 +64,20 @@ class Fresh:
     ``args`` with fresh copies there, since a run deletes what it donates."""
 
     def __init__(self, args, donated: Sequence[int]):
-        self.args, self.donated = list(args), set(donated)
+        self.args, self.donated = list(args), sorted(set(donated))
 
     def __call__(self) -> list:
-        return [x.copy() if k in self.donated else x for k, x in enumerate(self.args)]
+        import jax
+        out = list(self.args)
+        # one call copies what this process holds whole (a window may donate dozens of
+        # leaves, and a copy each costs a dispatch); an array spread over several hosts is
+        # copied by itself
+        here = [k for k in self.donated if out[k].is_fully_addressable]
+        for k, x in zip(here, jax.device_put([out[k] for k in here], may_alias=False)):
+            out[k] = x
+        for k in set(self.donated) - set(here):
+            out[k] = out[k].copy()
+        return out
 
 
 def inputs(args) -> list:

@@ -54,3 +54,15 @@ def python_sigint():
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, before)
+
+
+@pytest.fixture(scope="session")
+def mlp_profiled(tmp_path_factory):
+    """A work dir holding the analysis and profile of ``MLP_PROFILED``, made once for the
+    run; a test copies it (``shutil.copytree``) before it changes anything there."""
+    from cfp.cli import main
+    from helpers import MLP_PROFILED
+    wd = tmp_path_factory.mktemp("mlp-profiled")
+    assert main(MLP_PROFILED + ["--mode", "analysis", "--workdir", str(wd)]) == 0
+    assert main(MLP_PROFILED + ["--mode", "profile", "--workdir", str(wd)]) == 0
+    return wd

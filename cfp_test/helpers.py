@@ -5,6 +5,9 @@ from cfp.grouping import build_blocks
 from cfp.models import get_workload
 from cfp.tracing import trace_step
 
+# the run that the session fixture ``mlp_profiled`` (conftest) has analysed and profiled
+MLP_PROFILED = ["--model", "mlp", "--mesh", "4", "--max-combinations", "4"]
+
 
 @functools.lru_cache(maxsize=None)
 def traced(model: str, num_layers: int | None = None, **kw):

@@ -1,6 +1,7 @@
 """Honest failures: bad input refused before any compile, cfp bugs surface as bugs, worker deaths
 charged to their own combination, Ctrl-C loses nothing, budget-cut work is measured later."""
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from cfp.windows import split_windows
 from cfp.workdir import WorkDir
 from cfp.worker import Worker, WorkerBug, WorkerOptions
 from cfp.workloads import WorkloadSpec, run_fingerprint
+from helpers import MLP_PROFILED
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP = WorkloadSpec("mlp", "tiny", None, "float32", ()).resolved()
@@ -96,12 +98,14 @@ def test_a_worker_death_is_charged_to_its_own_combination():
     assert got[(0,)].status == "ok" and got[(2,)].status == "ok"
 
 
-def test_ctrl_c_prints_one_line_and_a_rerun_repeats_nothing(tmp_path, python_sigint):
+def test_ctrl_c_prints_one_line_and_a_rerun_repeats_nothing(tmp_path, python_sigint,
+                                                            mlp_profiled):
     workdir = tmp_path / "w"
-    base = [sys.executable, "-m", "cfp", "--model", "mlp", "--mesh", "4", "--workdir",
-            str(workdir), "--max-combinations", "4", "--compilation-cache", "none"]
+    base = [sys.executable, "-m", "cfp", *MLP_PROFILED, "--workdir", str(workdir),
+            "--compilation-cache", "none"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    subprocess.run(base + ["--mode", "analysis"], check=True, capture_output=True, env=env)
+    workdir.mkdir()
+    shutil.copy(mlp_profiled / "analysis.pkl", workdir)  # analysed, not yet profiled
     proc = subprocess.Popen(base + ["--mode", "profile"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     deadline = time.time() + 120

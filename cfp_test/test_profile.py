@@ -1,5 +1,6 @@
 
 import math
+import shutil
 
 import jax
 import numpy as np
@@ -7,6 +8,7 @@ import pytest
 
 from cfp import dims
 from cfp.cli import main
+from helpers import MLP_PROFILED
 from cfp.measure import WindowProgram
 from cfp.cost_model import CostModel, model_cost
 from cfp.records import read_record, write_record
@@ -138,18 +140,19 @@ def test_model_backend_prices_dp_and_megatron_as_worked_out_by_hand():
     assert t_mp < t_dp  # fewer bytes on the wire than data parallel's gradients
 
 
-def test_profile_resumes_records_failures_and_refuses_bad_files(tmp_path, capsys):
-    base = ["--model", "mlp", "--mesh", "4", "--workdir", str(tmp_path)]
+def test_profile_resumes_records_failures_and_refuses_bad_files(tmp_path, capsys,
+                                                               mlp_profiled):
+    base = MLP_PROFILED + ["--workdir", str(tmp_path)]
     assert main(["--mode", "analysis"] + base) == 0
     assert main(["--mode", "profile", "--memory-budget", "0.00001", "-v"] + base) == 0
     out = capsys.readouterr().out
     assert ",oom," in (tmp_path / "profile.csv").read_text()  # recorded, and the pass went
     assert "profile pass:" in out  # on to the end
-    # A real budget in a fresh dir; then forget two results and resume: only they are measured.
+    # A real budget (the profiled dir, copied); then forget two results and resume: only
+    # they are measured.
     fresh = tmp_path / "fresh"
-    base2 = ["--model", "mlp", "--mesh", "4", "--workdir", str(fresh), "--max-combinations", "4"]
-    assert main(["--mode", "analysis"] + base2) == 0
-    assert main(["--mode", "profile"] + base2) == 0
+    shutil.copytree(mlp_profiled, fresh)
+    base2 = MLP_PROFILED + ["--workdir", str(fresh)]
     seg_path = fresh / "window_0.pkl"
     rec = read_record(seg_path, WINDOW_FORMAT, None, hint="")
     header = read_header(seg_path)
@@ -175,8 +178,9 @@ def test_profile_resumes_records_failures_and_refuses_bad_files(tmp_path, capsys
     err = capsys.readouterr().err
     assert "reshard.pkl was made for another run" in err and "max_combinations" in err
     assert not list(fresh.glob("window_*.pkl"))
-    (fresh / "reshard.pkl").unlink()
-    assert main(["--mode", "profile"] + base2 + ["--max-combinations", "8"]) == 0
+    (fresh / "reshard.pkl").unlink()  # it runs (its budget spent at once: nothing timed)
+    assert main(["--mode", "profile", "--profile-budget", "0.001"] + base2
+                + ["--max-combinations", "8"]) == 0
     assert list(fresh.glob("window_*.pkl"))
 
 

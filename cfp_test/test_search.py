@@ -2,12 +2,14 @@ import dataclasses
 import json
 import random
 import re
+import shutil
 
 import jax
 import numpy as np
 import pytest
 
 from cfp.cli import main
+from helpers import MLP_PROFILED
 from cfp.execute import check_numerics, checked_values, numerics_of, step_values
 from cfp.baselines import baseline_plan, load_rules
 from cfp.plan import load_plan, shardings
@@ -148,14 +150,15 @@ def test_three_passes_plan_json_and_user_jit(tmp_path, capsys):
         assert leaf.sharding.is_equivalent_to(s, leaf.ndim)
 
 
-def test_search_errors(tmp_path, capsys):
-    base = ["--model", "mlp", "--mesh", "4", "--workdir", str(tmp_path)]
+def test_search_errors(tmp_path, capsys, mlp_profiled):
+    base = MLP_PROFILED + ["--workdir", str(tmp_path / "wd")]
     assert main(base + ["--mode", "search", "--memory-budget", "1"]) == 2
     assert "analysis" in capsys.readouterr().err  # nothing analysed yet
     assert main(base + ["--mode", "analysis"]) == 0
     assert main(base + ["--mode", "search", "--memory-budget", "1"]) == 2
     assert "run --mode profile first" in capsys.readouterr().err
-    assert main(base + ["--mode", "profile"]) == 0
+    shutil.rmtree(tmp_path / "wd")
+    shutil.copytree(mlp_profiled, tmp_path / "wd")  # the same analysis, profiled
     assert main(base + ["--mode", "search"]) == 2
     assert "give --memory-budget" in capsys.readouterr().err
     assert main(base + ["--mode", "search", "--memory-budget", "0.000001"]) == 2

@@ -4,6 +4,7 @@ the user's own step under ``plan.jit`` and under ``jax.jit`` with ``plan.shardin
 step's loss against one device's.
 
     python scripts/recipe_plans.py [--models gpt] [--recipes clip,multisteps] [--meshes 8,2x4]
+        [--max-combinations 4 --iters 2]
 
 Writes ``scripts/results/<date>-recipe-plans-cpu.csv`` and a plot beside it. Each case runs
 the whole job (analysis, profile, search): 2 to 6 minutes on 2 cores. CPU, 8 virtual
@@ -73,19 +74,22 @@ def loop_errors(plan, workload, model: str, recipe: str) -> dict:
     return out
 
 
-def one_case(model: str, recipe: str, mesh: str, workdir: Path) -> dict:
+def one_case(model: str, recipe: str, mesh: str, workdir: Path,
+             max_combinations: int | None = None, iters: int | None = None) -> dict:
     import json
     import pandas as pd
     import cfp
     start = time.perf_counter()
     plan = cfp.autoshard(f"recipes:{model}_{recipe}", mesh=mesh, memory_budget_gb=2,
-                         workdir=workdir, num_layers=2)
+                         workdir=workdir, num_layers=2, max_combinations=max_combinations,
+                         iters=iters)
     seconds = time.perf_counter() - start
     report = json.loads((workdir / "debug_search" / "report.json").read_text())
     profile = pd.read_csv(workdir / "profile.csv")
     import recipes
     factory = getattr(recipes, f"{model}_{recipe}")
     row = {"model": model, "recipe": recipe, "mesh": mesh, "job_s": round(seconds, 1),
+           "max_combinations": max_combinations or "all", "iters": iters or "auto",
            "window_types": profile.window_type.nunique(), "combinations": len(profile),
            "unexpected_collective": int((profile.status == "unexpected_collective").sum()),
            "kept": report["source"],
@@ -103,6 +107,10 @@ def main() -> None:
     ap.add_argument("--recipes", default=",".join(recipes.ALL))
     ap.add_argument("--meshes", default="8,2x4")
     ap.add_argument("--workdir", default="profiles/recipes")
+    ap.add_argument("--max-combinations", type=int, default=None,
+                    help="per window type (cfp's option); default: all")
+    ap.add_argument("--iters", type=int, default=None,
+                    help="steps per validation round (cfp's option); default: cfp's")
     ap.add_argument("--out", default=f"scripts/results/{datetime.date.today()}"
                                      f"-recipe-plans-cpu.csv")
     args = ap.parse_args()
@@ -111,7 +119,8 @@ def main() -> None:
         for recipe in args.recipes.split(","):
             for mesh in args.meshes.split(","):
                 wd = Path(args.workdir) / f"{model}-{recipe}-{mesh}"
-                rows.append(one_case(model, recipe, mesh, wd))
+                rows.append(one_case(model, recipe, mesh, wd, args.max_combinations,
+                                     args.iters))
                 print(rows[-1], flush=True)
                 pd.DataFrame(rows).to_csv(args.out, index=False)
     df = pd.DataFrame(rows)
