@@ -70,7 +70,8 @@ def _check_all(program, graph, ba, mesh_shape):
 
 
 @pytest.mark.parametrize("model,mesh_shape,layers", [
-    ("mlp", (4,), None), ("mlp", (2, 2), None),
+    # a 1-D mesh: test_models_nobody_listed_analyse_and_stay_communication_free (convnet)
+    pytest.param("mlp", (4,), None, marks=pytest.mark.slow), ("mlp", (2, 2), None),
     # the transformers' blocks: with the slow tests (every profile also refuses a combination
     # whose program holds a collective its strategies do not name)
     pytest.param("gpt", (4,), 1, marks=pytest.mark.slow),

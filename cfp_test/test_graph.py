@@ -1,6 +1,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from cfp.program import trace_program
 from helpers import traced
@@ -39,6 +40,7 @@ def test_graph_users_and_operands_are_consistent():
             assert v in g.ops[r].inputs
 
 
+@pytest.mark.slow  # evaluate, jitted, against the step: test_the_cond_parts_compute_what_the_cond_computes
 def test_evaluate_reproduces_the_step():
     from cfp.models import get_workload
     w = get_workload("mlp", "tiny")

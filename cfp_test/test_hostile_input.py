@@ -532,7 +532,8 @@ def _running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+# cfp catches neither: both end the worker through its parent-death signal
+@pytest.mark.parametrize("sig", ["SIGKILL", pytest.param("SIGTERM", marks=pytest.mark.slow)])
 def test_workers_end_with_the_main_process(tmp_path, sig):
     """Killed while its measurement worker runs, the main process leaves no process behind
     for more than two seconds: neither the worker nor multiprocessing's resource tracker."""

@@ -263,11 +263,13 @@ def test_a_state_step_given_wrong_is_one_clear_error():
     assert trace_step(good).graph().state_pairs()
 
 
-# Flax linen runs in a loop in the suite: test_a_train_state_step_in_the_users_own_jit.
+# Flax linen runs in a loop in the suite: test_a_train_state_step_in_the_users_own_jit; the
+# plain-JAX reshaped heads: test_plan_jit_takes_state_wherever_it_lives.
 @pytest.mark.parametrize("model", ["users_models:equinox_attention",
                                    pytest.param("users_models:flax_dropout",
                                                 marks=pytest.mark.slow),
-                                   "zoo_extra:reshape_attention"])
+                                   pytest.param("zoo_extra:reshape_attention",
+                                                marks=pytest.mark.slow)])
 def test_users_models_with_split_state_in_a_loop(model):
     """Flax, Equinox and plain-JAX models with reshaped heads under a plan that stores the
     state split: every window holding state on its fsdp layout (the parameters and optimizer
