@@ -1,6 +1,7 @@
 """Layers under ``lax.scan`` / Flax ``nn.scan`` and under ``jax.checkpoint`` / ``nn.remat``
 (``scanned_models``): analysed as their unrolled twins are, planned with one strategy per
 scan body, run as a scan, remat kept."""
+import functools
 import math
 
 import jax
@@ -45,13 +46,20 @@ def _layer_view(a):
             [(w.start, w.end, window_space(a, w)[:w.end - w.start]) for w in windows])
 
 
+@functools.lru_cache(maxsize=None)
+def _layer_view_of(model, num_layers):
+    """``_layer_view`` of a model's analysis on mesh 8, once per run: the unrolled twins
+    serve several stacks. Not for tests that patch the analysis or read memos of its graph."""
+    return _layer_view(run_analysis(_spec(model, num_layers=num_layers), (8,)))
+
+
 @pytest.mark.parametrize("model,twin", TWINS)
 def test_scanned_and_remat_stacks_analyse_as_their_unrolled_twin(model, twin):
     """Same blocks (contractions, strategy counts), segments and profiled combinations as
     the unrolled twin, at 2 and 4 layers; one segment type for the stack at any depth."""
     for layers in (2, 4):
-        got = _layer_view(run_analysis(_spec(model, num_layers=layers), (8,)))
-        assert got == _layer_view(run_analysis(_spec(twin, num_layers=layers), (8,)))
+        got = _layer_view_of(model, layers)
+        assert got == _layer_view_of(twin, layers)
         assert got[2].count(got[2][0]) == layers  # the layer segment repeats once per layer
 
 
