@@ -95,7 +95,7 @@ def test_three_passes_plan_json_and_user_jit(tmp_path, capsys):
     pass, the plan in words, step time against the hand plans, memory, the numerical check,
     the lines drivers read, how to use plan.json); the candidates are in report.json.
     Control: with -v the analysis alone prints more than 15 lines."""
-    base = ["--model", "mlp", "--mesh", "2x2", "--workdir", str(tmp_path)]
+    base = ["--model", "mlp", "--num-layers", "2", "--mesh", "2x2", "--workdir", str(tmp_path)]
     assert main(base + ["--memory-budget", "1", "--validate-top", "2", "--iters", "2",
                         "--max-combinations", "4"]) == 0
     out = capsys.readouterr().out
@@ -116,10 +116,12 @@ def test_three_passes_plan_json_and_user_jit(tmp_path, capsys):
     assert achieved != pytest.approx(rec.step_flops / rec.plan.median_s / 1e12, rel=6e-3)
     candidates = json.loads((tmp_path / "debug_search" / "report.json").read_text())["candidates"]
     assert [c["source"] for c in candidates] == [c.source for c in rec.candidates]
-    assert main(base + ["--mode", "analysis", "-v"]) == 0
+    assert main(["--model", "mlp", "--mesh", "2x2", "--workdir", str(tmp_path / "v"),
+                 "--mode", "analysis", "-v"]) == 0
     assert len(capsys.readouterr().out.splitlines()) > 15
     # the dp baseline is validated too: as its own candidate, or as one of the predicted ones
-    analysis = run_analysis(WorkloadSpec("mlp", "tiny", None, "float32", ()).resolved(), (2, 2))
+    spec = WorkloadSpec("mlp", "tiny", None, "float32", (("num_layers", 2),)).resolved()
+    analysis = run_analysis(spec, (2, 2))
     dp = tuple(baseline_plan(load_rules()["dp"], analysis).strategies)
     by_axes = [tuple(analysis.blocks.blocks[b].strategies[i].axes for b, i in enumerate(c.strategies))
                for c in rec.candidates]
@@ -133,7 +135,6 @@ def test_three_passes_plan_json_and_user_jit(tmp_path, capsys):
     # plan.json back into the user's own jit
     plan = load_plan(tmp_path / "plan.json")
     assert plan["source"].startswith(("predicted", "baseline "))
-    spec = WorkloadSpec("mlp", "tiny", None, "float32", ()).resolved()
     w = spec.build()
     params = w.init_params(jax.random.key(0))
     mesh = make_mesh((2, 2))
