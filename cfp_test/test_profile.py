@@ -32,7 +32,7 @@ def test_window_program_computes_what_the_full_step_computes():
     w = a.spec.build()
     program = trace_step(w)
     from cfp.execute import real_inputs
-    env = program.evaluate(real_inputs(w))
+    env = jax.jit(program.evaluate)(real_inputs(w))  # every value of the step, one program
     windows, reps = split_windows(a, 128)
     for k in reps:
         wp = WindowProgram(program, a, windows[k], make_mesh((4,)))
