@@ -6,9 +6,11 @@ step's loss against one device's.
     python scripts/recipe_plans.py [--models gpt] [--recipes clip,multisteps] [--meshes 8,2x4]
         [--max-combinations 4 --iters 2]
 
-Writes ``scripts/results/<date>-recipe-plans-cpu.csv`` and a plot beside it. Each case runs
-the whole job (analysis, profile, search): 2 to 6 minutes on 2 cores. CPU, 8 virtual
-devices: the times say nothing of speed-ups; the loss errors and memory are what count.
+Writes ``scripts/results/<date>-recipe-plans-cpu.csv`` (``--out``; a case run again replaces
+its row there, the others stay) and a plot beside it. Each case runs the whole job
+(analysis, profile, search): 2 to 6 minutes on 2 cores at mesh 8, more on 2x4, which times
+more reshardings. CPU, 8 virtual devices: the times say nothing of speed-ups; the loss
+errors and memory are what count.
 """
 import argparse
 import datetime
@@ -122,11 +124,24 @@ def main() -> None:
                 rows.append(one_case(model, recipe, mesh, wd, args.max_combinations,
                                      args.iters))
                 print(rows[-1], flush=True)
-                pd.DataFrame(rows).to_csv(args.out, index=False)
-    df = pd.DataFrame(rows)
+                df = with_rows(args.out, rows)
+                df.to_csv(args.out, index=False)
     print(df.to_string(index=False))
     plot(df, Path(args.out).with_suffix(".png"))
     print(f"wrote {args.out}")
+
+
+def with_rows(path: str, rows: list[dict]):
+    """The CSV at ``path`` (if any) with ``rows`` in place of its rows of the same model,
+    recipe and mesh: a rerun of a case replaces it, the other cases stay."""
+    import pandas as pd
+    new = pd.DataFrame(rows).astype({"mesh": str})
+    if not Path(path).exists():
+        return new
+    old = pd.read_csv(path, dtype={"mesh": str})
+    key = ["model", "recipe", "mesh"]
+    kept = old[~old.set_index(key).index.isin(new.set_index(key).index)]
+    return pd.concat([kept, new], ignore_index=True)
 
 
 def plot(df, path: Path) -> None:
