@@ -151,6 +151,31 @@ def test_three_passes_plan_json_and_user_jit(tmp_path, capsys):
         assert leaf.sharding.is_equivalent_to(s, leaf.ndim)
 
 
+def test_search_runs_each_hand_plan_as_written(tmp_path, mlp_profiled):
+    """A hand plan that splits the state (zero1, fsdp) is validated, and kept, with its own
+    layout for every leaf, as the user's hand plan would be. Control: the per-window layouts
+    that its strategy choices translate to keep some leaves whole (those no window holds)."""
+    from cfp.baselines import hand_plan_storage
+    from cfp.execute import Storage
+    from cfp.problem import build_problem, plan_storage
+    from cfp.workdir import ANALYSIS_FORMAT, PROFILE_FORMAT
+    wd = tmp_path / "wd"
+    shutil.copytree(mlp_profiled, wd)
+    assert main(MLP_PROFILED + ["--workdir", str(wd), "--mode", "search", "--memory-budget",
+                                "1", "--validate-top", "1", "--iters", "1"]) == 0
+    rec = read_record(wd / "search.pkl", SEARCH_FORMAT, None, hint="")
+    analysis = read_record(wd / "analysis.pkl", ANALYSIS_FORMAT, None, hint="")
+    profile = read_record(wd / "profile.pkl", PROFILE_FORMAT, None, hint="")
+    hand = {c.source: c for c in rec.candidates if c.source.startswith("baseline ")}
+    assert hand["baseline zero1"].storage == Storage("zero1")
+    assert hand["baseline fsdp"].storage == Storage("fsdp")
+    assert all(c.storage == hand_plan_storage(analysis)[c.source] for c in hand.values())
+    problem, _ = build_problem(analysis, profile, None)
+    translated = plan_storage(analysis, problem, profile.windows, hand["baseline zero1"].choices)
+    layouts = translated.layouts(len(analysis.graph.state_pairs()))
+    assert "zero1" in layouts and "plan" in layouts  # the control
+
+
 def test_search_errors(tmp_path, capsys, mlp_profiled):
     base = MLP_PROFILED + ["--workdir", str(tmp_path / "wd")]
     assert main(base + ["--mode", "search", "--memory-budget", "1"]) == 2

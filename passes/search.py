@@ -19,6 +19,7 @@ import logging
 import statistics
 import time
 
+from cfp.baselines import hand_plan_storage
 from cfp.errors import CfpError
 from cfp.execute import Storage
 from cfp.mesh import AXIS_NAMES
@@ -126,8 +127,11 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
         if options.validate_baselines:  # each run as a hand plan, though a prediction
             sols += [sol for _, sol in baseline_candidates(analysis, problem, ())]  # is it
         sols = share(sols)  # the solver's time limit makes its answer one process's to give
-    storages = [plan_storage(analysis, problem, profile.windows, s.choices) for s in sols]
-    plans = [compiled.get(s.choices) or (s.strategies, st) for s, st in zip(sols, storages)]
+    hand = hand_plan_storage(analysis)  # a hand plan runs as written, not as translated
+    storages = [hand.get(s.status) or plan_storage(analysis, problem, profile.windows, s.choices)
+                for s in sols]
+    plans = [(None if s.status in hand else compiled.get(s.choices)) or (s.strategies, st)
+             for s, st in zip(sols, storages)]
     steps, times = measure_plans(program, analysis, plans, mesh, args_host, options, phases)
     candidates = tuple(Candidate(
         s.status if s.status.startswith(("baseline", "predicted")) else "predicted",
