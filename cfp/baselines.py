@@ -269,16 +269,6 @@ def baseline_plan(rule: Rule, analysis) -> BaselinePlan:
                         Storage(rule.storage))
 
 
-def hand_plan_storage(analysis) -> dict:
-    """Where each hand plan that fixes every block's strategy keeps the training state, as
-    its rule writes it (every leaf in the rule's layout), keyed as search names the hand
-    plan's candidate (``baseline <name>``). Search runs a hand plan so: the per-window
-    layouts its choices translate to leave some leaves as the blocks compute them."""
-    return {f"baseline {name}": baseline_plan(rule, analysis).storage
-            for name, rule in load_rules().items()
-            if rule.axes is not None and applies(rule, analysis)}
-
-
 def baseline_strategy_indices(analysis, *, storage: bool = False
                               ) -> dict[str, tuple[int | None, ...]]:
     """Per rule-file baseline that applies and fixes every block's strategy, the index of

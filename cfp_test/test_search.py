@@ -155,7 +155,7 @@ def test_search_runs_each_hand_plan_as_written(tmp_path, mlp_profiled):
     """A hand plan that splits the state (zero1, fsdp) is validated, and kept, with its own
     layout for every leaf, as the user's hand plan would be. Control: the per-window layouts
     that its strategy choices translate to keep some leaves whole (those no window holds)."""
-    from cfp.baselines import hand_plan_storage
+    from cfp.baselines import load_rules
     from cfp.execute import Storage
     from cfp.problem import build_problem, plan_storage
     from cfp.workdir import ANALYSIS_FORMAT, PROFILE_FORMAT
@@ -169,7 +169,8 @@ def test_search_runs_each_hand_plan_as_written(tmp_path, mlp_profiled):
     hand = {c.source: c for c in rec.candidates if c.source.startswith("baseline ")}
     assert hand["baseline zero1"].storage == Storage("zero1")
     assert hand["baseline fsdp"].storage == Storage("fsdp")
-    assert all(c.storage == hand_plan_storage(analysis)[c.source] for c in hand.values())
+    assert all(c.storage == Storage(load_rules()[c.source.split()[1]].storage)
+               for c in hand.values())
     problem, _ = build_problem(analysis, profile, None)
     translated = plan_storage(analysis, problem, profile.windows, hand["baseline zero1"].choices)
     layouts = translated.layouts(len(analysis.graph.state_pairs()))

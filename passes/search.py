@@ -19,7 +19,7 @@ import logging
 import statistics
 import time
 
-from cfp.baselines import hand_plan_storage
+from cfp.baselines import load_rules
 from cfp.errors import CfpError
 from cfp.execute import Storage
 from cfp.mesh import AXIS_NAMES
@@ -124,10 +124,16 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
                                                  mesh, phases)
     solve_s = phases.seconds["solving"]  # the compiles that check its predictions aside
     with phases("solving"):
-        if options.validate_baselines:  # each run as a hand plan, though a prediction
-            sols += [sol for _, sol in baseline_candidates(analysis, problem, ())]  # is it
+        # Each hand plan runs as a hand plan, though a prediction is the same plan, and as its
+        # rule writes it: every state leaf in the rule's layout, not the per-window layouts
+        # its choices translate to (those keep the leaves no window holds as computed).
+        hand = {}  # its candidate's status -> its storage
+        if options.validate_baselines:
+            rules = load_rules()
+            for name, sol in baseline_candidates(analysis, problem, ()):
+                sols.append(sol)
+                hand[sol.status] = Storage(rules[name].storage)
         sols = share(sols)  # the solver's time limit makes its answer one process's to give
-    hand = hand_plan_storage(analysis)  # a hand plan runs as written, not as translated
     storages = [hand.get(s.status) or plan_storage(analysis, problem, profile.windows, s.choices)
                 for s in sols]
     plans = [(None if s.status in hand else compiled.get(s.choices)) or (s.strategies, st)
