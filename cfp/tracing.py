@@ -7,6 +7,7 @@ frames stays a bug, with its traceback.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -20,7 +21,9 @@ log = logging.getLogger(__name__)
 
 def trace_step(workload):
     """Trace the step a workload plans (``Workload.step_fn``: its full training step, or its
-    forward computation) with abstract inputs (nothing allocated)."""
+    forward computation) with abstract inputs (nothing allocated). The step is traced once:
+    its loss is checked on the traced program, or where the trace fails, on the loss alone
+    (a loss that is not a scalar fails JAX's gradient first)."""
     import jax
     import jax.numpy as jnp
     from cfp.program import trace_program
@@ -34,11 +37,32 @@ def trace_step(workload):
             raise CfpError(f"the parameters of {workload.model} are differentiated, but "
                            f"{', '.join(not_float[:3])} {'is' if len(not_float) == 1 else 'are'}"
                            f" not floating point: keep integer arrays out of the params")
-        loss = jax.eval_shape(workload.loss_fn, args[0], args[2])
-        if not isinstance(loss, jax.ShapeDtypeStruct) or loss.shape != ():
-            raise CfpError(f"the loss of {workload.model} returns "
-                           f"{getattr(loss, 'shape', type(loss).__name__)}, not a scalar")
-        return trace_program(workload.step_fn(), *args)
+        try:
+            program = trace_program(workload.step_fn(), *args)
+        except CfpError:
+            raise
+        except Exception:
+            _check_loss(workload.model, jax.eval_shape(workload.loss_fn, args[0], args[2]))
+            raise
+        out = jax.tree_util.tree_unflatten(program.out_tree, [
+            _Shaped(program.avals[v][0]) for v in program.outputs])
+        _check_loss(workload.model, out[2] if workload.step == "train" else out)
+        return program
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shaped:
+    """A traced output, by its shape."""
+    shape: tuple[int, ...]
+
+
+def _check_loss(model: str, loss) -> None:
+    """Refuse a loss (a ``ShapeDtypeStruct``, or ``_Shaped``) that is not a scalar, in one
+    line."""
+    import jax
+    if not isinstance(loss, (jax.ShapeDtypeStruct, _Shaped)) or loss.shape != ():
+        raise CfpError(f"the loss of {model} returns "
+                       f"{getattr(loss, 'shape', type(loss).__name__)}, not a scalar")
 
 
 @contextlib.contextmanager

@@ -52,19 +52,25 @@ def optimizer(recipe: str):
             "lion": lambda: optax.lion(1e-4)}[recipe]()
 
 
-def parts(model: str, num_layers: int):
+def parts(model: str, num_layers: int, batch_size: int | None = None,
+          seq_len: int | None = None, hidden_size: int | None = None,
+          num_heads: int | None = None):
     """(loss_fn, init_params, make_batch) of ``model``: cfp's ``gpt`` or ``llama`` tiny
-    preset, or the Flax linen ``flax`` (float32) or ``flax_bf16`` (bfloat16 compute)."""
+    preset, or the Flax linen ``flax`` (float32) or ``flax_bf16`` (bfloat16 compute), with
+    the sizes given in place of the preset's."""
     if model in ("gpt", "llama"):
-        w = get_workload(model, "tiny", num_layers=num_layers)
+        w = get_workload(model, "tiny", num_layers=num_layers, batch_size=batch_size,
+                         seq_len=seq_len, hidden_size=hidden_size, num_heads=num_heads)
         return w.loss_fn, w.init_params, w.make_batch
-    net = flax_model(32, 4, num_layers, jnp.bfloat16 if model == "flax_bf16" else jnp.float32)
+    batch_size, seq_len = batch_size or 8, seq_len or 16
+    net = flax_model(hidden_size or 32, num_heads or 4, num_layers,
+                     jnp.bfloat16 if model == "flax_bf16" else jnp.float32)
 
     def init(key):
-        return net.init(key, jnp.zeros((8, 16), jnp.int32))
+        return net.init(key, jnp.zeros((batch_size, seq_len), jnp.int32))
 
     def batch(key):
-        toks = jax.random.randint(key, (8, 17), 0, VOCAB)
+        toks = jax.random.randint(key, (batch_size, seq_len + 1), 0, VOCAB)
         return {"x": toks[:, :-1], "y": toks[:, 1:]}
 
     def loss(params, b):
@@ -74,9 +80,10 @@ def parts(model: str, num_layers: int):
     return loss, init, batch
 
 
-def recipe_workload(model: str, recipe: str, num_layers: int = 2):
-    """The ``cfp.models.user_workload`` of ``model`` trained by ``recipe``."""
-    loss_fn, init, batch = parts(model, num_layers)
+def recipe_workload(model: str, recipe: str, num_layers: int = 2, **sizes):
+    """The ``cfp.models.user_workload`` of ``model`` (``parts``' sizes) trained by
+    ``recipe``."""
+    loss_fn, init, batch = parts(model, num_layers, **sizes)
     name = f"{model}_{recipe}"
     if recipe == "bf16_cast":
         base = loss_fn
@@ -148,10 +155,14 @@ def workload(model: str = "gpt", recipe: str = "clip", num_layers: int = 2):
 
 
 def _factory(model: str, recipe: str):
-    def factory(num_layers: int = 2):
+    def factory(num_layers: int = 2, batch_size: int | None = None, seq_len: int | None = None,
+                hidden_size: int | None = None, num_heads: int | None = None):
+        sizes = dict(batch_size=batch_size, seq_len=seq_len, hidden_size=hidden_size,
+                     num_heads=num_heads)
         if recipe.startswith("accumulate"):
-            return accumulating_state(model, num_layers, 2, recipe.endswith("in_loss"))
-        return recipe_workload(model, recipe, num_layers)
+            return accumulating_state(model, num_layers, 2, recipe.endswith("in_loss"),
+                                      **sizes)
+        return recipe_workload(model, recipe, num_layers, **sizes)
     factory.__name__ = f"{model}_{recipe}"
     return factory
 
@@ -166,14 +177,14 @@ for _model in MODELS:
 
 
 def accumulating_state(model: str = "gpt", num_layers: int = 2, micro_batches: int = 2,
-                       in_loss: bool = False):
+                       in_loss: bool = False, **sizes):
     """A Flax ``TrainState`` step that accumulates gradients over ``micro_batches`` with
     ``lax.scan``, in the step (forward and backward per micro-batch, as MaxText and
     Levanter do) or, with ``in_loss``, in the loss (the mean of the micro-batches' losses,
     differentiated once)."""
     import optax
     from flax.training import train_state
-    loss_fn, init, batch = parts(model, num_layers)
+    loss_fn, init, batch = parts(model, num_layers, **sizes)
 
     def split(b):
         return jax.tree.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]), b)

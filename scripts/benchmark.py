@@ -138,7 +138,7 @@ def cfp_flags(a) -> list[str]:
 
 
 def workload_label(a) -> str:
-    parts = [a.model, a.config]
+    parts = [a.model.rsplit(":", 1)[-1], a.config]
     for key, name in (("L", "num_layers"), ("b", "batch_size"), ("s", "seq_len"),
                       ("h", "hidden_size"), ("nh", "num_heads"), ("e", "num_experts")):
         if getattr(a, name) is not None:

@@ -70,7 +70,16 @@ class Workload:
 
     def abstract_params(self) -> Any:
         """Parameter pytree of ShapeDtypeStructs (nothing allocated)."""
-        return jax.eval_shape(lambda: self.init_params(jax.random.key(0)))
+        return self._traced("params", lambda: jax.eval_shape(
+            lambda: self.init_params(jax.random.key(0))))
+
+    def _traced(self, name: str, trace: Callable[[], Any]) -> Any:
+        """``trace()``, traced once per workload: the abstract trees are read by the step's
+        trace, its input paths and the plan's shardings (callers only read them)."""
+        cache = self.__dict__.setdefault("_abstract", {})
+        if name not in cache:
+            cache[name] = trace()
+        return cache[name]
 
     def input_paths(self) -> list[str]:
         """The pytree path of every step input, in the step's order (parameters, optimizer
@@ -83,12 +92,14 @@ class Workload:
 
     def abstract_batch(self) -> Any:
         """Batch pytree of ShapeDtypeStructs (nothing allocated)."""
-        return jax.eval_shape(lambda: self.make_batch(jax.random.key(0)))
+        return self._traced("batch", lambda: jax.eval_shape(
+            lambda: self.make_batch(jax.random.key(0))))
 
     def abstract_opt_state(self) -> Any:
         """Optimizer state of ShapeDtypeStructs (nothing allocated); ``()`` for a forward
         step, which has none."""
-        return jax.eval_shape(self.init_opt_state, self.abstract_params())
+        return self._traced("opt_state", lambda: jax.eval_shape(
+            self.init_opt_state, self.abstract_params()))
 
     def init_opt_state(self, params) -> Any:
         """The optimizer state of ``params`` (``()`` for a forward step)."""
