@@ -19,7 +19,7 @@ from cfp.sharding import STATE_LAYOUTS
 from cfp.solver import (Group, Option, Problem, Solution, evaluate, least_memory,
                         penalizing_reshardings, solve, solve_alike)
 from cfp.window_memory import (COMBINED_REDUCTION_BYTES, held_for_backward, memory_terms,
-                               option_memory, read_back_across)
+                               option_memory, read_back_across, terms_key)
 from cfp.windows import held_state, inputs_read_earlier, layouts, shard_bytes, state_layout
 
 log = logging.getLogger(__name__)
@@ -96,16 +96,17 @@ def build_problem(analysis, profile, memory_budget_bytes: int | None
     read_earlier = inputs_read_earlier(analysis, profile.windows)
     held = held_for_backward(analysis.graph, platform=profile.platform)
     read_back = read_back_across(analysis)  # boundaries a backward pass reads
+    composed: dict[tuple, list[Option]] = {}  # terms_key -> the window's options
     for gi, w in enumerate(profile.windows):
         seg = profile.window_profiles[w.type]
         terms = memory_terms(analysis, w, read_earlier[gi], held)
-        opts, table = [], []
-        for combo, m in sorted(seg.results.items()):
-            if m.status != "ok":
-                continue
-            opts.append(Option(combo, int(round(m.time_s * SCALE)),
-                               *option_memory(analysis, w, combo, m, names, terms=terms)))
-            table.append(combo)
+        key = terms_key(analysis, w, terms)
+        if key not in composed:
+            composed[key] = [Option(combo, int(round(m.time_s * SCALE)),
+                                    *option_memory(analysis, w, combo, m, names, terms=terms))
+                             for combo, m in sorted(seg.results.items()) if m.status == "ok"]
+        opts = composed[key]
+        table = [o.strategies for o in opts]
         if not opts:
             statuses = {m.status for m in seg.results.values()}
             fix = ("profile again to measure the combinations the budget did not reach"
@@ -118,33 +119,20 @@ def build_problem(analysis, profile, memory_budget_bytes: int | None
     edges: dict = {}
     reshards: dict = {}
     edge_memory: dict = {}
+    axes = [tuple(st.axes for st in b.strategies) for b in blocks]
+    priced: dict[tuple, tuple] = {}  # the same tensor between alike blocks: priced once
     for b in profile.boundaries:
-        src, src_of = layouts(b.src_labels, blocks[b.src].strategies, names)
-        dst, dst_of = layouts(b.dst_labels, blocks[b.dst].strategies, names)
-        small = np.zeros((len(src), len(dst)), dtype=np.int64)  # per distinct layout pair
-        moved = np.zeros((len(src), len(dst)), dtype=bool)
-        for i, s in enumerate(src):
-            for j, d in enumerate(dst):
-                if s != d:
-                    moved[i, j] = True
-                    key = (b.shape, b.dtype, s, d)
-                    if key not in profile.reshard_s:
-                        raise CfpError("the profile has reshardings it did not time (its budget "
-                                       "ran out): profile again to time them")
-                    seconds = profile.reshard_s[key]
-                    small[i, j] = int(round((FAILED_RESHARD_S if seconds is None else seconds)
-                                            * SCALE))
+        alike = (b.shape, b.dtype, b.src_labels, b.dst_labels, axes[b.src], axes[b.dst])
+        if alike not in priced:
+            priced[alike] = _boundary_tables(b, blocks, profile.reshard_s, analysis.mesh_shape,
+                                             names)
+        small, moved, extra = priced[alike]
         key = (b.src, b.dst)
-        edges[key] = edges.get(key, 0) + small[np.ix_(src_of, dst_of)]
-        reshards[key] = reshards.get(key, False) | moved[np.ix_(src_of, dst_of)]
-        if b.value in held or (b.value, b.dst, b.dst_labels) in read_back:
+        edges[key] = edges.get(key, 0) + small
+        reshards[key] = reshards.get(key, False) | moved
+        if extra is not None and (b.value in held or (b.value, b.dst, b.dst_labels) in read_back):
             # held for the backward pass, or read by the reader's: a larger copy is held
-            size = [shard_bytes(b.shape, itemsize(b.dtype), s, analysis.mesh_shape, names)
-                    for s in src + dst]
-            src_b, dst_b = size[:len(src)], size[len(src):]
-            extra = np.array([[d if d > s else 0 for d in dst_b] for s in src_b], np.int64)
-            if extra.any():
-                edge_memory[key] = edge_memory.get(key, 0) + extra[np.ix_(src_of, dst_of)]
+            edge_memory[key] = edge_memory.get(key, 0) + extra
     copies: dict[int, list[int]] = {}  # a scan body's block -> its copy in every iteration
     for b in blocks:
         origin = analysis.graph.ops[b.seed].scan_origin
@@ -155,6 +143,32 @@ def build_problem(analysis, profile, memory_budget_bytes: int | None
                       ties, alike_blocks(analysis), reshards=reshards,
                       edge_memory=edge_memory, waiting_cap=COMBINED_REDUCTION_BYTES)
     return problem, combos
+
+
+def _boundary_tables(b, blocks, reshard_s: dict, mesh_shape, names) -> tuple:
+    """Per (source strategy, destination strategy) of boundary ``b``: the resharding's cost,
+    whether it moves the tensor, and the bytes of the larger copy held where the value is held
+    across (None where no pair holds more)."""
+    src, src_of = layouts(b.src_labels, blocks[b.src].strategies, names)
+    dst, dst_of = layouts(b.dst_labels, blocks[b.dst].strategies, names)
+    small = np.zeros((len(src), len(dst)), dtype=np.int64)  # per distinct layout pair
+    moved = np.zeros((len(src), len(dst)), dtype=bool)
+    for i, s in enumerate(src):
+        for j, d in enumerate(dst):
+            if s != d:
+                moved[i, j] = True
+                key = (b.shape, b.dtype, s, d)
+                if key not in reshard_s:
+                    raise CfpError("the profile has reshardings it did not time (its budget "
+                                   "ran out): profile again to time them")
+                seconds = reshard_s[key]
+                small[i, j] = int(round((FAILED_RESHARD_S if seconds is None else seconds)
+                                        * SCALE))
+    size = [shard_bytes(b.shape, itemsize(b.dtype), s, mesh_shape, names) for s in src + dst]
+    src_b, dst_b = size[:len(src)], size[len(src):]
+    extra = np.array([[d if d > s else 0 for d in dst_b] for s in src_b], np.int64)
+    every = np.ix_(src_of, dst_of)
+    return small[every], moved[every], extra[every] if extra.any() else None
 
 
 def alike_blocks(analysis) -> list[tuple[int, int]]:

@@ -68,6 +68,34 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
             sum(held_bytes.values()), waiting)
 
 
+def terms_key(analysis, window: Window, terms: MemoryTerms) -> tuple:
+    """What ``option_memory`` reads of a window instance, with its values named by their
+    order of appearance and their shapes: the window type, its blocks' strategies, the terms
+    and the state it holds. Two instances with one key (the same block of repeated layers,
+    reading and holding alike) have the same memory under every combination, so a deep
+    model's layers are composed once (``cfp.problem.build_problem``)."""
+    g = analysis.graph
+    index: dict[int, int] = {}
+
+    def name(v):
+        return index.setdefault(v, len(index))
+
+    def names(rows):
+        return tuple(tuple(name(x) if i == 0 else x for i, x in enumerate(row)) for row in rows)
+
+    from cfp.sharding import state_kinds
+    kinds, pairs = state_kinds(g), g.state_pairs()
+    key = (window.type,
+           tuple(tuple(st.axes for st in analysis.blocks.blocks[b].strategies)
+                 for b in range(window.start, window.end)),
+           names(terms.adding), names(terms.held), names(terms.gathered),
+           tuple(sorted(name(v) for v in terms.internal)),
+           tuple((name(pairs[k][0]), kinds[k]) for k in held_state(analysis, window)))
+    tables = tuple(sorted(index[v] for v in terms.tables if v in index))
+    shapes = tuple(g.values[v].shape + (g.values[v].dtype,) for v in index)
+    return key + (tables, shapes)
+
+
 def gathered_params(analysis, window: Window, combo) -> frozenset[int]:
     """The parameters ``combo`` stores split (``fsdp``) that the window gathers to compute
     with. XLA gathers them early and holds them gathered until the backward pass is done with

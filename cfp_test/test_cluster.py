@@ -138,6 +138,52 @@ def test_edges_are_priced_per_distinct_layout_pair_on_a_3_axis_mesh():
                     assert table[s, t] == want
 
 
+def test_repeated_layers_are_composed_once(monkeypatch):
+    """gpt at 2 and 8 layers, priced analytically: the memory of a window type's
+    combinations is composed once, however many layers repeat it, and the problem is the one
+    composed window by window. Control: a window reading an input an earlier one read holds
+    less, and its key says so."""
+    import numpy as np
+    from cfp import problem as problem_module
+    from cfp import window_memory
+    from cfp.window_memory import memory_terms, terms_key
+    cluster = load_cluster("a100-8")
+    composed = []
+    real = window_memory.option_memory
+
+    def counted(analysis, window, *args, **kwargs):
+        composed.append(window.type)
+        return real(analysis, window, *args, **kwargs)
+
+    monkeypatch.setattr(problem_module, "option_memory", counted)
+    built = {}
+    for layers in (2, 8):
+        a = run_analysis(WorkloadSpec("gpt", "tiny", None, "float32",
+                                      (("num_layers", layers),)).resolved(), (8,))
+        profile = run_profile(a, ProfileOptions(cost="analytic", max_combinations=32,
+                                                cost_model=cluster.cost_model((8,))))
+        composed.clear()
+        problem, _ = build_problem(a, profile, 2**30)
+        types = {w.type for w in profile.windows}
+        assert len(profile.windows) > len(types)
+        assert len(composed) == sum(
+            sum(m.status == "ok" for m in profile.window_profiles[t].results.values())
+            for t in types)
+        built[layers] = (a, profile, problem, len(composed))
+    assert built[2][3] == built[8][3]  # constant in depth
+    a, profile, problem, _ = built[8]
+    monkeypatch.setattr(problem_module, "terms_key", lambda analysis, w, terms: (w.start,))
+    whole, _ = build_problem(a, profile, 2**30)  # every window composed for itself
+    assert problem.groups == whole.groups
+    for field in ("edges", "reshards", "edge_memory"):
+        mine, theirs = getattr(problem, field), getattr(whole, field)
+        assert mine.keys() == theirs.keys()
+        assert all(np.array_equal(mine[k], theirs[k]) for k in mine)
+    w = next(w for w in profile.windows if memory_terms(a, w).adding)
+    read = frozenset({memory_terms(a, w).adding[0][0]})
+    assert terms_key(a, w, memory_terms(a, w)) != terms_key(a, w, memory_terms(a, w, read))
+
+
 def test_plan_for_a_cluster_through_the_passes(tmp_path, capsys):
     """A mesh of 8 that JAX has here: compiling its 192 combinations and their reshardings
     would take over a minute, so they are priced analytically (and the report says why);
