@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from typing import Literal
@@ -148,6 +149,13 @@ def enumerate_strategies(dims: tuple[LoopDim, ...], mesh_shape: tuple[int, ...],
     if ndims is None:
         ndims = (sum(d.out is not None for d in dims), sum(d.lhs is not None for d in dims),
                  sum(d.rhs is not None for d in dims))
+    strategies, before = _enumerate(tuple(dims), tuple(mesh_shape), tuple(ndims))
+    return list(strategies), before
+
+
+@functools.lru_cache(maxsize=4096)  # the contractions of repeated layers have the same dims
+def _enumerate(dims: tuple[LoopDim, ...], mesh_shape: tuple[int, ...],
+               ndims: tuple[int, int, int]) -> tuple[tuple[Strategy, ...], int]:
     choices = [[None] + (list(range(len(dims))) if n > 1 else []) for n in mesh_shape]
     valid = [a for a in itertools.product(*choices) if _valid(a, dims, mesh_shape)]
     valid_set = set(valid)
@@ -166,4 +174,4 @@ def enumerate_strategies(dims: tuple[LoopDim, ...], mesh_shape: tuple[int, ...],
 
     kept = [a for a in valid if not dominated(a)]
     kept.sort(key=lambda a: tuple(99 if d is None else d for d in a))
-    return [Strategy(a, strategy_name(a, dims, ndims)) for a in kept], len(valid)
+    return tuple(Strategy(a, strategy_name(a, dims, ndims)) for a in kept), len(valid)

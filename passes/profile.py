@@ -388,9 +388,15 @@ def _priced_reshards(analysis, bounds, cost: CostModel) -> dict:
 
 
 def needed_reshards(bounds, blocks, names) -> set[tuple]:
-    """Every (shape, dtype, source layout, destination layout) a boundary can need."""
-    needed = set()
+    """Every (shape, dtype, source layout, destination layout) a boundary can need; a tensor
+    between the alike blocks of repeated layers is looked at once."""
+    needed, seen = set(), set()
+    axes = [tuple(st.axes for st in b.strategies) for b in blocks]
     for b in bounds:
+        alike = (b.shape, b.dtype, b.src_labels, b.dst_labels, axes[b.src], axes[b.dst])
+        if alike in seen:
+            continue
+        seen.add(alike)
         for src in layouts(b.src_labels, blocks[b.src].strategies, names)[0]:
             for dst in layouts(b.dst_labels, blocks[b.dst].strategies, names)[0]:
                 if src != dst:
