@@ -45,9 +45,45 @@ def _axes_of(spec, axis_names) -> list[tuple[int, ...]]:
     return out
 
 
-def window_measurement(analysis, window: Window, combo, cost: CostModel,
-                       axis_names) -> Measurement:
-    """The priced ``Measurement`` of one combination of a window (no compile, no run)."""
+def window_measurement(analysis, window: Window, combo, cost: CostModel, axis_names,
+                       known: dict | None = None) -> Measurement:
+    """The priced ``Measurement`` of one combination of a window (no compile, no run).
+    ``known``: a dict kept across the combinations of one window, holding what its block
+    strategies give, which its state layouts share."""
+    g, mesh_shape = analysis.graph, analysis.mesh_shape
+    n = window.end - window.start
+    key = (window.start, window.end, tuple(combo[:n]))
+    if known is None or key not in known:
+        part = _strategies_part(analysis, window, combo, cost, axis_names)
+        if known is None:
+            known = {}
+        known[key] = part
+    seconds, temp, colls, sub, ins, outs, constraints = known[key]
+    ins, outs, colls = list(ins), list(outs), list(colls)
+    nbytes = lambda v, spec: shard_bytes(g.values[v].shape, itemsize(g.values[v].dtype),  # noqa
+                                         spec, mesh_shape, axis_names)
+    plain = dict(zip(sub.live_ins, ins))
+    apply_state(analysis, window, combo, sub, ins, outs, dict(constraints), axis_names)
+    # Split state: the gradient's all-reduce becomes a reduce-scatter and the gather of the
+    # updated parameters (the same bytes); a parameter stored split (fsdp) is gathered once
+    # more, as the forward and the backward pass each gather it.
+    for v, spec in zip(sub.live_ins, ins):
+        axes = tuple(sorted({a for d in _axes_of(spec, axis_names) for a in d}
+                            - {a for d in _axes_of(plain[v], axis_names) for a in d}))
+        if axes and any(g.ops[u].primitive not in dimrules.ELEMENTWISE
+                        for u in g.users.get(v, ())):
+            colls.append(("all-gather", axes, nbytes(v, plain[v])))
+    seconds += sum(cost.collective_s(kind, axes, b, mesh_shape) for kind, axes, b in colls)
+    arg_b = sum(nbytes(v, s) for v, s in zip(sub.live_ins, ins))
+    out_b = sum(nbytes(v, s) for v, s in zip(sub.live_outs, outs))
+    return Measurement("ok", seconds, seconds, seconds, 0, 0.0, arg_b + out_b + temp, arg_b,
+                       out_b, temp, collectives=tuple(colls), note="analytic")
+
+
+def _strategies_part(analysis, window: Window, combo, cost: CostModel, axis_names) -> tuple:
+    """Of ``window_measurement``, what the block strategies of ``combo`` give: (compute
+    seconds, temporary bytes, collectives, the window's program, its live-in and live-out
+    specs and constraints before its state layout)."""
     g, mesh_shape = analysis.graph, analysis.mesh_shape
     blocks = [analysis.blocks.blocks[b] for b in range(window.start, window.end)]
     strategies = [b.strategies[k] for b, k in zip(blocks, combo)]
@@ -90,22 +126,7 @@ def window_measurement(analysis, window: Window, combo, cost: CostModel,
                         whole = tuple(None for _ in spec)
                         colls.append(("all-gather", axes, nbytes(v, whole)))
     ins, outs, constraints = window_layouts(g, blocks, strategies, sub, axis_names)
-    plain = dict(zip(sub.live_ins, ins))
-    apply_state(analysis, window, combo, sub, ins, outs, constraints, axis_names)
-    # Split state: the gradient's all-reduce becomes a reduce-scatter and the gather of the
-    # updated parameters (the same bytes); a parameter stored split (fsdp) is gathered once
-    # more, as the forward and the backward pass each gather it.
-    for v, spec in zip(sub.live_ins, ins):
-        axes = tuple(sorted({a for d in _axes_of(spec, axis_names) for a in d}
-                            - {a for d in _axes_of(plain[v], axis_names) for a in d}))
-        if axes and any(g.ops[u].primitive not in dimrules.ELEMENTWISE
-                        for u in g.users.get(v, ())):
-            colls.append(("all-gather", axes, nbytes(v, plain[v])))
-    seconds += sum(cost.collective_s(kind, axes, b, mesh_shape) for kind, axes, b in colls)
-    arg_b = sum(nbytes(v, s) for v, s in zip(sub.live_ins, ins))
-    out_b = sum(nbytes(v, s) for v, s in zip(sub.live_outs, outs))
-    return Measurement("ok", seconds, seconds, seconds, 0, 0.0, arg_b + out_b + temp, arg_b,
-                       out_b, temp, collectives=tuple(colls), note="analytic")
+    return seconds, temp, tuple(colls), sub, tuple(ins), tuple(outs), constraints
 
 
 def reshard_s(shape, dtype: str, src, dst, mesh_shape, axis_names, cost: CostModel) -> float:

@@ -368,7 +368,9 @@ def _priced(analysis, options: ProfileOptions, windows, reps, start,
         every = (itertools.product(*map(range, space)) if every is None else with_state_layouts(
             analysis, w, dict.fromkeys(c[:w.end - w.start] for c in every),
             range(len(STATE_LAYOUTS))))
-        results = {c: analytic.window_measurement(analysis, w, c, cost, names) for c in every}
+        known: dict = {}  # what a combination's strategies give, shared by its state layouts
+        results = {c: analytic.window_measurement(analysis, w, c, cost, names, known)
+                   for c in every}
         window_profiles[k] = WindowProfile(k, tuple(range(w.start, w.end)), space, results)
     bounds = boundaries(analysis, windows)
     reshard = _priced_reshards(analysis, bounds, cost)
