@@ -11,7 +11,9 @@ compilation cache, but the warm default job, which reuses the cold one's.
     python scripts/planning_time.py --before fef4d4a --out scripts/results/<date>-planning-time-cpu
 
 Writes ``<out>.csv`` (version, case, command, pass, phase, seconds) and ``<out>.png`` (wall
-seconds per case, before and after), and prints the table. Times are of this machine (2
+seconds per case, before and after), and prints the table. A cluster plan's predicted step
+and a staged plan's predicted latency are rows too (pass ``plan``), so that the plans before
+and after can be compared. Times are of this machine (2
 cores, no GPU): the stages and ``--mesh auto`` cases price a described cluster analytically,
 so no device is measured there; the default job and the memory-bound row measure on 8 virtual
 CPU devices.
@@ -43,6 +45,8 @@ CASES = {  # name -> commands, run in order in one fresh work dir
 }
 PASS_LINE = re.compile(r"^(profile pass|search pass): ([\d.]+) s \((.*)\)$")
 ANALYSIS_LINE = re.compile(r"^analysis: .*\(([\d.]+) s\)$")
+# the plan's predicted step (a cluster plan) or latency (stages), which a change must keep
+PREDICTED_LINE = re.compile(r"^predicted (?:step time|latency).*: ([\d.]+) ms")
 STAGES_LINE = re.compile(r"stage DP: .*?([\d.]+) s; .* in ([\d.]+) s; stages pass ([\d.]+) s"
                          r"(?: \(tracing ([\d.]+) s\))?")
 
@@ -90,6 +94,9 @@ def pass_rows(command: str, out: str) -> list[tuple[str, str, str, float]]:
             for part in m.group(3).split(", "):
                 if p := re.match(r"(.+) ([\d.]+)$", part):
                     rows.append((command, name, p.group(1), float(p.group(2))))
+        elif m := PREDICTED_LINE.match(line.strip()):
+            rows.append((command, "plan", "predicted (s, not a time taken)",
+                         float(m.group(1)) / 1e3))
         elif m := STAGES_LINE.search(line):
             dp, pricing, total, tracing = m.groups()
             rows += [(command, "stages", "total", float(total)),
