@@ -421,3 +421,32 @@ def test_the_plan_picture_says_where_each_segment_keeps_its_state():
     owner = next(s for s in segs if "fsdp" in state_of_blocks(analysis, one, s.start, s.end))
     text = state_of_blocks(analysis, one, owner.start, owner.end)
     assert re.fullmatch(r"1 leaves fsdp, \d+ leaves plan", text), text
+
+
+def test_plans_compiled_to_one_program_are_run_once(monkeypatch):
+    """Validation runs a program once however many candidates compiled to it (a hand plan
+    that is cfp's own plan, say), and each gets its times. Control: the megatron plan, another
+    program, is run beside dp."""
+    import collections
+    from cfp import execute
+    from cfp.execute import real_inputs
+    from cfp.passes.search import SearchOptions, measure_plans
+    from cfp.tracing import trace_step
+    a = run_analysis(WorkloadSpec("mlp", overrides=(("num_layers", 2),)).resolved(), (4,))
+    rules = load_rules()
+    dp, megatron = (baseline_plan(rules[name], a) for name in ("dp", "megatron"))
+    plans = [(p.strategies, p.storage) for p in (dp, megatron, dp)]
+    timed = collections.Counter()
+    real = execute.time_steps
+
+    def counted(run, **kwargs):
+        timed[id(run)] += 1
+        return real(run, **kwargs)
+
+    monkeypatch.setattr(execute, "time_steps", counted)
+    workload = a.spec.build()
+    steps, times = measure_plans(trace_step(workload), a, plans, a.mesh(),
+                                 real_inputs(workload), SearchOptions(None, iters=1))
+    assert timed[id(steps[0].run)] >= 5 and timed[id(steps[1].run)] >= 5  # control
+    assert timed[id(steps[2].run)] == 0
+    assert times[2] == times[0] and times[1] != times[0]

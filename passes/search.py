@@ -230,8 +230,9 @@ def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOpti
                   phases: Phases | None = None):
     """Compile every plan ((block strategies, ``Storage``); a compiled ``PlannedStep`` is
     taken as it is), then time them in interleaved rounds; per plan the compiled step and the
-    measured seconds per step of each round. Rounds stop after ``min_rounds`` once
-    every other plan is ``slower`` than the fastest."""
+    measured seconds per step of each round. Plans compiled to one program are run once
+    (``_twins``). Rounds stop after ``min_rounds`` once every other plan is ``slower`` than
+    the fastest."""
     from cfp.execute import PlannedStep, time_steps
     phases = phases or Phases()
     steps = []
@@ -245,17 +246,29 @@ def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOpti
                 ps.compile()
             ps.run = ps.loop(args_host)
             steps.append(ps)
+    twin = _twins(steps)
+    runs = [i for i, j in enumerate(twin) if i == j]
     times = [[] for _ in steps]
     with phases("running"):
-        for ps in steps:
-            time_steps(ps.run, iters=1)  # warm-up
+        for i in runs:
+            time_steps(steps[i].run, iters=1)  # warm-up
         for r in range(options.rounds):  # the order rotates, so drift hits every plan alike
-            for i in [(r + k) % len(steps) for k in range(len(steps))]:
-                ps = steps[i]
-                times[i].append(time_steps(ps.run, iters=options.iters))
-            if r + 1 >= options.min_rounds and _separated(times):
+            for i in [runs[(r + k) % len(runs)] for k in range(len(runs))]:
+                times[i].append(time_steps(steps[i].run, iters=options.iters))
+            if r + 1 >= options.min_rounds and _separated([times[i] for i in runs]):
                 break
-    return steps, times
+    return steps, [list(times[j]) for j in twin]
+
+
+def _twins(steps) -> list[int]:
+    """Per compiled plan, the first plan compiled to the same program (itself when none):
+    a hand plan that is another candidate's program is run once, and both get its times.
+    Process 0's answer, so that every process runs the same programs."""
+    from cfp.measure import normalized_hlo
+    from cfp.multihost import share
+    first: dict[tuple, int] = {}
+    return share([first.setdefault((normalized_hlo(ps.compiled), repr(ps.in_specs),
+                                    repr(ps.out_specs)), i) for i, ps in enumerate(steps)])
 
 
 def _separated(times) -> bool:
