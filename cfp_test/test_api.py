@@ -1,3 +1,4 @@
+import dataclasses
 import jax
 import pytest
 
@@ -80,6 +81,39 @@ def test_an_equinox_module_handed_over_whole():
     loss_err, grad_excess = check_numerics(w, a, [len(b.strategies) - 1 for b in a.blocks.blocks],
                                            make_mesh((4,)))
     assert loss_err < 1e-5 and grad_excess == 0.0
+
+
+def test_a_step_is_traced_once():
+    """Tracing a user's step runs their loss and their init once each: the loss is checked
+    on the traced step, not traced again alone. Control: a loss that is not a scalar is still
+    refused in one line, in a training step (whose trace fails at the gradient) and in a
+    forward one (checked on the traced output)."""
+    import jax.numpy as jnp
+    import optax
+    from cfp.errors import CfpError
+    from cfp.models import user_workload
+    from cfp.tracing import trace_step
+    calls = {"loss": 0, "init": 0}
+
+    def init(key):
+        calls["init"] += 1
+        return {"w": jax.random.normal(key, (8, 8))}
+
+    def batch(key):
+        return {"x": jax.random.normal(key, (4, 8))}
+
+    def loss(params, b):
+        calls["loss"] += 1
+        return jnp.mean((b["x"] @ params["w"]) ** 2)
+
+    trace_step(user_workload(loss, init, batch, optimizer=optax.adam(1e-3)))
+    assert calls == {"loss": 1, "init": 1}
+    per_example = lambda params, b: jnp.mean((b["x"] @ params["w"]) ** 2, axis=1)  # noqa: E731
+    for step in ("train", "forward"):
+        w = dataclasses.replace(user_workload(per_example, init, batch, optimizer=optax.adam(1e-3)),
+                                step=step)
+        with pytest.raises(CfpError, match=r"returns \(4,\), not a scalar"):
+            trace_step(w)
 
 
 def test_bad_user_steps_get_one_line(tmp_path, capsys):
