@@ -53,11 +53,9 @@ def window_measurement(analysis, window: Window, combo, cost: CostModel, axis_na
     g, mesh_shape = analysis.graph, analysis.mesh_shape
     n = window.end - window.start
     key = (window.start, window.end, tuple(combo[:n]))
-    if known is None or key not in known:
-        part = _strategies_part(analysis, window, combo, cost, axis_names)
-        if known is None:
-            known = {}
-        known[key] = part
+    known = {} if known is None else known
+    if key not in known:
+        known[key] = _strategies_part(analysis, window, combo, cost, axis_names)
     seconds, temp, colls, sub, ins, outs, constraints = known[key]
     ins, outs, colls = list(ins), list(outs), list(colls)
     nbytes = lambda v, spec: shard_bytes(g.values[v].shape, itemsize(g.values[v].dtype),  # noqa

@@ -20,7 +20,8 @@ from cfp.solver import (Group, Option, Problem, Solution, evaluate, least_memory
                         penalizing_reshardings, solve, solve_alike)
 from cfp.window_memory import (COMBINED_REDUCTION_BYTES, held_for_backward, memory_terms,
                                option_memory, read_back_across, terms_key)
-from cfp.windows import held_state, inputs_read_earlier, layouts, shard_bytes, state_layout
+from cfp.windows import (held_state, inputs_read_earlier, layouts, priced_alike, shard_bytes,
+                         state_layout)
 
 log = logging.getLogger(__name__)
 
@@ -119,10 +120,8 @@ def build_problem(analysis, profile, memory_budget_bytes: int | None
     edges: dict = {}
     reshards: dict = {}
     edge_memory: dict = {}
-    axes = [tuple(st.axes for st in b.strategies) for b in blocks]
     priced: dict[tuple, tuple] = {}  # the same tensor between alike blocks: priced once
-    for b in profile.boundaries:
-        alike = (b.shape, b.dtype, b.src_labels, b.dst_labels, axes[b.src], axes[b.dst])
+    for b, alike in zip(profile.boundaries, priced_alike(profile.boundaries, blocks)):
         if alike not in priced:
             priced[alike] = _boundary_tables(b, blocks, profile.reshard_s, analysis.mesh_shape,
                                              names)

@@ -7,7 +7,6 @@ frames stays a bug, with its traceback.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
@@ -42,27 +41,21 @@ def trace_step(workload):
         except CfpError:
             raise
         except Exception:
-            _check_loss(workload.model, jax.eval_shape(workload.loss_fn, args[0], args[2]))
+            loss = jax.eval_shape(workload.loss_fn, args[0], args[2])
+            _check_loss(workload.model, getattr(loss, "shape", type(loss).__name__))
             raise
-        out = jax.tree_util.tree_unflatten(program.out_tree, [
-            _Shaped(program.avals[v][0]) for v in program.outputs])
-        _check_loss(workload.model, out[2] if workload.step == "train" else out)
+        out = jax.tree_util.tree_unflatten(program.out_tree, program.outputs)  # value ids
+        loss = out[2] if workload.step == "train" else out
+        _check_loss(workload.model, program.avals[loss][0] if isinstance(loss, int)
+                    else type(loss).__name__)
         return program
 
 
-@dataclasses.dataclass(frozen=True)
-class _Shaped:
-    """A traced output, by its shape."""
-    shape: tuple[int, ...]
-
-
-def _check_loss(model: str, loss) -> None:
-    """Refuse a loss (a ``ShapeDtypeStruct``, or ``_Shaped``) that is not a scalar, in one
-    line."""
-    import jax
-    if not isinstance(loss, (jax.ShapeDtypeStruct, _Shaped)) or loss.shape != ():
-        raise CfpError(f"the loss of {model} returns "
-                       f"{getattr(loss, 'shape', type(loss).__name__)}, not a scalar")
+def _check_loss(model: str, shape) -> None:
+    """Refuse a loss whose shape (or, not an array, whose type's name) is not a scalar's, in
+    one line."""
+    if shape != ():
+        raise CfpError(f"the loss of {model} returns {shape}, not a scalar")
 
 
 @contextlib.contextmanager

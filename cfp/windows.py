@@ -236,6 +236,15 @@ def _dedupe(items: list[Boundary]) -> list[Boundary]:
     return out
 
 
+def priced_alike(bounds, blocks) -> list[tuple]:
+    """Per boundary, what prices it: its tensor, its labels and its two blocks' strategies.
+    Boundaries with one key (the same tensor between the alike blocks of repeated layers)
+    need the same reshardings at the same prices."""
+    axes = [tuple(st.axes for st in b.strategies) for b in blocks]
+    return [(b.shape, b.dtype, b.src_labels, b.dst_labels, axes[b.src], axes[b.dst])
+            for b in bounds]
+
+
 def layouts(labels, strategies, axis_names) -> tuple[list[tuple], list[int]]:
     """(the distinct layouts a tensor with ``labels`` takes under ``strategies``, and per
     strategy the index of its layout): boundaries are priced per distinct layout pair, which

@@ -32,7 +32,8 @@ from cfp.measure import Measurement
 from cfp.mesh import AXIS_NAMES
 from cfp.phases import Phases
 from cfp.sharding import STATE_LAYOUTS
-from cfp.windows import Boundary, Window, boundaries, layouts, split_windows, window_space
+from cfp.windows import (Boundary, Window, boundaries, layouts, priced_alike, split_windows,
+                         window_space)
 from cfp.worker import Worker, WorkerOptions
 
 log = logging.getLogger(__name__)
@@ -392,13 +393,8 @@ def _priced_reshards(analysis, bounds, cost: CostModel) -> dict:
 def needed_reshards(bounds, blocks, names) -> set[tuple]:
     """Every (shape, dtype, source layout, destination layout) a boundary can need; a tensor
     between the alike blocks of repeated layers is looked at once."""
-    needed, seen = set(), set()
-    axes = [tuple(st.axes for st in b.strategies) for b in blocks]
-    for b in bounds:
-        alike = (b.shape, b.dtype, b.src_labels, b.dst_labels, axes[b.src], axes[b.dst])
-        if alike in seen:
-            continue
-        seen.add(alike)
+    needed = set()
+    for b in dict(zip(priced_alike(bounds, blocks), bounds)).values():
         for src in layouts(b.src_labels, blocks[b.src].strategies, names)[0]:
             for dst in layouts(b.dst_labels, blocks[b.dst].strategies, names)[0]:
                 if src != dst:
