@@ -115,7 +115,8 @@ def run(options: Options, *, own_process: bool = False) -> Path:
         from cfp import report
         report.silence()
     if opts.mesh_shape is None:
-        opts = dataclasses.replace(opts, mesh_shape=_choose_mesh(opts, options))
+        chosen = _choose_mesh(opts, options)
+        opts = dataclasses.replace(opts, mesh_shape=chosen[2].mesh_shape, chosen_mesh=chosen)
     if not options.workdir:
         opts = dataclasses.replace(opts, workdir=default_workdir(opts))
     opts = dataclasses.replace(opts, spec=opts.spec.resolved())
@@ -178,11 +179,18 @@ def _workdir(opts: RunOptions):
     return WorkDir(opts.workdir, fp)
 
 
-def _choose_mesh(opts: RunOptions, options) -> tuple[int, ...]:
+def _choose_mesh(opts: RunOptions, options) -> tuple:
+    """(the traced step, its blocks' grouping, the best ``MeshCandidate``): the passes on
+    the chosen mesh start from all three."""
     from cfp import report
+    from cfp.grouping import group_blocks
     from cfp.passes.search import rank_meshes
+    from cfp.tracing import trace_step
     report.say(f"cluster {opts.cluster.describe()}")
-    ranked = rank_meshes(opts.spec.resolved(), opts.cluster,
+    spec = opts.spec.resolved()
+    program = trace_step(spec.build())
+    grouping = group_blocks(program.graph())
+    ranked = rank_meshes(spec, opts.cluster, program.graph(), grouping,
                          max_combinations=options.max_combinations,
                          memory_budget_bytes=memory_budget_bytes(options, opts),
                          time_limit_s=options.time_limit)
@@ -190,7 +198,7 @@ def _choose_mesh(opts: RunOptions, options) -> tuple[int, ...]:
     if ranked[0].prediction is None:
         raise CfpError(f"no logical mesh of {opts.cluster.name} has a plan: "
                        f"{ranked[0].note}")
-    return ranked[0].mesh_shape
+    return program, grouping, ranked[0]
 
 
 def _cache_dir(options) -> str | None:
@@ -204,8 +212,9 @@ def _run_analysis(opts: RunOptions, options) -> None:
 
     if options.verbose:
         report.say("***********Analysis Pass****************")
-    rec = run_analysis(opts.spec, opts.mesh_shape, axis_names=opts.mesh_axes,
-                       device_ids=opts.device_ids)
+    program, grouping, _ = opts.chosen_mesh or (None, None, None)
+    rec = run_analysis(opts.spec, opts.mesh_shape, program and program.graph(), grouping,
+                       axis_names=opts.mesh_axes, device_ids=opts.device_ids)
     _check_fits_host(opts, options, rec)
     report.analysis_console(rec, options.verbose)
     if not opts.reports:  # each process analyses for itself; process 0 keeps the record
@@ -269,7 +278,8 @@ def _run_profile(opts: RunOptions, options) -> None:
         cost_model = opts.cluster.cost_model(opts.mesh_shape)
         cost, why, gpus = cluster_pricing(analysis, options.max_combinations,
                                           compile_for=_compile_for(cost_model),
-                                          limit_s=options.budget_s or 60.0)
+                                          limit_s=options.budget_s or 60.0,
+                                          program=opts.chosen_mesh and opts.chosen_mesh[0])
         report.say(f"priced for {opts.cluster.name} ({cost}): {why}")
         options = dataclasses.replace(options, cost=cost, cost_model=cost_model,
                                       compile_for=gpus)
@@ -395,7 +405,8 @@ def _predict(opts: RunOptions, options, wd, analysis) -> None:
                             else [("analytic", None), ("model", opts.cluster.gpu),
                                   ("model", None)])
     report.say("***********Search Pass (predicted, nothing runs)****************")
-    rec = predict_plan(analysis, profile, memory_budget_bytes(options, opts), options.time_limit)
+    rec = predict_plan(analysis, profile, memory_budget_bytes(options, opts), options.time_limit,
+                       ranked=opts.chosen_mesh[2].prediction if opts.chosen_mesh else None)
     report.prediction_console(rec, opts.cluster)
     path = wd.path / "plan.json"
     plan = make_plan(analysis, rec.strategies, storage=rec.storage,

@@ -168,6 +168,8 @@ class RunOptions:
     runtime: object = None  # cfp.multihost.Runtime when several processes take part
     mesh_axes: tuple[str, ...] | None = None  # the mesh's axis names; None: m0, m1, ...
     device_ids: tuple[int, ...] | None = None  # the user's Mesh's device order; None: JAX's
+    # --mesh auto: (the traced step, its grouping, the chosen cfp.passes.search.MeshCandidate)
+    chosen_mesh: tuple | None = None
 
     @property
     def reports(self) -> bool:

@@ -200,8 +200,11 @@ def _options(problem: Problem) -> int:
     return sum(len(g.options) for g in problem.groups)
 
 
+ALIKE = " among plans whose repeated layers are alike"  # the status of an alike-only plan
+
+
 def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool = False,
-              exclude=(), relative_gap: float = 0.0):
+              exclude=(), relative_gap: float = 0.0, alike: Solution | None = None):
     """The ``k`` cheapest plans, cheapest first. A large problem (deep, or on a large mesh)
     starts each from the cheapest plan whose repeated layers are alike (``solve_alike``:
     quick at any depth); unless ``alike_only``, the whole problem then runs from it within
@@ -210,7 +213,9 @@ def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool
     smaller, and proving it optimal can take as long as the whole. The whole solve from an
     alike start gets ``WHOLE_PER_ALIKE`` times the alike solve's seconds (at least
     ``WHOLE_MIN_S``, within ``time_limit_s``). ``relative_gap``: each
-    solve stops once proved within that share of the cheapest (``cfp.solver.solve``)."""
+    solve stops once proved within that share of the cheapest (``cfp.solver.solve``).
+    ``alike``: the first plan's alike start, solved already (for another purpose: ranking
+    meshes), so not solved again."""
     sols = []
     k = max(1, k)
     if problem.memory_budget is not None and least_memory(problem) > problem.memory_budget:
@@ -218,13 +223,16 @@ def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool
     for _ in range(k):
         t0 = time.perf_counter()
         excluded = list(exclude) + [s.choices for s in sols]
-        start = solve_alike(problem, time_limit_s=time_limit_s, exclude=excluded,
-                            relative_gap=relative_gap) \
-            if problem.alike and (alike_only or _options(problem) > ALIKE_FROM_OPTIONS) \
-            else None
+        from_alike = bool(problem.alike) and (alike_only or _options(problem) > ALIKE_FROM_OPTIONS)
+        if alike is not None and not sols:
+            start = dataclasses.replace(alike, status=alike.status.removesuffix(ALIKE))
+        else:
+            start = solve_alike(problem, time_limit_s=time_limit_s, exclude=excluded,
+                                relative_gap=relative_gap) if from_alike else None
+        if alike_only and from_alike and start is None:
+            break  # no (further) plan whose repeated layers are alike
         if alike_only and start is not None:
-            sol = dataclasses.replace(start, status=f"{start.status} among plans whose "
-                                                    f"repeated layers are alike")
+            sol = dataclasses.replace(start, status=start.status + ALIKE)
         else:
             try:
                 limit_s = time_limit_s if start is None else min(
@@ -247,7 +255,8 @@ def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool
         sols.append(dataclasses.replace(sol, solve_s=time.perf_counter() - t0))
     if not sols:
         need = least_memory(problem)
-        raise CfpError(f"no plan fits the memory budget of "
+        alike = " whose repeated layers are alike" if alike_only and problem.alike else ""
+        raise CfpError(f"no plan{alike} fits the memory budget of "
                        f"{problem.memory_budget / 2**30:.3f} GiB per device; the smallest any "
                        f"plan reaches is about {need / 2**30:.3f} GiB")
     return sols

@@ -8,10 +8,12 @@ import pytest
 from cfp.cli import main
 from cfp.cluster import PRESETS, load_cluster, logical_meshes
 from cfp.errors import CfpError
+from cfp.grouping import group_blocks
 from cfp.passes.analysis import run_analysis
 from cfp.passes.profile import ProfileOptions, run_profile
 from cfp.passes.search import rank_meshes
 from cfp.problem import build_problem
+from cfp.tracing import trace_step
 from cfp.workloads import WorkloadSpec
 
 
@@ -80,7 +82,8 @@ def test_mesh_choice_puts_tensor_parallelism_on_the_fast_axis(tmp_path, fast):
     inside, across = (100, 1) if fast == "inside" else (1, 100)
     cluster = _cluster(tmp_path, inside, across, memory_gb=3)
     spec = WorkloadSpec("mlp", "wide", 16384, "float32", (("num_layers", 2),)).resolved()
-    ranked = rank_meshes(spec, cluster, max_combinations=32,
+    graph = trace_step(spec.build()).graph()
+    ranked = rank_meshes(spec, cluster, graph, group_blocks(graph), max_combinations=32,
                          memory_budget_bytes=cluster.memory_per_device_bytes, time_limit_s=30)
     best = ranked[0].prediction
     assert best is not None and best.memory_bytes <= cluster.memory_per_device_bytes
@@ -211,6 +214,53 @@ def test_compile_only_where_compiling_everything_is_quick():
     assert cluster_pricing(a, 32, limit_s=3600)[0] == "model"
     assert cluster_pricing(a, 32, limit_s=1e-6)[0] == "analytic"  # the control
     assert cluster_pricing(a, 32, max_devices=4)[0] == "analytic"
+
+
+def test_mesh_auto_traces_once_and_starts_from_the_ranked_plan(tmp_path, monkeypatch, capsys):
+    """--mesh auto ranks each logical mesh by its plan whose repeated layers are alike; the
+    chosen mesh's passes reuse the step traced for the ranking, and its whole problem starts
+    from the plan that ranked it: no alike problem is solved again. Controls: a second run
+    on the chosen mesh traces again; given no ranked plan, the search solves the alike
+    problem itself."""
+    import os
+    import cfp.passes.search as search
+    import cfp.problem
+    import cfp.program
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)  # the ranking runs in this process
+    monkeypatch.setattr(cfp.problem, "ALIKE_FROM_OPTIONS", 0)  # every whole problem too
+    seen = {"traces": 0, "alike in search": 0, "searching": False}
+    trace, solve_alike, predict = (cfp.program.trace_program, cfp.problem.solve_alike,
+                                   search.predict_plan)
+
+    def counted_trace(*a, **k):
+        seen["traces"] += 1
+        return trace(*a, **k)
+
+    def counted_alike(*a, **k):
+        seen["alike in search"] += seen["searching"]
+        return solve_alike(*a, **k)
+
+    def searching(*a, **k):
+        seen["searching"] = not k.get("alike_only")
+        try:
+            return predict(*a, **k)
+        finally:
+            seen["searching"] = False
+    monkeypatch.setattr(cfp.program, "trace_program", counted_trace)
+    monkeypatch.setattr(cfp.problem, "solve_alike", counted_alike)
+    monkeypatch.setattr(search, "predict_plan", searching)
+    flags = ["--model", "gpt", "--cluster", "a100-8", "--max-combinations", "8"]
+    assert main(flags + ["--mesh", "auto", "--workdir", str(tmp_path / "auto")]) == 0
+    chosen = json.loads((tmp_path / "auto" / "plan.json").read_text())["mesh"]["shape"]
+    assert "mesh chosen: " + "x".join(map(str, chosen)) in capsys.readouterr().out
+    assert seen["traces"] == 1 and seen["alike in search"] == 0, seen
+    assert main(flags + ["--mesh", "x".join(map(str, chosen)), "--mode", "analysis",
+                         "--workdir", str(tmp_path / "given")]) == 0
+    assert seen["traces"] == 2  # control
+    monkeypatch.setattr(search, "predict_plan",
+                        lambda *a, **k: searching(*a, **{**k, "ranked": None}))
+    assert main(flags + ["--mesh", "auto", "--workdir", str(tmp_path / "again")]) == 0
+    assert seen["alike in search"] >= 1  # control
 
 
 def test_mesh_auto_without_a_cluster_is_one_line(capsys):

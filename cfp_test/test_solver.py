@@ -155,6 +155,24 @@ def test_whole_problem_mixes_layers_under_a_tight_budget():
     assert top_plans(p, 1, 10.0, alike_only=True)[0].objective == 60
 
 
+def test_plans_with_alike_layers_only_stop_where_none_fits():
+    """Bytes held between two layers that take one strategy (20 per pair) put every plan
+    whose layers are alike over 25 bytes (15 + 40); layers that alternate fit (15). Asked
+    for alike plans only (as meshes are ranked), top_plans says none fits, and solves
+    nothing more. Control: the whole problem has a plan, with layers not alike."""
+    from cfp.errors import CfpError
+    from cfp.problem import top_plans
+    layer = [Option((0,), 10, 5), Option((1,), 10, 5)]
+    held = np.array([[20, 0], [0, 20]])
+    p = Problem([Group((b,), layer) for b in range(3)], [2, 2, 2], {}, 25, [], [(0, 1), (1, 2)],
+                edge_memory={(0, 1): held, (1, 2): held})
+    assert solve_alike(p) is None
+    whole = top_plans(p, 1, 10.0)[0]
+    assert whole.memory == 15 and whole.strategies in ((0, 1, 0), (1, 0, 1))
+    with pytest.raises(CfpError, match="no plan whose repeated layers are alike fits"):
+        top_plans(p, 1, 10.0, alike_only=True)
+
+
 def test_the_peak_holds_a_windows_transient_beside_the_held_activations_up_to_it():
     """Window 0's transient (8) runs in the backward pass after window 1's held activations
     (6) are freed: the peak is 20 + max(8 - 6, 1) = 22, not 20 + 8. Within 23 bytes the plan

@@ -423,8 +423,8 @@ def _profile_reshards(analysis, bounds, worker, checkpoint, options, start, noti
 
 
 def cluster_pricing(analysis, max_combinations: int, *, max_devices: int = 64,
-                    limit_s: float = 60.0, compile_for: str | None = None
-                    ) -> tuple[str, str, str | None]:
+                    limit_s: float = 60.0, compile_for: str | None = None,
+                    program=None) -> tuple[str, str, str | None]:
     """How to price a profile for a described cluster, and why: compile-only (``"model"``)
     where the mesh has at most ``max_devices`` devices, and compiling every combination and
     resharding would take at most ``limit_s`` (one combination is compiled to find out; the
@@ -433,7 +433,7 @@ def cluster_pricing(analysis, max_combinations: int, *, max_devices: int = 64,
     ``compile_for`` names (``cfp.gpu_compile``), or else for JAX's devices here, which must be
     as many. The third value is the GPUs compiled for: ``compile_for``, or None where a
     program needs what a compile without a GPU does not have (cuDNN), and the devices here
-    are used instead."""
+    are used instead. ``program``: the step traced already (``trace_step``'s), if it was."""
     import jax
     from cfp.gpu_compile import gpu_mesh, label, needs_nvidia_libraries
     from cfp.jax_compat import no_compilation_cache
@@ -448,7 +448,7 @@ def cluster_pricing(analysis, max_combinations: int, *, max_devices: int = 64,
     programs = sum(math.prod(window_space(analysis, windows[r])) for r in reps)
     programs += len(needed_reshards(boundaries(analysis, windows), analysis.blocks.blocks,
                                     names))
-    program = trace_step(analysis.spec.build())
+    program = program or trace_step(analysis.spec.build())
     first = (0,) * (windows[reps[0]].end - windows[reps[0]].start)
     fallback = ""
     if compile_for is not None:

@@ -315,16 +315,26 @@ PREDICTION_GAP = 0.01
 
 def predict_plan(analysis, profile, memory_budget_bytes: int | None,
                  time_limit_s: float, *, alike_only: bool = False,
-                 hand_plans: bool = True) -> Prediction:
+                 hand_plans: bool = True, ranked: Prediction | None = None) -> Prediction:
     """The best plan of the priced profile, with its predicted step time and memory, and
-    unless not ``hand_plans``, the hand plans priced beside it."""
+    unless not ``hand_plans``, the hand plans priced beside it. ``ranked``: the plan whose
+    repeated layers are alike that ranked this mesh (``rank_meshes``), from the same
+    analysis priced the same way (analytic): the whole problem starts from it, not solving it
+    again."""
     problem, _ = build_problem(analysis, profile, memory_budget_bytes)
+    alike = None
+    if ranked is not None and profile.cost == ranked.pricing and len(ranked.choices) == len(problem.groups) and all(
+            c < len(g.options) for c, g in zip(ranked.choices, problem.groups)):
+        cost, memory, strategies = evaluate(problem, ranked.choices)
+        if tuple(strategies) == ranked.strategies:  # else priced otherwise: solved again
+            alike = Solution(ranked.choices, strategies, cost, memory, ranked.solver_status,
+                             ranked.solve_s)
     hand = tuple((name, predicted_seconds(problem, sol.choices, profile.launch_overhead_s),
                   sol.memory) for name, sol in (baseline_candidates(
                       analysis, problem, [], within_budget=False) if hand_plans else ()))
     try:
         sol = top_plans(problem, 1, time_limit_s, alike_only=alike_only,
-                        relative_gap=PREDICTION_GAP)[0]
+                        relative_gap=PREDICTION_GAP, alike=alike)[0]
     except CfpError as e:  # no plan fits: neither does any hand plan; say what they need
         if not hand:
             raise
@@ -403,18 +413,15 @@ class MeshCandidate:
     note: str = ""
 
 
-def rank_meshes(spec, cluster, *, max_combinations: int, memory_budget_bytes: int | None,
-                time_limit_s: float) -> list[MeshCandidate]:
+def rank_meshes(spec, cluster, graph, grouping, *, max_combinations: int,
+                memory_budget_bytes: int | None, time_limit_s: float) -> list[MeshCandidate]:
     """Every logical mesh of the cluster's devices (up to 3 axes, laid row-major over its
-    network levels) planned analytically, on every core (``cfp.pool``), best predicted step
-    time first. Shapes are ranked by their best plan whose repeated layers are alike; the
-    chosen one is then planned whole."""
-    from cfp.grouping import group_blocks
+    network levels) planned analytically from the step's ``graph`` and its blocks'
+    ``grouping`` (``cfp.grouping.group_blocks``), on every core (``cfp.pool``), best
+    predicted step time first. Shapes are ranked by their best plan whose repeated layers
+    are alike; the chosen one is then planned whole, from that plan (``predict_plan``)."""
     from cfp.cluster import logical_meshes
     from cfp.pool import map_meshes
-    from cfp.tracing import trace_step
-    graph = trace_step(spec.build()).graph()
-    grouping = group_blocks(graph)
     out = map_meshes(_mesh_candidate, (spec, cluster, graph, grouping, max_combinations,
                                        memory_budget_bytes, time_limit_s),
                      logical_meshes(cluster.num_devices))
