@@ -16,8 +16,9 @@ from cfp.execute import Storage
 from cfp.jax_compat import itemsize
 from cfp.mesh import AXIS_NAMES
 from cfp.sharding import STATE_LAYOUTS
-from cfp.solver import (Group, Option, Problem, Solution, evaluate, least_memory,
-                        penalizing_reshardings, solve, solve_alike)
+from cfp.solver import (LP_MAX_VARIABLES, Group, Option, Problem, Solution, evaluate,
+                        least_memory, model_booleans, penalizing_reshardings, solve,
+                        solve_alike)
 from cfp.window_memory import (COMBINED_REDUCTION_BYTES, held_for_backward, memory_terms,
                                option_memory, read_back_across, terms_key)
 from cfp.windows import (held_state, inputs_read_earlier, layouts, priced_alike, shard_bytes,
@@ -189,9 +190,9 @@ def alike_blocks(analysis) -> list[tuple[int, int]]:
 
 ALIKE_FROM_OPTIONS = 2000  # options over all groups above which a solve starts alike
 # The whole problem's solve from the alike plan gets this many times the alike solve's
-# seconds, at least WHOLE_MIN_S, within the time limit: on LLaMA-2-13B's 361 blocks (2x25x4)
-# the whole solve ran its 60 s limit without beating the alike plan, whose quotient solved
-# in about 10 s.
+# seconds, at least WHOLE_MIN_S, within the time limit. A whole problem too large for the LP
+# relaxation is not solved: on LLaMA-2-13B's 361 blocks (2x25x4) that solve ran its 60 s
+# limit without beating the alike plan.
 WHOLE_PER_ALIKE = 3
 WHOLE_MIN_S = 10.0
 
@@ -212,7 +213,8 @@ def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool
     memory budget. A small one is solved whole at once: there the alike problem is hardly
     smaller, and proving it optimal can take as long as the whole. The whole solve from an
     alike start gets ``WHOLE_PER_ALIKE`` times the alike solve's seconds (at least
-    ``WHOLE_MIN_S``, within ``time_limit_s``). ``relative_gap``: each
+    ``WHOLE_MIN_S``, within ``time_limit_s``); one over ``LP_MAX_VARIABLES`` booleans, whose
+    search would run without the LP relaxation, is not solved. ``relative_gap``: each
     solve stops once proved within that share of the cheapest (``cfp.solver.solve``).
     ``alike``: the first plan's alike start, solved already (for another purpose: ranking
     meshes), so not solved again."""
@@ -233,6 +235,11 @@ def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool
             break  # no (further) plan whose repeated layers are alike
         if alike_only and start is not None:
             sol = dataclasses.replace(start, status=start.status + ALIKE)
+        elif start is not None and model_booleans(problem) > LP_MAX_VARIABLES:
+            # Without its LP relaxation the whole search finds nothing better than the alike
+            # start in its time (LLaMA-2-13B on 2x25x4: 440,000 booleans, 60 s and more).
+            sol = dataclasses.replace(start, status=f"{start.status}{ALIKE}; the whole "
+                                                    f"problem is too large to solve")
         else:
             try:
                 limit_s = time_limit_s if start is None else min(

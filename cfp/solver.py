@@ -44,6 +44,7 @@ from cfp.errors import CfpError
 
 
 LP_MAX_VARIABLES = 200_000  # above this the search runs without its LP relaxation
+EAGER_LP_MAX_VARIABLES = 50_000  # up to this the LP holds all its constraints from the start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,17 +201,7 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, exclude=(), workers: 
     objective = [opt.cost * y[g][o] for g, grp in enumerate(problem.groups)
                  for o, opt in enumerate(grp.options)]
     held_across = []  # edge memory: (bytes, transport boolean)
-    for i, j in set(problem.edges) | set(problem.edge_memory):
-        table = np.asarray(problem.edges.get((i, j), 0)) + np.zeros(
-            (problem.num_strategies[i], problem.num_strategies[j]), dtype=np.int64)
-        held = np.asarray(problem.edge_memory.get((i, j), 0)) + np.zeros_like(table)
-        if not table.any() and not held.any():
-            continue
-        # Strategies whose rows (columns) are equal give the crossing tensor one layout:
-        # transport runs between those groups, so the booleans grow with the distinct
-        # layouts, not with the strategies.
-        rows = _groups(np.concatenate([table, held], axis=1))
-        cols = _groups(np.concatenate([table.T, held.T], axis=1))
+    for i, j, table, held, rows, cols in _edge_layouts(problem):
         e = {(r, c): m.NewBoolVar(f"e{i}_{j}_{r}_{c}") for r in range(len(rows))
              for c in range(len(cols))}
         for r, members in enumerate(rows):
@@ -290,8 +281,14 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, exclude=(), workers: 
     solver.parameters.cp_model_probing_level = 0
     # The LP relaxation guides the search well but its memory grows with the model: a 4-axis
     # GPT-39B plan on 64 devices (500 000 booleans) needs 4 GB with it and 1.4 GB without.
-    solver.parameters.linearization_level = 2 if len(m.Proto().variables) <= LP_MAX_VARIABLES \
-        else 0
+    variables = len(m.Proto().variables)
+    solver.parameters.linearization_level = 2 if variables <= LP_MAX_VARIABLES else 0
+    # CP-SAT adds the LP's constraints lazily, as they are violated, by default. On
+    # LLaMA-2-13B's quotient on a 2x4x25 mesh (13,429 variables) its first plan then came
+    # after 13.4 s, and with every constraint from the start the search ended OPTIMAL in
+    # 2.6 s (a 4-layer GPT on 2x4, whole: 14.6 s to 4.9 s, the same plan). A proof that no
+    # plan fits can take longer so (up to 2x on those), and the memory grows with the model.
+    solver.parameters.add_lp_constraints_lazily = variables > EAGER_LP_MAX_VARIABLES
     status = _solve_interruptibly(solver, m)
     if status == cp_model.UNKNOWN:
         raise CfpError(f"the solver found no plan within its time limit ({time_limit_s:g} s) "
@@ -306,6 +303,29 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, exclude=(), workers: 
              else "OPTIMAL" if gap <= 0 else f"OPTIMAL to within {gap:.2%}")
     return Solution(choices, strat, cost, mem, label, time.perf_counter() - t0,
                     stats.get("edge_booleans", 0))
+
+
+def _edge_layouts(problem: Problem):
+    """Per edge that costs time or holds memory: ``(i, j, time table, held bytes table,
+    rows, cols)``, where strategies whose rows (columns) are equal are grouped: they give
+    the crossing tensor one layout, and transport runs between those groups, so ``solve``'s
+    booleans grow with the distinct layouts, not with the strategies."""
+    for i, j in set(problem.edges) | set(problem.edge_memory):
+        table = np.asarray(problem.edges.get((i, j), 0)) + np.zeros(
+            (problem.num_strategies[i], problem.num_strategies[j]), dtype=np.int64)
+        held = np.asarray(problem.edge_memory.get((i, j), 0)) + np.zeros_like(table)
+        if table.any() or held.any():
+            yield (i, j, table, held, _groups(np.concatenate([table, held], axis=1)),
+                   _groups(np.concatenate([table.T, held.T], axis=1)))
+
+
+def model_booleans(problem: Problem) -> int:
+    """The booleans ``solve`` makes for ``problem``'s choices and edges (its memory chain adds
+    a few integers per window): whether its search can run with the LP relaxation
+    (``LP_MAX_VARIABLES``), known without building the model."""
+    return (sum(len(g.options) + sum(problem.num_strategies[b] for b in g.blocks)
+                for g in problem.groups)
+            + sum(len(rows) * len(cols) for *_, rows, cols in _edge_layouts(problem)))
 
 
 def _solve_interruptibly(solver, model) -> int:

@@ -155,6 +155,27 @@ def test_whole_problem_mixes_layers_under_a_tight_budget():
     assert top_plans(p, 1, 10.0, alike_only=True)[0].objective == 60
 
 
+def test_a_whole_problem_too_large_for_the_lp_keeps_its_alike_start(monkeypatch):
+    """Within 25 bytes the whole problem mixes layers (cost 40), its alike start is all lean
+    (60). Started alike, a whole problem over the LP's size limit is not solved: its plan is
+    the alike one, and its status says why. Control: within the limit it is solved (40).
+    The booleans ``solve`` makes are counted without building its model."""
+    import cfp.problem
+    from cfp.problem import top_plans
+    from cfp.solver import model_booleans
+    layer = [Option((0,), 10, 10), Option((1,), 20, 5)]
+    p = Problem([Group((b,), layer) for b in range(3)], [2, 2, 2], {}, 25, [], [(0, 1), (1, 2)])
+    monkeypatch.setattr(cfp.problem, "ALIKE_FROM_OPTIONS", 0)  # every solve starts alike
+    assert top_plans(p, 1, 10.0)[0].objective == 40  # control
+    monkeypatch.setattr(cfp.problem, "LP_MAX_VARIABLES", model_booleans(p) - 1)
+    sol = top_plans(p, 1, 10.0)[0]
+    assert sol.objective == 60 and "too large to solve" in sol.status
+    chain = _random_chain(random.Random(5))
+    made = solve(chain).edge_booleans
+    assert made > 0 and model_booleans(chain) == made + sum(
+        len(g.options) + sum(chain.num_strategies[b] for b in g.blocks) for g in chain.groups)
+
+
 def test_plans_with_alike_layers_only_stop_where_none_fits():
     """Bytes held between two layers that take one strategy (20 per pair) put every plan
     whose layers are alike over 25 bytes (15 + 40); layers that alternate fit (15). Asked
