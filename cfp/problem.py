@@ -238,8 +238,8 @@ def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool
         elif start is not None and model_booleans(problem) > LP_MAX_VARIABLES:
             # Without its LP relaxation the whole search finds nothing better than the alike
             # start in its time (LLaMA-2-13B on 2x25x4: 440,000 booleans, 60 s and more).
-            sol = dataclasses.replace(start, status=f"{start.status}{ALIKE}; the whole "
-                                                    f"problem is too large to solve")
+            sol = dataclasses.replace(start, status=f"{start.status}{ALIKE} (the whole "
+                                                    f"problem, too large for the LP, not solved)")
         else:
             try:
                 limit_s = time_limit_s if start is None else min(
@@ -262,8 +262,8 @@ def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool
         sols.append(dataclasses.replace(sol, solve_s=time.perf_counter() - t0))
     if not sols:
         need = least_memory(problem)
-        alike = " whose repeated layers are alike" if alike_only and problem.alike else ""
-        raise CfpError(f"no plan{alike} fits the memory budget of "
+        which = " whose repeated layers are alike" if alike_only and problem.alike else ""
+        raise CfpError(f"no plan{which} fits the memory budget of "
                        f"{problem.memory_budget / 2**30:.3f} GiB per device; the smallest any "
                        f"plan reaches is about {need / 2**30:.3f} GiB")
     return sols

@@ -249,7 +249,12 @@ def test_mesh_auto_traces_once_and_starts_from_the_ranked_plan(tmp_path, monkeyp
     monkeypatch.setattr(cfp.program, "trace_program", counted_trace)
     monkeypatch.setattr(cfp.problem, "solve_alike", counted_alike)
     monkeypatch.setattr(search, "predict_plan", searching)
-    flags = ["--model", "gpt", "--cluster", "a100-8", "--max-combinations", "8"]
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({
+        "name": "c", "memory_per_device_GB": 1, "peak_TFLOPs": 100, "memory_bandwidth_GBps": 1000,
+        "levels": [{"name": "node", "size": 2, "alpha_s": 1e-5, "bandwidth_GBps": 10},
+                   {"name": "gpu", "size": 2, "alpha_s": 1e-5, "bandwidth_GBps": 100}]}))
+    flags = ["--model", "mlp", "--cluster", str(path), "--profile-budget", "0.001"]
     assert main(flags + ["--mesh", "auto", "--workdir", str(tmp_path / "auto")]) == 0
     chosen = json.loads((tmp_path / "auto" / "plan.json").read_text())["mesh"]["shape"]
     assert "mesh chosen: " + "x".join(map(str, chosen)) in capsys.readouterr().out
