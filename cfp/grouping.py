@@ -89,6 +89,18 @@ class _Builder:
         self.varying = computed_from_inputs(graph)
         self.comparisons = 0
         self.shared: set[int] = set()  # scalar operators several blocks feed (no owner)
+        self._flows: dict[tuple, dimrules.Flow] = {}
+        self._signatures: dict[int, tuple] = {}
+
+    def forward(self, op: Op, in_labels) -> dimrules.Flow:
+        """``cfp.dims.forward`` of ``op`` on operands labelled ``in_labels``, derived once per
+        (operator, shapes, labels): a deep model's layers repeat them."""
+        key = (op.primitive, op.attrs, tuple(self.shape(v) for v in op.inputs),
+               tuple(self.shape(v) for v in op.outputs), tuple(in_labels))
+        if key not in self._flows:
+            self._flows[key] = dimrules.forward(op.primitive, dict(op.attrs), list(key[2]),
+                                                list(key[3]), list(in_labels))
+        return self._flows[key]
 
     # -- helpers ------------------------------------------------------------------------------
     def shape(self, v):
@@ -232,7 +244,10 @@ class _Builder:
             self.attach_backward(c, *best[0])
 
     def signature(self, op: Op) -> tuple:
-        return (op.primitive, op.attrs, tuple(self.shape(v) for v in op.inputs))
+        if op.index not in self._signatures:
+            self._signatures[op.index] = (op.primitive, op.attrs,
+                                          tuple(self.shape(v) for v in op.inputs))
+        return self._signatures[op.index]
 
     def repeats_seed(self, c: Op, bi: int) -> bool:
         """Whether ``c`` computes what block ``bi``'s seed computes, for another micro-batch:
@@ -413,10 +428,7 @@ class _Builder:
             if not producers:
                 continue
             bi = self.owner[max(producers)]
-            in_labels = [self.labels[bi].get(v) for v in op.inputs]
-            flow = dimrules.forward(op.primitive, dict(op.attrs),
-                                    [self.shape(v) for v in op.inputs],
-                                    [self.shape(v) for v in op.outputs], in_labels)
+            flow = self.forward(op, [self.labels[bi].get(v) for v in op.inputs])
             self.add(bi, Member(op.index, "flow", flow.outs, flow.ins, flow.reqs))
 
     def share_scalar_feeders(self):
@@ -467,10 +479,7 @@ class _Builder:
                 if m.role not in ("attached", "flow"):
                     continue
                 op = self.g.ops[k]
-                fwd = dimrules.forward(op.primitive, dict(op.attrs),
-                                       [self.shape(v) for v in op.inputs],
-                                       [self.shape(v) for v in op.outputs],
-                                       [self.labels[bi].get(v) for v in op.inputs])
+                fwd = self.forward(op, [self.labels[bi].get(v) for v in op.inputs])
                 outs = tuple(tuple(o if o is not None else f for o, f in zip(old, new))
                              for old, new in zip(m.outs, fwd.outs))
                 ins = tuple(tuple(o if o is not None else f for o, f in zip(old, new))
