@@ -323,10 +323,13 @@ def predict_plan(analysis, profile, memory_budget_bytes: int | None,
     again."""
     problem, _ = build_problem(analysis, profile, memory_budget_bytes)
     alike = None
-    if ranked is not None and profile.cost == ranked.pricing and len(ranked.choices) == len(problem.groups) and all(
-            c < len(g.options) for c, g in zip(ranked.choices, problem.groups)):
+    if (ranked is not None and profile.cost == ranked.pricing
+            and len(ranked.choices) == len(problem.groups)
+            and all(c < len(g.options) for c, g in zip(ranked.choices, problem.groups))):
         cost, memory, strategies = evaluate(problem, ranked.choices)
-        if tuple(strategies) == ranked.strategies:  # else priced otherwise: solved again
+        # the ranked plan where this problem is the one it was solved in; else solved again
+        if tuple(strategies) == ranked.strategies and memory <= (problem.memory_budget
+                                                                 or memory):
             alike = Solution(ranked.choices, strategies, cost, memory, ranked.solver_status,
                              ranked.solve_s)
     hand = tuple((name, predicted_seconds(problem, sol.choices, profile.launch_overhead_s),
