@@ -12,7 +12,7 @@ same plan, and the two peaks are printed side by side. Nothing is timed.
         --hidden-size 256 --seq-len 128 --batch-size 8 --max-combinations 32
 
 ``--peak-top N`` also lists, per plan, the N largest temporaries live at the whole step's
-compiled peak with their live ranges in XLA's schedule (``diagnostics/memory_gap.py``): what
+compiled peak with their live ranges in XLA's schedule (from XLA's dump): what
 the step holds that its windows, compiled alone, free at their end.
 
 ``--search WORKDIR...`` instead lists, for every candidate search ran end to end in those
@@ -20,8 +20,10 @@ work dirs, its composed memory and time against its compiled peak and measured m
 """
 from __future__ import annotations
 
+import glob
 import math
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -29,7 +31,6 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent / "diagnostics"))
 
 from benchmark import workload_parser  # noqa: E402
 
@@ -111,11 +112,54 @@ def main(argv=None) -> None:
         print(f"{name:10} composed {composed / 2**20:7.2f}  compiled {peak / 2**20:7.2f}  "
               f"error {composed / peak - 1:+.1%}", flush=True)
         if dump:
-            from memory_gap import _print_peak
             _print_peak(dump, a.peak_top)
             shutil.rmtree(dump)
     print(f"median absolute error {statistics.median(errors):.1%} over {len(errors)} "
           f"plans")
+
+
+def _print_peak(dump: str, top: int) -> None:
+    """The largest temporaries live at the peak of the heap XLA simulated, from its dump."""
+    assignment = open(glob.glob(f"{dump}/*after_optimizations-buffer-assignment.txt")[0]).read()
+    live_range = open(glob.glob(f"{dump}/*after_optimizations-live-range.txt")[0]).read()
+    hlo = open(glob.glob(f"{dump}/*after_optimizations.txt")[0]).read()
+    size, shape, in_output, in_parameter, live_out = {}, {}, set(), False, False
+    for line in assignment.splitlines():
+        if line.startswith("allocation"):
+            in_parameter, live_out = "parameter" in line, "maybe-live-out" in line
+        m = re.match(r"\s*value: <\d+ (\S+) @0> \(size=(\d+)[^)]*\): (\S+)", line)
+        if m and not in_parameter:
+            size[m.group(1)] = int(m.group(2))
+            shape[m.group(1)] = m.group(3)
+            if live_out:
+                in_output.add(m.group(1))
+    # A tuple element's buffer is named with its index (an async collective's result on GPU).
+    ranges = [(name, int(s), int(e)) for name, s, e in (
+        (n if i == "{}" else n + i, s, e) for n, i, s, e in re.findall(
+            r"^\s+(\S+?)(\{[\d,]*\}):(\d+)-(\d+)", live_range.split("BufferLiveRange:")[1], re.M))
+        if name in size]
+    end = max(e for _, _, e in ranges)
+    # A value in an output's buffer that dies before the step ends is a temporary placed there
+    # before the output is written.
+    placed = [(n, s, e) for n, s, e in ranges if n in in_output and e < end]
+    placed_names = {n for n, _, _ in placed}
+    at_once = [sum(size[n] for n, s, e in placed if s <= t <= e) for t in range(end + 1)]
+    t_most = max(range(end + 1), key=at_once.__getitem__)
+    print(f"  temporaries placed in step outputs' buffers before the outputs are written: "
+          f"{len(placed)}, at most {at_once[t_most] / 1e6:.1f} MB live at once (instruction "
+          f"{t_most} of {end})")
+    live = [sum(size[n] for n, s, e in ranges if s <= t <= e) for t in range(end + 1)]
+    t_peak = max(range(end + 1), key=live.__getitem__)
+    print(f"  at the compiled peak (instruction {t_peak} of {end}): {live[t_peak] / 1e6:.1f} MB "
+          f"live in non-parameter buffers (step outputs included); the largest:")
+    for name, s, e in sorted((r for r in ranges if r[1] <= t_peak <= r[2]),
+                             key=lambda r: -size[r[0]])[:top]:
+        m = re.search(r"\n\s*(?:ROOT )?%?" + re.escape(name.split("{")[0]) + r" = (\S+)([^\n]*)",
+                      hlo)
+        op = re.search(r'op_name="([^"]*)"', m.group(2)) if m else None
+        op = op.group(1) if op else ""
+        where = " [in an output's buffer]" if name in placed_names else ""
+        print(f"    {size[name] / 1e6:5.2f} MB {name} {shape[name]} live {s}-{e} ({op}){where}")
 
 
 if __name__ == "__main__":
