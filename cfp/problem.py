@@ -220,6 +220,9 @@ def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool
     meshes), so not solved again."""
     sols = []
     k = max(1, k)
+    # Without its LP relaxation the whole search finds nothing better than the alike start
+    # in its time (LLaMA-2-13B on 2x25x4: 440,000 booleans, 60 s and more).
+    whole_too_large = not alike_only and model_booleans(problem) > LP_MAX_VARIABLES
     if problem.memory_budget is not None and least_memory(problem) > problem.memory_budget:
         k = 0  # a lower bound already over the budget: no solve can succeed
     for _ in range(k):
@@ -235,9 +238,7 @@ def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool
             break  # no (further) plan whose repeated layers are alike
         if alike_only and start is not None:
             sol = dataclasses.replace(start, status=start.status + ALIKE)
-        elif start is not None and model_booleans(problem) > LP_MAX_VARIABLES:
-            # Without its LP relaxation the whole search finds nothing better than the alike
-            # start in its time (LLaMA-2-13B on 2x25x4: 440,000 booleans, 60 s and more).
+        elif start is not None and whole_too_large:
             sol = dataclasses.replace(start, status=f"{start.status}{ALIKE} (the whole "
                                                     f"problem, too large for the LP, not solved)")
         else:
