@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-validate-baselines", dest="validate_baselines", action="store_false",
                    help="validate only the predicted plans, not the rule-file baselines too")
     s.add_argument("--iters", type=int, default=None,
-                   help="steps per measurement (at least 5 steps and 0.3 s when left out)")
+                   help="steps per measurement (at least 5 steps and 0.1 s when left out)")
     h = p.add_argument_group(
         "several processes", "one python -m cfp per host, each with the same flags but "
         "--process-id; on a Slurm or Open MPI cluster the count and rank are read from it")

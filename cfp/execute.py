@@ -168,7 +168,7 @@ class StepLoop:
 
 
 def time_steps(run, *, iters: int | None = None, min_steps: int = 5,
-               min_seconds: float = 0.3) -> float:
+               min_seconds: float = 0.1) -> float:
     """Mean seconds per step of ``run()`` (a ``StepLoop``) over one measurement: ``iters``
     steps, or (default) at least ``min_steps`` steps and ``min_seconds``. Each step is waited
     for before the next starts: the profile pass times windows the same way, and queueing

@@ -70,7 +70,7 @@ class Options:
     time_limit: float = 60.0  # CP-SAT seconds per solve
     validate_top: int = 3  # predicted plans run end to end
     validate_baselines: bool = True  # run the rule-file hand plans too
-    iters: int | None = None  # steps per measurement; None: at least 5 steps and 0.3 s
+    iters: int | None = None  # steps per measurement; None: at least 5 steps and 0.1 s
     # several processes
     coordinator: str | None = None  # HOST:PORT of process 0
     num_processes: int = 1

@@ -17,9 +17,10 @@ from cfp.passes.analysis import run_analysis
 from cfp.passes.profile import ProfileOptions, run_profile
 from cfp.workloads import WorkloadSpec
 
-FLAGS = ["--model", "mlp", "--max-combinations", "4", "--memory-budget", "1",
-         "--workdir", "wd", "--compilation-cache", "none", "--join-timeout", "10",
-         "--num-processes", "2"]
+FLAGS = ["--model", "mlp", "--num-layers", "2", "--max-combinations", "4",
+         "--memory-budget", "1", "--workdir", "wd", "--compilation-cache", "none",
+         "--join-timeout", "10", "--num-processes", "2"]
+SPEC = WorkloadSpec("mlp", "tiny", None, "float32", (("num_layers", 2),)).resolved()
 
 
 def _free_port() -> int:
@@ -99,7 +100,7 @@ def _combinations() -> int:
     """How many combinations the profile of ``FLAGS`` measures."""
     import math
     from cfp.windows import split_windows, window_space
-    a = run_analysis(WorkloadSpec("mlp", "tiny", None, "float32", ()).resolved(), (8,))
+    a = run_analysis(SPEC, (8,))
     windows, reps = split_windows(a, 4)
     return sum(math.prod(window_space(a, windows[k])) for k in reps)
 
@@ -107,9 +108,8 @@ def _combinations() -> int:
 def test_two_processes_match_one(runs):
     p0, p1 = runs["dirs"]
     assert list(p1.iterdir()) == []  # process 1 writes nothing
-    spec = WorkloadSpec("mlp", "tiny", None, "float32", ()).resolved()
     # compiled alone: the same programs, their hashes and statuses, without timing them
-    one = run_profile(run_analysis(spec, (8,)), ProfileOptions(
+    one = run_profile(run_analysis(SPEC, (8,)), ProfileOptions(
         cost="model", cost_model=CostModel((1e-5,), (1e-9,), 1e11, 1e10), max_combinations=4,
         memory_budget_bytes=2**30))
     two = _record(p0 / "wd" / "profile.pkl")

@@ -39,7 +39,7 @@ class SearchOptions:
     time_limit_s: float = 60.0
     validate_top: int = 3
     validate_baselines: bool = True  # also run the rule-file baselines that are plans here
-    iters: int | None = None  # steps per measurement; None: at least 5 steps and 0.3 s
+    iters: int | None = None  # steps per measurement; None: at least 5 steps and 0.1 s
     rounds: int = 7  # most measurements per plan, interleaved across plans
     min_rounds: int = 5  # fewest; more only while the fastest is not ``slower`` than the rest
     check_numerics: bool = True  # on configurations small enough for one device
