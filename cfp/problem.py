@@ -221,8 +221,10 @@ def top_plans(problem: Problem, k: int, time_limit_s: float, *, alike_only: bool
     sols = []
     k = max(1, k)
     # Without its LP relaxation the whole search finds nothing better than the alike start
-    # in its time (LLaMA-2-13B on 2x25x4: 440,000 booleans, 60 s and more).
-    whole_too_large = not alike_only and model_booleans(problem) > LP_MAX_VARIABLES
+    # in its time (LLaMA-2-13B on 2x25x4: 440,000 booleans, 60 s and more). Counted only
+    # where a plan can start alike.
+    whole_too_large = (not alike_only and (bool(problem.alike) or alike is not None)
+                       and model_booleans(problem) > LP_MAX_VARIABLES)
     if problem.memory_budget is not None and least_memory(problem) > problem.memory_budget:
         k = 0  # a lower bound already over the budget: no solve can succeed
     for _ in range(k):

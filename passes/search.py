@@ -328,8 +328,8 @@ def predict_plan(analysis, profile, memory_budget_bytes: int | None,
             and all(c < len(g.options) for c, g in zip(ranked.choices, problem.groups))):
         cost, memory, strategies = evaluate(problem, ranked.choices)
         # the ranked plan where this problem is the one it was solved in; else solved again
-        if tuple(strategies) == ranked.strategies and memory <= (problem.memory_budget
-                                                                 or memory):
+        fits = problem.memory_budget is None or memory <= problem.memory_budget
+        if tuple(strategies) == ranked.strategies and fits:
             alike = Solution(ranked.choices, strategies, cost, memory, ranked.solver_status,
                              ranked.solve_s)
     hand = tuple((name, predicted_seconds(problem, sol.choices, profile.launch_overhead_s),
