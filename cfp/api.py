@@ -40,8 +40,9 @@ from cfp.options import (Options, RunOptions, check_devices, check_options, chec
 class Plan:
     """A plan ``cfp.autoshard`` found: ``plan.json``'s content (``data``) and what to do with
     it. ``jit`` compiles the user's own ``train_step(params, opt_state, batch) -> (params,
-    opt_state, loss)`` to the program cfp measured, state donated; ``shardings`` gives the
-    ``in_shardings``/``out_shardings`` for a plain ``jax.jit``."""
+    opt_state, loss)`` (a forward plan's ``forward(params, batch)``) to the program cfp
+    measured, state donated; ``shardings`` gives the ``in_shardings``/``out_shardings`` for a
+    plain ``jax.jit``."""
 
     def __init__(self, data: dict):
         self.data = data
@@ -63,18 +64,19 @@ class Plan:
         from cfp.plan import mesh_of
         return mesh_of(self.data)
 
-    def shardings(self, params, opt_state, batch) -> tuple[tuple, tuple]:
+    def shardings(self, *args) -> tuple[tuple, tuple]:
         """``(in_shardings, out_shardings)`` for ``jax.jit(train_step, ...,
-        donate_argnums=(0, 1))``; the arguments (arrays or ``ShapeDtypeStruct``s) fix the
-        trees."""
+        donate_argnums=(0, 1))``; ``args``, ``(params, opt_state, batch)`` (a forward plan's:
+        ``(params, batch)``), arrays or ``ShapeDtypeStruct``s, fix the trees."""
         from cfp.plan import step_shardings
-        return step_shardings(self.data, self.mesh, params, opt_state, batch)
+        return step_shardings(self.data, self.mesh, *args)
 
-    def jit(self, train_step, params, opt_state, batch):
+    def jit(self, train_step, *args):
         """``train_step`` jitted with the plan's layouts and its blocks' constraints inside,
-        ``params`` and ``opt_state`` donated; the traced step must be the analysed one."""
+        ``params`` and ``opt_state`` donated; ``args`` as ``shardings`` takes them. The
+        traced step must be the analysed one."""
         from cfp.plan import jit
-        return jit(train_step, self.data, self.mesh, params, opt_state, batch)
+        return jit(train_step, self.data, self.mesh, *args)
 
     def describe(self) -> str:
         """The plan in words: which mesh axis splits which role, per segment type."""

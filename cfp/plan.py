@@ -237,9 +237,10 @@ def shardings(tree, plan: dict, mesh, part: str = "params", *, specs: dict | Non
     def one(path, leaf):
         key = jax.tree_util.keystr(path)
         spec = _from_json(specs[key])
-        if len(spec) != len(getattr(leaf, "shape", ())):
+        dims = len(getattr(leaf, "shape", ()))  # a Python scalar has none
+        if len(spec) != dims:
             raise CfpError(f"the plan's {part} entry {key} has {len(spec)} dims, the leaf has "
-                           f"{len(leaf.shape)}: a plan for another model")
+                           f"{dims}: a plan for another model")
         return NamedSharding(mesh, PartitionSpec(*spec))
 
     return jax.tree_util.tree_map_with_path(one, tree)

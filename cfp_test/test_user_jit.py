@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import users_models
+from cfp.api import Plan
 from cfp.errors import CfpError
 from cfp.execute import PlannedStep, check_numerics, example_inputs
 from cfp.passes.analysis import run_analysis
@@ -116,6 +117,10 @@ def test_a_plan_for_another_tree_or_step_is_refused():
     del renamed["embed"]
     with pytest.raises(CfpError, match="embedding"):
         shardings(renamed, plan, mesh)
+    split = next(k for k, v in plan["params"].items() if v)  # an entry with dims
+    with pytest.raises(CfpError, match="dims, the leaf has 0"):  # a Python scalar there
+        shardings(jax.tree_util.tree_map_with_path(
+            lambda p, x: 0 if jax.tree_util.keystr(p) == split else x, params), plan, mesh)
     other = make_plan(run_analysis(WorkloadSpec("mlp").resolved(), (8,)), [0] * 4)
     with pytest.raises(CfpError):
         shardings(params, other, mesh)
@@ -147,7 +152,9 @@ def test_a_forward_plan_in_the_users_own_jit():
 
     want = [jax.jit(evaluate)(params, b) for b in batches]  # one device
     in_sh, out_sh = step_shardings(plan, mesh, params, batches[0])
+    assert Plan(plan).shardings(params, batches[0]) == (in_sh, out_sh)  # as autoshard hands it
     for step in (plan_jit(evaluate, plan, mesh, params, batches[0]),
+                 Plan(plan).jit(evaluate, params, batches[0]),
                  jax.jit(evaluate, in_shardings=in_sh, out_shardings=out_sh)):
         placed = jax.device_put(params, in_sh[0])
         got = [step(placed, jax.device_put(b, in_sh[1])) for b in batches]
@@ -164,6 +171,8 @@ def test_a_forward_plan_in_the_users_own_jit():
                            rtol=1e-5)
     with pytest.raises(CfpError, match="forward plan has no opt_state"):
         step_shardings(plan, mesh, params, jax.jit(adam_init)(params), batches[0])
+    with pytest.raises(CfpError, match="forward plan has no opt_state"):
+        Plan(plan).jit(evaluate, params, jax.jit(adam_init)(params), batches[0])
 
 
 @pytest.mark.parametrize("explicit", [pytest.param(False, marks=pytest.mark.slow), True])
