@@ -32,9 +32,11 @@ SCALE = 1e7  # integer cost units per second: 0.1 microsecond, finer than any ti
 FAILED_RESHARD_S = 1e6  # a resharding XLA could not compile or run: never worth choosing
 
 
-def calibrated(analysis, problem: Problem, windows, over, *, first: bool) -> Problem:
-    """``problem`` calibrated on the predictions ``over`` the budget once compiled ((solution,
-    compiled peak) each, the solution's memory as ``problem`` composes it):
+def calibrated(analysis, problem: Problem, windows, over, *, first: bool,
+               budget_bytes: int) -> Problem:
+    """``problem`` calibrated on the predictions ``over`` the budget ``budget_bytes`` once
+    compiled ((solution, compiled peak) each, the solution's memory as ``problem`` composes
+    it):
 
     - The ``first`` time, where every one of them keeps parameters whole, what their steps
       hold beyond the composition is attributed to those parameters (state layouts ``plan``
@@ -44,8 +46,9 @@ def calibrated(analysis, problem: Problem, windows, over, *, first: bool) -> Pro
       whole-kept parameters' bytes (its ``Option.waiting``, their gradients' size; a
       gathered table's is not among them) times the smallest such excess per byte among
       them.
-    - Otherwise the budget the solver composes against is scaled by the composed / compiled
-      ratio of the one closest to fitting."""
+    - Otherwise the solver composes against ``budget_bytes`` scaled by the composed /
+      compiled ratio of the one closest to fitting (the budget, not the one ``problem`` was
+      solved under: a second scaling would count the first one's shortfall twice)."""
     peaks = [p for _, p in over]
     if first:
         kept_whole = [sum(g.options[c].waiting for g, c in zip(problem.groups, s.choices))
@@ -60,7 +63,7 @@ def calibrated(analysis, problem: Problem, windows, over, *, first: bool) -> Pro
                     dataclasses.replace(o, memory=o.memory + math.ceil(per_byte * o.waiting))
                     for o in grp.options])
                 for grp in problem.groups])
-    budget = int(problem.memory_budget * max(s.memory / p for s, p in over))
+    budget = int(budget_bytes * max(s.memory / p for s, p in over))
     log.info("%d predictions over the budget once compiled (peaks %s); solving against %d "
              "bytes", len(over), peaks, budget)
     return dataclasses.replace(problem, memory_budget=budget)

@@ -212,6 +212,22 @@ def test_a_prediction_over_the_budget_once_compiled_is_replaced(xla_stand_in, mo
     assert {s.choices for s in sols} == fit_first
 
 
+def test_a_second_calibration_scales_the_budget_once():
+    """Solved under a budget already scaled once (0.8 of the budget B), a prediction composed
+    at 0.72 B still compiles to 1.2 B: the next solve composes against B x 0.72 / 1.2 = 0.6 B,
+    where that prediction's ratio puts the plans that fit. Control: scaling the budget it
+    was solved under counts the first shortfall twice (0.48 B), and cuts plans that fit."""
+    from cfp.problem import calibrated
+    from cfp.solver import Group, Option, Problem, Solution
+    budget = 10**8
+    problem = Problem([Group((0,), [Option((0,), 1, memory=budget)])], [1],
+                      memory_budget=int(0.8 * budget))
+    over = [(Solution((0,), (0,), 1, int(0.72 * budget), "OPTIMAL", 0.0), int(1.2 * budget))]
+    got = calibrated(None, problem, (), over, first=False, budget_bytes=budget)
+    assert got.memory_budget == pytest.approx(0.6 * budget, rel=1e-6)
+    assert got.memory_budget > 0.8 * 0.72 / 1.2 * budget * 1.2  # the control's, far below
+
+
 def test_where_xla_holds_more_than_composed_search_calibrates_and_fits(
         xla_stand_in, monkeypatch, caplog):
     """Under a budget that the first predictions fit only as composed, search calibrates the

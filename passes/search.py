@@ -210,7 +210,8 @@ def fitting_predictions(analysis, problem: Problem, profile, options: SearchOpti
         if not over or n == CALIBRATIONS - 1:
             break
         with phases("solving"):
-            problem = calibrated(analysis, problem, profile.windows, over, first=n == 0)
+            problem = calibrated(analysis, problem, profile.windows, over, first=n == 0,
+                                 budget_bytes=budget)
         seen = list(compiled)
         try:
             with phases("solving"):
