@@ -34,7 +34,8 @@ from pathlib import Path
 
 from cfp.errors import CfpError
 from cfp.options import (Options, RunOptions, check_devices, check_options, check_workdir,
-                         cost_model_of, default_workdir, memory_budget_bytes, setup_devices)
+                         cost_model_of, default_workdir, memory_budget_bytes, preset_gpu,
+                         setup_devices)
 
 
 class Plan:
@@ -349,8 +350,7 @@ def _run_search(opts: RunOptions, options) -> None:
     if opts.cluster is not None:
         return _predict(opts, options, wd, analysis)
     # Across processes the search runs on process 0's profile.
-    gpus = (cost_model_of(options, opts.mesh_shape, opts.device_ids).gpu
-            if options.cost == "model" else None)
+    gpus = preset_gpu(options) if options.cost == "model" else None  # nothing fitted again
     profile = (_last_profile(wd, analysis, options, [(options.cost, gpus), (options.cost, None)])
                if opts.reports else None)
     budget = memory_budget_bytes(options, opts, required=True)

@@ -341,6 +341,16 @@ def memory_budget_bytes(options, opts: RunOptions, *, required: bool = False) ->
     return 2**62
 
 
+def preset_gpu(options) -> str | None:
+    """The GPUs a named ``--device-preset`` has programs compiled for (``cfp.gpu_compile``);
+    None for none named, for ``here`` (figures fitted on these devices) and for a preset
+    without GPUs. Read without fitting anything."""
+    from cfp.cost_model import DEVICE_PRESETS
+    if options.device_preset in (None, "here"):
+        return None
+    return DEVICE_PRESETS[options.device_preset].get("gpu")
+
+
 def cost_model_of(options, mesh_shape, device_ids=None):
     from cfp.cost_model import DEVICE_PRESETS, CostModel, fit_cost_model
     if options.device_preset == "here":
@@ -365,4 +375,4 @@ def cost_model_of(options, mesh_shape, device_ids=None):
     return CostModel(per_axis("alpha", preset["alpha"]), per_axis("beta", preset["beta"]),
                      options.device_flops or preset["device_flops"],
                      options.device_bandwidth or preset["device_bandwidth"], preset["platform"],
-                     preset.get("gpu") if options.device_preset else None)  # named: compiled for
+                     preset_gpu(options))  # named: compiled for

@@ -325,3 +325,27 @@ def test_cost_model_fitted_here(monkeypatch, law):
         assert cm.beta == (1e-13, 1e-13)
     assert cm.device_flops == pytest.approx(2 * k**3 / t_matmul)
     assert cm.device_bandwidth == pytest.approx(2 * 4 * k * k / t_add)
+
+
+@pytest.mark.slow  # 13 s for a fit the search would waste, not a wrong plan
+def test_figures_fitted_here_are_fitted_once_per_profile(tmp_path, capsys, monkeypatch,
+                                                          mlp_profiled):
+    """``--cost model --device-preset here``: the profile fits alpha, beta and the device's
+    speed on the mesh (the control: the count sees that fit), and search, which only asks
+    which GPUs the profile was compiled for (none), fits nothing again."""
+    import shutil
+    import cfp.cost_model
+    from cfp.cli import main
+    from helpers import MLP_PROFILED
+    fits = []
+    real = cfp.cost_model.fit_cost_model
+    monkeypatch.setattr(cfp.cost_model, "fit_cost_model",
+                        lambda *a, **k: fits.append(1) or real(*a, **k))
+    wd = tmp_path / "w"
+    shutil.copytree(mlp_profiled, wd)
+    args = MLP_PROFILED + ["--workdir", str(wd), "--cost", "model", "--device-preset", "here"]
+    assert main(args + ["--mode", "profile"]) == 0
+    assert len(fits) == 1 and "fitted here: " in capsys.readouterr().out
+    assert main(args + ["--mode", "search", "--memory-budget", "1", "--validate-top", "1",
+                        "--iters", "2"]) == 0
+    assert len(fits) == 1 and "fitted here: " not in capsys.readouterr().out
