@@ -95,7 +95,8 @@ def autoshard(model: str, *, mesh: str | None = None, memory_budget_gb: float | 
     """Analyse, profile and search ``model``'s step on ``mesh``; the plan kept.
 
     ``options`` are further ``Options`` fields (``batch_size``, ``max_combinations``,
-    ``validate_top``, ``iters``, ...). ``workdir`` None: ``profiles/<model>-<mesh>/``."""
+    ``validate_top``, ``iters``, ...). ``workdir`` None: ``profiles/<model>-<config>-<mesh>/``
+    (``cfp.options.default_workdir``)."""
     unknown = sorted(set(options) - {f.name for f in dataclasses.fields(Options)})
     if unknown:
         raise CfpError(f"autoshard() takes no option {unknown[0]!r} (see cfp.Options for "
@@ -117,14 +118,16 @@ def run(options: Options, *, own_process: bool = False) -> Path:
     if not opts.reports:
         from cfp import report
         report.silence()
+    if opts.reports and opts.workdir is not None:
+        check_workdir(opts.workdir)  # before any work: --mesh auto ranks meshes first
     if opts.mesh_shape is None:
         chosen = _choose_mesh(opts, options)
         opts = dataclasses.replace(opts, mesh_shape=chosen[2].mesh_shape, chosen_mesh=chosen)
-    if not options.workdir:
+    if opts.workdir is None:
         opts = dataclasses.replace(opts, workdir=default_workdir(opts))
+        if opts.reports:
+            check_workdir(opts.workdir)
     opts = dataclasses.replace(opts, spec=opts.spec.resolved())
-    if opts.reports:
-        check_workdir(opts.workdir)
     check_devices(opts, options)
     if own_process:
         from cfp.jax_compat import enable_compilation_cache

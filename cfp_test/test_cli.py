@@ -44,6 +44,26 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+def test_an_unwritable_work_dir_is_refused_before_meshes_are_ranked(capsys, monkeypatch,
+                                                                     tmp_path):
+    """``--mesh auto`` traces the step and solves every logical mesh before it knows the work
+    dir's name; one the user named is checked first. Control: a writable one gets as far as
+    the trace (stopped there)."""
+    import cfp.tracing
+    traced = []
+
+    def trace_step(*args, **kwargs):
+        traced.append(1)
+        raise ZeroDivisionError
+    monkeypatch.setattr(cfp.tracing, "trace_step", trace_step)
+    argv = ["--mode", "analysis", "--model", "mlp", "--cluster", "a100-8", "--mesh", "auto"]
+    rc, _, err = _run(capsys, *argv, "--workdir", "/proc/cfp-cannot-write-here")
+    assert rc == 2 and "cannot write to the work dir" in err and traced == []
+    with pytest.raises(ZeroDivisionError):
+        main(argv + ["--workdir", str(tmp_path / "w")])
+    assert traced == [1]
+
+
 def test_argparse_errors_are_one_line_too(capsys):
     assert main(["--mode", "bogus"]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
