@@ -294,7 +294,8 @@ def unresharded_plan(problem: Problem, time_limit_s: float, exclude=()) -> list[
     """The cheapest plan but those in ``exclude`` that reshards nothing between blocks (status
     ``UNRESHARDED``), if one fits the budget: a list of it, or an empty one."""
     try:
-        sol = top_plans(penalizing_reshardings(problem), 1, time_limit_s, exclude=exclude)[0]
+        sol = top_plans(penalizing_reshardings(problem, int(FAILED_RESHARD_S * SCALE)), 1,
+                        time_limit_s, exclude=exclude)[0]
     except CfpError:  # out of time, or none fits
         return []
     if resharded(problem, sol.strategies):

@@ -164,12 +164,17 @@ def least_memory(problem: Problem) -> int:
     return bound if seq else total
 
 
-def penalizing_reshardings(problem: Problem) -> Problem:
+def penalizing_reshardings(problem: Problem, never: int | None = None) -> Problem:
     """``problem`` with every boundary resharding costing more than any whole plan: its
     cheapest plan reshards at as few block pairs as it can, and is the cheapest of those that
-    reshard nowhere when there are any."""
+    reshard nowhere when there are any. Edge costs of ``never`` or more (reshardings that
+    failed, never chosen) are left out of the penalty, which would otherwise multiply them
+    past CP-SAT's 64-bit objective."""
+    def most(table) -> int:
+        kept = table if never is None else table[table < never]
+        return int(kept.max()) if kept.size else 0
     penalty = 1 + sum(max(o.cost for o in g.options) for g in problem.groups) \
-        + sum(int(t.max()) for t in problem.edges.values())
+        + sum(most(t) for t in problem.edges.values())
     edges = {k: problem.edges.get(k, 0) + penalty * moved.astype(np.int64)
              for k, moved in problem.reshards.items()}
     edges.update({k: t for k, t in problem.edges.items() if k not in edges})
@@ -293,6 +298,8 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, exclude=(), workers: 
     if status == cp_model.UNKNOWN:
         raise CfpError(f"the solver found no plan within its time limit ({time_limit_s:g} s) "
                        f"and could not prove there is none: raise --time-limit")
+    if status == cp_model.MODEL_INVALID:  # cfp built a model CP-SAT refuses: cfp's bug
+        raise RuntimeError(f"CP-SAT refused the plan model: {m.Validate().splitlines()[0]}")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     choices = tuple(next(o for o, v in enumerate(vs) if solver.Value(v)) for vs in y)

@@ -296,3 +296,23 @@ def test_gradients_waiting_at_once_are_at_most_the_combined_reductions_size():
     assert solve(problem(8, 32)) is not None and solve(problem(None, 32)) is None
     assert least_memory(problem(8)) == 32
     assert solve_alike(problem(8, 31)) is None and solve_alike(problem(8, 32)) is not None
+
+
+def test_failed_reshardings_leave_the_unresharded_plan_solvable():
+    """600 blocks in a chain, each boundary with a resharding XLA could not run (priced
+    ``FAILED_RESHARD_S``): the best plan without reshardings is found (every block on the
+    cheaper strategy). Control: a penalty that counts the failed prices multiplies them past
+    CP-SAT's 64-bit objective, and the model CP-SAT refuses is raised as cfp's bug, not
+    taken for "no plan fits"."""
+    from cfp.problem import FAILED_RESHARD_S, SCALE, unresharded_plan
+    from cfp.solver import penalizing_reshardings
+    failed, n = int(FAILED_RESHARD_S * SCALE), 600
+    problem = Problem([Group((b,), [Option((0,), 20), Option((1,), 10)]) for b in range(n)],
+                      [2] * n,
+                      {(b, b + 1): np.array([[0, failed], [5, 0]]) for b in range(n - 1)},
+                      reshards={(b, b + 1): np.array([[False, True], [True, False]])
+                                for b in range(n - 1)})
+    (sol,) = unresharded_plan(problem, 10)
+    assert set(sol.strategies) == {1}
+    with pytest.raises(RuntimeError, match="CP-SAT refused the plan model"):
+        solve(penalizing_reshardings(problem), time_limit_s=10)
