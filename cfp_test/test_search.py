@@ -423,11 +423,14 @@ def test_the_plan_picture_says_where_each_segment_keeps_its_state():
     assert re.fullmatch(r"1 leaves fsdp, \d+ leaves plan", text), text
 
 
-def test_plans_compiled_to_one_program_are_run_once(monkeypatch):
+def test_plans_compiled_to_one_program_are_run_once_with_their_state_alone(monkeypatch):
     """Validation runs a program once however many candidates compiled to it (a hand plan
     that is cfp's own plan, say), and each gets its times. Control: the megatron plan, another
-    program, is run beside dp."""
+    program, is run beside dp. While a plan runs, no other plan's state is on the devices
+    (memory-bound candidates each fit, and together would not); the control: the probe
+    sees the running plan's own state alive."""
     import collections
+    import weakref
     from cfp import execute
     from cfp.execute import real_inputs
     from cfp.passes.search import SearchOptions, measure_plans
@@ -438,15 +441,22 @@ def test_plans_compiled_to_one_program_are_run_once(monkeypatch):
     plans = [(p.strategies, p.storage) for p in (dp, megatron, dp)]
     timed = collections.Counter()
     real = execute.time_steps
+    placed = {}  # id of a measurement's run -> weak references to its arguments now
+    others_alive = []
 
     def counted(run, **kwargs):
-        timed[id(run)] += 1
+        timed[id(run.compiled)] += 1
+        placed[id(run)] = [weakref.ref(x) for x in run.args]
+        assert all(r() is not None for r in placed[id(run)])  # control: the probe sees them
+        others_alive.append(sum(r() is not None for k, refs in placed.items()
+                                if k != id(run) for r in refs))
         return real(run, **kwargs)
 
     monkeypatch.setattr(execute, "time_steps", counted)
     workload = a.spec.build()
     steps, times = measure_plans(trace_step(workload), a, plans, a.mesh(),
                                  real_inputs(workload), SearchOptions(None, iters=1))
-    assert timed[id(steps[0].run)] >= 5 and timed[id(steps[1].run)] >= 5  # control
-    assert timed[id(steps[2].run)] == 0
+    assert timed[id(steps[0].compiled)] >= 5 and timed[id(steps[1].compiled)] >= 5  # control
+    assert timed[id(steps[2].compiled)] == 0
     assert times[2] == times[0] and times[1] != times[0]
+    assert len(others_alive) >= 10 and set(others_alive) == {0}

@@ -84,7 +84,7 @@ class SearchRecord:
     time_s: float
     phase_s: dict
     scans: str = ""  # "rolled" or "unrolled" when the step has scans: how the kept plan ran
-    # the ids of the devices the kept plan ran on, in its mesh's order (from its last state)
+    # the ids of the devices the kept plan ran on, in its mesh's order
     device_ids: tuple[int, ...] = ()
 
     @property
@@ -163,7 +163,7 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
                        tuple(map(tuple, step.in_specs)), tuple(map(tuple, step.out_specs)),
                        time.perf_counter() - start, dict(phases.seconds),
                        ("rolled" if step.rolled else "unrolled") if program.scans else "",
-                       tuple(int(d.id) for d in step.run.args[0].sharding.mesh.devices.flat))
+                       tuple(int(d.id) for d in mesh.devices.flat))
     log.info("search pass: %.1f s, phases %s", rec.time_s, rec.phase_s)
     return rec
 
@@ -233,7 +233,9 @@ def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOpti
     taken as it is), then time them in interleaved rounds; per plan the compiled step and the
     measured seconds per step of each round. Plans compiled to one program are run once
     (``_twins``). Rounds stop after ``min_rounds`` once every other plan is ``slower`` than
-    the fastest."""
+    the fastest. Each measurement places its plan's state from the host, runs a step
+    untimed, times its steps, and frees the state before the next plan's is placed: the
+    candidates of a memory-bound search each fit the devices, and together would not."""
     from cfp.execute import PlannedStep, time_steps
     phases = phases or Phases()
     steps = []
@@ -245,19 +247,20 @@ def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOpti
                 strategies, storage = plan
                 ps = PlannedStep(program, analysis, strategies, mesh, storage)
                 ps.compile()
-            ps.run = ps.loop(args_host)
             steps.append(ps)
     twin = _twins(steps)
     runs = [i for i, j in enumerate(twin) if i == j]
     times = [[] for _ in steps]
-    with phases("running"):
-        for i in runs:
-            time_steps(steps[i].run, iters=1)  # warm-up
-        for r in range(options.rounds):  # the order rotates, so drift hits every plan alike
-            for i in [runs[(r + k) % len(runs)] for k in range(len(runs))]:
-                times[i].append(time_steps(steps[i].run, iters=options.iters))
-            if r + 1 >= options.min_rounds and _separated([times[i] for i in runs]):
-                break
+    for r in range(options.rounds):  # the order rotates, so drift hits every plan alike
+        for i in [runs[(r + k) % len(runs)] for k in range(len(runs))]:
+            with phases("placing state"):
+                run = steps[i].loop(args_host)
+            with phases("running"):
+                time_steps(run, iters=1)  # warm-up: the first step on the state just placed
+                times[i].append(time_steps(run, iters=options.iters))
+            del run  # this plan's state freed before the next plan's is placed
+        if r + 1 >= options.min_rounds and _separated([times[i] for i in runs]):
+            break
     return steps, [list(times[j]) for j in twin]
 
 
