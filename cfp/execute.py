@@ -167,8 +167,17 @@ class StepLoop:
         return outs
 
 
-def time_steps(run, *, iters: int | None = None, min_steps: int = 5,
-               min_seconds: float = 0.1) -> float:
+MIN_STEPS, MIN_SECONDS = 5, 0.1  # a measurement of ``time_steps``, by default
+
+
+def steps_for(step_s: float) -> int:
+    """How many steps of ``step_s`` seconds a default measurement takes: at least
+    ``MIN_STEPS`` and ``MIN_SECONDS``."""
+    return max(MIN_STEPS, math.ceil(MIN_SECONDS / max(step_s, 1e-9)))
+
+
+def time_steps(run, *, iters: int | None = None, min_steps: int = MIN_STEPS,
+               min_seconds: float = MIN_SECONDS) -> float:
     """Mean seconds per step of ``run()`` (a ``StepLoop``) over one measurement: ``iters``
     steps, or (default) at least ``min_steps`` steps and ``min_seconds``. Each step is waited
     for before the next starts: the profile pass times windows the same way, and queueing

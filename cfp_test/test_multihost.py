@@ -76,8 +76,9 @@ def runs(tmp_path_factory):
     survivor_err = procs[0].stderr.read()
     procs[1].wait()
     known = _measured(dirs[0] / "wd")
-    whole = _finish(_launch(dirs, port + 20, "--validate-top", "1", "--no-validate-baselines",
-                            "--iters", "1", "-v"))
+    # two candidates, each timed for 0.1 s: the processes agree on the steps and the rounds
+    whole = _finish(_launch(dirs, port + 20, "--validate-top", "2", "--no-validate-baselines",
+                            "-v"))
     return {"dirs": dirs, "survivor": (survivor, survivor_err, stop_s),
             "known": known, "whole": whole}
 

@@ -236,7 +236,8 @@ def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOpti
     the fastest. Each measurement places its plan's state from the host, runs a step
     untimed, times its steps, and frees the state before the next plan's is placed: the
     candidates of a memory-bound search each fit the devices, and together would not."""
-    from cfp.execute import PlannedStep, time_steps
+    from cfp.execute import PlannedStep, steps_for, time_steps
+    from cfp.multihost import processes, share
     phases = phases or Phases()
     steps = []
     with phases("compiling"):
@@ -256,8 +257,12 @@ def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOpti
             with phases("placing state"):
                 run = steps[i].loop(args_host)
             with phases("running"):
-                time_steps(run, iters=1)  # warm-up: the first step on the state just placed
-                times[i].append(time_steps(run, iters=options.iters))
+                warm_s = time_steps(run, iters=1)  # the first step on the state just placed
+                iters = options.iters
+                if iters is None and processes() > 1:  # every process runs as many steps
+                    iters = share(steps_for(warm_s))
+                # process 0's time, so that every process stops and keeps alike
+                times[i].append(share(time_steps(run, iters=iters)))
             del run  # this plan's state freed before the next plan's is placed
         if r + 1 >= options.min_rounds and _separated([times[i] for i in runs]):
             break
