@@ -426,9 +426,10 @@ def test_the_plan_picture_says_where_each_segment_keeps_its_state():
 def test_plans_compiled_to_one_program_are_run_once_with_their_state_alone(monkeypatch):
     """Validation runs a program once however many candidates compiled to it (a hand plan
     that is cfp's own plan, say), and each gets its times. Control: the megatron plan, another
-    program, is run beside dp. While a plan runs, no other plan's state is on the devices
-    (memory-bound candidates each fit, and together would not); the control: the probe
-    sees the running plan's own state alive."""
+    program, is run beside dp. Under a budget the plans' states do not fit together, no other
+    plan's state is on the devices while a plan runs (memory-bound candidates each fit, and
+    together would not); the probe sees the running plan's own state alive. Control: with
+    room for all, each plan's state is placed once and stays."""
     import collections
     import weakref
     from cfp import execute
@@ -455,8 +456,13 @@ def test_plans_compiled_to_one_program_are_run_once_with_their_state_alone(monke
     monkeypatch.setattr(execute, "time_steps", counted)
     workload = a.spec.build()
     steps, times = measure_plans(trace_step(workload), a, plans, a.mesh(),
-                                 real_inputs(workload), SearchOptions(None, iters=1))
+                                 real_inputs(workload), SearchOptions(1, iters=1))
     assert timed[id(steps[0].compiled)] >= 5 and timed[id(steps[1].compiled)] >= 5  # control
     assert timed[id(steps[2].compiled)] == 0
     assert times[2] == times[0] and times[1] != times[0]
     assert len(others_alive) >= 10 and set(others_alive) == {0}
+    others_alive.clear()
+    placed.clear()
+    measure_plans(trace_step(workload), a, steps, a.mesh(), real_inputs(workload),
+                  SearchOptions(None, iters=1))
+    assert others_alive[-1] > 0  # the control: room for all, every state stays placed

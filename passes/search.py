@@ -233,7 +233,9 @@ def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOpti
     taken as it is), then time them in interleaved rounds; per plan the compiled step and the
     measured seconds per step of each round. Plans compiled to one program are run once
     (``_twins``). Rounds stop after ``min_rounds`` once every other plan is ``slower`` than
-    the fastest. Each measurement places its plan's state from the host, runs a step
+    the fastest. Where every plan's state and the largest plan's temporaries fit the memory
+    budget together (``_fit_together``), each plan's state is placed once and a step run
+    untimed; otherwise each measurement places its plan's state from the host, runs a step
     untimed, times its steps, and frees the state before the next plan's is placed: the
     candidates of a memory-bound search each fit the devices, and together would not."""
     from cfp.execute import PlannedStep, steps_for, time_steps
@@ -252,21 +254,41 @@ def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOpti
     twin = _twins(steps)
     runs = [i for i, j in enumerate(twin) if i == j]
     times = [[] for _ in steps]
+    held, warm_s = {}, {}
+    if _fit_together([steps[i] for i in runs], options.memory_budget_bytes):
+        with phases("placing state"):
+            held = {i: steps[i].loop(args_host) for i in runs}
     for r in range(options.rounds):  # the order rotates, so drift hits every plan alike
         for i in [runs[(r + k) % len(runs)] for k in range(len(runs))]:
-            with phases("placing state"):
-                run = steps[i].loop(args_host)
+            run = held.get(i)
+            if run is None:
+                with phases("placing state"):
+                    run = steps[i].loop(args_host)
             with phases("running"):
-                warm_s = time_steps(run, iters=1)  # the first step on the state just placed
+                if i not in held or i not in warm_s:  # the first step on the state placed
+                    warm_s[i] = time_steps(run, iters=1)
                 iters = options.iters
                 if iters is None and processes() > 1:  # every process runs as many steps
-                    iters = share(steps_for(warm_s))
+                    iters = share(steps_for(warm_s[i]))
                 # process 0's time, so that every process stops and keeps alike
                 times[i].append(share(time_steps(run, iters=iters)))
-            del run  # this plan's state freed before the next plan's is placed
+            del run  # unless held, this plan's state freed before the next plan's is placed
         if r + 1 >= options.min_rounds and _separated([times[i] for i in runs]):
             break
     return steps, [list(times[j]) for j in twin]
+
+
+def _fit_together(steps, budget_bytes: int | None) -> bool:
+    """Whether the compiled ``steps``' arguments (their state and batch), all placed at once,
+    leave room within ``budget_bytes`` per device (None: no bound) for the largest of their
+    temporaries and outputs. Process 0's answer."""
+    from cfp.measure import memory_of
+    from cfp.multihost import share
+    if budget_bytes is None:
+        return True
+    memory = [memory_of(ps.compiled) for ps in steps]
+    return share(sum(m["argument_bytes"] for m in memory)
+                 + max(m["peak_bytes"] - m["argument_bytes"] for m in memory) <= budget_bytes)
 
 
 def _twins(steps) -> list[int]:
