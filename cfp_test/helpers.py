@@ -85,9 +85,10 @@ def assert_users_loop(train_step, plan, mesh, params, opt_state, batch, loss=lam
     steps = (plan_jit(train_step, plan, mesh, params, opt_state, batch),
              jax.jit(auto_inside(train_step, mesh, out_sh), in_shardings=in_sh,
                      out_shardings=out_sh, donate_argnums=DONATE_ARGNUMS))
+    def host(x):  # a fresh copy to place; a typed PRNG key (dropout's) has no NumPy form
+        return x if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else np.asarray(x)
     for step in steps:
-        placed = jax.device_put(jax.tree_util.tree_map(np.asarray, (params, opt_state, batch)),
-                                in_sh)
+        placed = jax.device_put(jax.tree_util.tree_map(host, (params, opt_state, batch)), in_sh)
         got = run_loop(step, *placed, loss=loss)
         assert_loop_matches(got, ref)
         assert all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(
