@@ -107,18 +107,33 @@ class Program:
             out.setdefault(e.origin, []).append(i)
         return out
 
-    def rolls(self, hooks: dict[int, Any]) -> bool:
-        """Whether every copy of each equation has the same entry in ``hooks`` (or none):
-        then ``evaluate_rolled`` with hooks from the first copy is the same computation."""
-        return not self.split_conds and all(
-            len({repr(hooks.get(i)) for i in idx}) == 1 for idx in self.copies().values())
+    def rolled_constraints(self, constraints: dict[int, Any]) -> dict[int, Any] | None:
+        """The constraints of a rolled step, keyed by each equation's first copy (what
+        ``evaluate_rolled`` reads), or None where the step cannot roll: a contraction whose
+        copies (one per iteration) are constrained differently (a plan that differs per
+        layer), or a split ``cond``. Any other operator whose copies differ gets no constraint:
+        a scan's first iteration reads the stack's input where the others read the previous
+        layer, so a layer's leading operators can belong to another block there, and in the
+        loop's one body XLA places them by the contractions around them."""
+        if self.split_conds:
+            return None
+        out = {}
+        for idx in self.copies().values():
+            entries = {repr(constraints.get(i)): constraints.get(i) for i in idx}
+            if len(entries) == 1:
+                if constraints.get(idx[0]) is not None:
+                    out[idx[0]] = constraints[idx[0]]
+            elif self.eqns[idx[0]].primitive.name in CONTRACTIONS:
+                return None
+        return out
 
     def evaluate_rolled(self, flat_inputs: Sequence[Any], *,
                         before: Callable[[int, list], list] | None = None,
                         after: Callable[[int, list], list] | None = None) -> list[Any]:
         """The step's outputs, evaluated as traced: each scan as a ``lax.scan`` over its body
         and remat's recomputation behind an optimization barrier. The hooks are those of
-        ``evaluate``, called with the index of each equation's first copy (see ``rolls``)."""
+        ``evaluate``, called with the index of each equation's first copy (see
+        ``rolled_constraints``)."""
         first = {o: idx[0] for o, idx in self.copies().items()}
 
         def run(jaxpr, consts, args, path):

@@ -56,12 +56,14 @@ def step_function(program: Program, *, constraints: dict[int, tuple[list, list]]
                   mesh) -> tuple[Callable, bool]:
     """``(f(*step_inputs) -> step_outputs, rolled)``: the whole step under ``constraints``.
     Its scans stay ``lax.scan``s (``rolled``) when the constraints are the same in every
-    iteration, as the search makes them; otherwise the scans run unrolled, as analysed."""
-    rolled = program.scans and program.rolls(constraints)
+    iteration, as the search makes them (``Program.rolled_constraints``); otherwise the scans
+    run unrolled, as analysed."""
+    rolled = program.rolled_constraints(constraints) if program.scans else None
+    if rolled is not None:
+        return sub_function(program, None, constraints=rolled, mesh=mesh), True
     g = program.graph()
-    sub = None if rolled else SubProgram(tuple(range(len(g.ops))), tuple(g.inputs),
-                                         tuple(g.outputs))
-    return sub_function(program, sub, constraints=constraints, mesh=mesh), rolled
+    sub = SubProgram(tuple(range(len(g.ops))), tuple(g.inputs), tuple(g.outputs))
+    return sub_function(program, sub, constraints=constraints, mesh=mesh), False
 
 
 def sub_function(program: Program, sub: SubProgram | None, *,
