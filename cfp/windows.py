@@ -7,7 +7,8 @@ by their contractions, so two instances of one window can still differ in other 
 first layer also gathers the embedding and updates its table): a window instance whose
 operators (kinds and shapes) differ from those of the instance in its segment's representative
 is a window type of its own, profiled on itself, so that no window is priced by another
-program.
+program. What the step computes once for every layer, from constants or on scalars, does not
+count (``_operators``).
 
 **Boundaries.** A window is measured with its live-ins already in the layout its first reader
 wants and its live-outs in the layout their producer makes, so a measured window time holds no
@@ -35,7 +36,7 @@ import functools
 import math
 
 from cfp import dims as dimrules
-from cfp.graph import memo
+from cfp.graph import computed_from_inputs, memo
 from cfp.sharding import STATE_LAYOUTS, block_constraints, state_specs, sub_program
 
 
@@ -93,15 +94,25 @@ def _operators(analysis, start: int, end: int) -> tuple:
     """What the blocks ``[start, end)`` compute, independent of where: each member's kind and
     operand and result shapes and dtypes, as a sorted multiset (a scan's per-layer slices,
     which differ only in their offsets, compare equal; the iteration whose windows hold the
-    update of the scan's stacked weights does not)."""
+    update of the scan's stacked weights does not). Left out: what a step computes once for
+    every layer and costs nothing beside it, members computed from constants alone (a causal
+    mask from ``iota``) and members whose operands and results are all scalars (an optimizer's
+    step count and its bias corrections). The first layer's window holds those, the others
+    read them, and they would make it a window type of its own."""
     g = analysis.graph
+    varying = memo(g, "computed_from_inputs", lambda: computed_from_inputs(g))
 
     def shapes(values):
         return tuple((g.values[v].shape, g.values[v].dtype) for v in values)
 
+    def counts(op) -> bool:
+        if not any(v in varying for v in op.outputs):
+            return False
+        return any(g.values[v].shape for v in (*op.inputs, *op.outputs))
+
     ops = [g.ops[m.op] for b in range(start, end) for m in analysis.blocks.blocks[b].members]
     return tuple(sorted(repr((op.primitive, shapes(op.inputs), shapes(op.outputs)))
-                        for op in ops))
+                        for op in ops if counts(op)))
 
 
 def _cuts(analysis, seg, max_combinations: int) -> list[tuple[int, int]]:
