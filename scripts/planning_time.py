@@ -47,6 +47,10 @@ PASS_LINE = re.compile(r"^(profile pass|search pass): ([\d.]+) s \((.*)\)$")
 ANALYSIS_LINE = re.compile(r"^analysis: .*\(([\d.]+) s\)$")
 # the plan's predicted step (a cluster plan) or latency (stages), which a change must keep
 PREDICTED_LINE = re.compile(r"^predicted (?:step time|latency).*: ([\d.]+) ms")
+# the kept plan of a measured case, and its step time: which plan, so that a change that
+# keeps it shows it kept it
+KEPT_LINE = re.compile(r"^searched ParallelBlock Strategies solution \((.*)\): (\[.*\])$")
+STEP_LINE = re.compile(r"^step time: ([\d.]+) ms")
 STAGES_LINE = re.compile(r"stage DP: .*?([\d.]+) s; .* in ([\d.]+) s; stages pass ([\d.]+) s"
                          r"(?: \(tracing ([\d.]+) s\))?")
 
@@ -84,7 +88,7 @@ def run_case(tree: Path, commands: list[list[str]], cache: str
 
 
 def pass_rows(command: str, out: str) -> list[tuple[str, str, str, float]]:
-    rows = []
+    rows, step_ms = [], None
     for line in out.splitlines():
         if m := ANALYSIS_LINE.match(line.strip()):
             rows.append((command, "analysis", "total", float(m.group(1))))
@@ -94,6 +98,11 @@ def pass_rows(command: str, out: str) -> list[tuple[str, str, str, float]]:
             for part in m.group(3).split(", "):
                 if p := re.match(r"(.+) ([\d.]+)$", part):
                     rows.append((command, name, p.group(1), float(p.group(2))))
+        elif m := STEP_LINE.match(line.strip()):
+            step_ms = float(m.group(1))
+        elif (m := KEPT_LINE.match(line.strip())) and step_ms is not None:
+            rows.append((command, "plan", f"measured step (s) of {m.group(1)}: {m.group(2)}",
+                         step_ms / 1e3))
         elif m := PREDICTED_LINE.match(line.strip()):
             rows.append((command, "plan", "predicted (s, not a time taken)",
                          float(m.group(1)) / 1e3))
