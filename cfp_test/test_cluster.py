@@ -143,7 +143,8 @@ def test_edges_are_priced_per_distinct_layout_pair_on_a_3_axis_mesh():
 
 def test_repeated_layers_are_composed_once(monkeypatch):
     """gpt at 2 and 8 layers, priced analytically: the memory of a window type's
-    combinations is composed once, however many layers repeat it, and the problem is the one
+    combinations is composed once per way its instances read and hold (the first layer's may
+    differ), however many layers repeat it, and the problem is the one
     composed window by window. Control: a window reading an input an earlier one read holds
     less, and its key says so."""
     import numpy as np
@@ -169,9 +170,11 @@ def test_repeated_layers_are_composed_once(monkeypatch):
         problem, _ = build_problem(a, profile, 2**30)
         types = {w.type for w in profile.windows}
         assert len(profile.windows) > len(types)
-        assert len(composed) == sum(
-            sum(m.status == "ok" for m in profile.window_profiles[t].results.values())
-            for t in types)
+        ok = {t: sum(m.status == "ok" for m in profile.window_profiles[t].results.values())
+              for t in types}
+        # at least once per type; fewer than window by window (the first layer's instance
+        # of a type, which also makes the causal mask, reads otherwise and has its own key)
+        assert sum(ok.values()) <= len(composed) < sum(ok[w.type] for w in profile.windows)
         built[layers] = (a, profile, problem, len(composed))
     assert built[2][3] == built[8][3]  # constant in depth
     a, profile, problem, _ = built[8]
