@@ -154,6 +154,22 @@ class PlannedStep:
         return StepLoop(self.compiled, self.place(flat_inputs), self.state_count)
 
 
+def compile_steps(steps: Sequence["PlannedStep"]) -> None:
+    """Compile the steps not compiled yet, several at once: XLA releases the GIL while it
+    compiles, so each core compiles one (at most 8; on a GPU 2, whose compiles autotune on
+    the device and contend for it)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+    todo = [ps for ps in steps if ps.compiled is None]
+    if not todo:
+        return
+    on_gpu = todo[0].mesh.devices.flat[0].platform != "cpu"
+    threads = max(1, min(os.cpu_count() or 1, 2 if on_gpu else 8, len(todo)))
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for future in [pool.submit(ps.compile) for ps in todo]:
+            future.result()
+
+
 class StepLoop:
     """A compiled step run as a training loop: each call runs one step and feeds its new
     state (the first ``state_count`` outputs) back as the next step's state."""

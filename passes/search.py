@@ -183,7 +183,7 @@ def fitting_predictions(analysis, problem: Problem, profile, options: SearchOpti
     ``CALIBRATIONS`` solves in all. The predictions that fit are returned, or where none
     does, the last ones. The solutions' memory is the uncalibrated composition. ``phases``
     takes the seconds of solving and of compiling apart."""
-    from cfp.execute import PlannedStep
+    from cfp.execute import PlannedStep, compile_steps
     from cfp.measure import memory_of
     phases = phases or Phases()
     budget, composed = problem.memory_budget, problem
@@ -194,19 +194,20 @@ def fitting_predictions(analysis, problem: Problem, profile, options: SearchOpti
     if budget is None:
         return sols, compiled, status
 
-    def peak(sol) -> int:
-        ps = PlannedStep(program, analysis, sol.strategies, mesh,
-                         plan_storage(analysis, problem, profile.windows, sol.choices))
+    def peaks(sols) -> list[int]:
+        steps = [PlannedStep(program, analysis, sol.strategies, mesh,
+                             plan_storage(analysis, problem, profile.windows, sol.choices))
+                 for sol in sols]
         with phases("compiling"):
-            ps.compile()
-        compiled[sol.choices] = ps
-        return memory_of(ps.compiled)["peak_bytes"]
+            compile_steps(steps)
+        compiled.update((sol.choices, ps) for sol, ps in zip(sols, steps))
+        return [memory_of(ps.compiled)["peak_bytes"] for ps in steps]
 
     fitting: list[Solution] = []
     for n in range(CALIBRATIONS):
-        peaks = [peak(s) for s in sols]
-        fitting += [s for s, p in zip(sols, peaks) if p <= budget]
-        over = [(s, p) for s, p in zip(sols, peaks) if p > budget]
+        peaks_bytes = peaks(sols)
+        fitting += [s for s, p in zip(sols, peaks_bytes) if p <= budget]
+        over = [(s, p) for s, p in zip(sols, peaks_bytes) if p > budget]
         if not over or n == CALIBRATIONS - 1:
             break
         with phases("solving"):
@@ -238,19 +239,13 @@ def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOpti
     untimed; otherwise each measurement places its plan's state from the host, runs a step
     untimed, times its steps, and frees the state before the next plan's is placed: the
     candidates of a memory-bound search each fit the devices, and together would not."""
-    from cfp.execute import PlannedStep, steps_for, time_steps
+    from cfp.execute import PlannedStep, compile_steps, steps_for, time_steps
     from cfp.multihost import processes, share
     phases = phases or Phases()
-    steps = []
+    steps = [plan if isinstance(plan, PlannedStep)
+             else PlannedStep(program, analysis, plan[0], mesh, plan[1]) for plan in plans]
     with phases("compiling"):
-        for plan in plans:
-            if isinstance(plan, PlannedStep):
-                ps = plan
-            else:
-                strategies, storage = plan
-                ps = PlannedStep(program, analysis, strategies, mesh, storage)
-                ps.compile()
-            steps.append(ps)
+        compile_steps(steps)
     twin = _twins(steps)
     runs = [i for i, j in enumerate(twin) if i == j]
     times = [[] for _ in steps]
