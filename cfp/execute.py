@@ -156,15 +156,16 @@ class PlannedStep:
 
 def compile_steps(steps: Sequence["PlannedStep"]) -> None:
     """Compile the steps not compiled yet, several at once: XLA releases the GIL while it
-    compiles, so each core compiles one (at most 8; on a GPU 2, whose compiles autotune on
-    the device and contend for it)."""
+    compiles, so each core compiles one (at most 8). On a GPU one at a time: a compile times
+    kernels on the device to choose them, and beside another compile it would choose by
+    noisy times."""
     import os
     from concurrent.futures import ThreadPoolExecutor
     todo = [ps for ps in steps if ps.compiled is None]
     if not todo:
         return
     on_gpu = todo[0].mesh.devices.flat[0].platform != "cpu"
-    threads = max(1, min(os.cpu_count() or 1, 2 if on_gpu else 8, len(todo)))
+    threads = 1 if on_gpu else max(1, min(os.cpu_count() or 1, 8, len(todo)))
     with ThreadPoolExecutor(max_workers=threads) as pool:
         for future in [pool.submit(ps.compile) for ps in todo]:
             future.result()

@@ -81,7 +81,8 @@ def split_windows(analysis, max_combinations: int, whole_segments: bool = False
     for i in order:
         seg = sa.instances[i]
         for lo, hi in offsets[seg.type]:
-            key = (seg.type, lo, _operators(analysis, seg.start + lo, seg.start + hi))
+            key = (seg.type, lo, _operators(analysis, seg.start + lo, seg.start + hi),
+                   _strategies(analysis, seg.start + lo, seg.start + hi))
             wt = window_type.setdefault(key, len(window_type))
             w = Window(seg.start + lo, seg.start + hi, wt)
             first.setdefault(w.type, w)
@@ -113,6 +114,14 @@ def _operators(analysis, start: int, end: int) -> tuple:
     ops = [g.ops[m.op] for b in range(start, end) for m in analysis.blocks.blocks[b].members]
     return tuple(sorted(repr((op.primitive, shapes(op.inputs), shapes(op.outputs)))
                         for op in ops if counts(op)))
+
+
+def _strategies(analysis, start: int, end: int) -> tuple:
+    """The strategies of the blocks ``[start, end)`` (their mesh axes' loop dims, in order):
+    a combination names strategies by index, so instances of one type must list the same
+    ones (a member ``_operators`` leaves out still prunes its block's strategies)."""
+    return tuple(tuple(st.axes for st in analysis.blocks.blocks[b].strategies)
+                 for b in range(start, end))
 
 
 def _cuts(analysis, seg, max_combinations: int) -> list[tuple[int, int]]:

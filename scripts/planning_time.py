@@ -50,7 +50,7 @@ PREDICTED_LINE = re.compile(r"^predicted (?:step time|latency).*: ([\d.]+) ms")
 # the kept plan of a measured case, and its step time: which plan, so that a change that
 # keeps it shows it kept it
 KEPT_LINE = re.compile(r"^searched ParallelBlock Strategies solution \((.*)\): (\[.*\])$")
-STEP_LINE = re.compile(r"^step time: ([\d.]+) ms")
+STEP_LINE = re.compile(r"^step time: ([\d.]+(?:e[+-]\d+)?) ms")
 STAGES_LINE = re.compile(r"stage DP: .*?([\d.]+) s; .* in ([\d.]+) s; stages pass ([\d.]+) s"
                          r"(?: \(tracing ([\d.]+) s\))?")
 
@@ -137,7 +137,8 @@ def main() -> None:
             cache = caches.setdefault(key, tempfile.mkdtemp(prefix="cfp-planning-cache-"))
             for command, name, phase, seconds in run_case(tree, CASES[case], cache):
                 rows.append({"version": version, "case": case, "command": command,
-                             "pass": name, "phase": phase, "seconds": round(seconds, 2)})
+                             "pass": name, "phase": phase,
+                             "seconds": float(f"{seconds:.4g}")})
                 if phase in ("wall", "total"):
                     print(f"{version:6} {case:42} {name:8} {phase:6} {seconds:8.1f} s",
                           flush=True)
