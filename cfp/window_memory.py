@@ -47,10 +47,15 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
     for many combinations."""
     terms = terms or memory_terms(analysis, window, read_earlier, held)
     size, held_size, gathered_size = term_sizers(analysis, window, combo, axis_names)
-    held_bytes = {t[0]: held_size(t) for t in terms.held}
+    gathered = gathered_params(analysis, window, combo)
+    # A held weight copy (a bfloat16 cast of a weight the backward pass reads) is among the
+    # compiled window's weight copies, unless its weight is gathered first; an analytic
+    # measurement has no copies, so there it counts held.
+    copied = ({v for v, weight in terms.weight_copies if weight not in gathered}
+              if measured.note != "analytic" else set())
+    held_bytes = {t[0]: held_size(t) for t in terms.held if t[0] not in copied}
     held_bytes.update((t[0], n) for t in terms.gathered if (n := gathered_size(t)))
     adding = sum(size(*t) for t in terms.adding) + sum(held_bytes.values())
-    gathered = gathered_params(analysis, window, combo)
     adding += sum(size(*t, stored=False) - size(*t) for t in terms.adding if t[0] in gathered)
     # A compiled window's temporaries include the activations it holds; an analytic one's
     # leave them out (``cfp.analytic``).
@@ -90,6 +95,7 @@ def terms_key(analysis, window: Window, terms: MemoryTerms) -> tuple:
                  for b in range(window.start, window.end)),
            names(terms.adding), names(terms.held), names(terms.gathered),
            tuple(sorted(name(v) for v in terms.internal)),
+           tuple(sorted((name(v), name(w)) for v, w in terms.weight_copies)),
            tuple((name(pairs[k][0]), kinds[k]) for k in held_state(analysis, window)))
     tables = tuple(sorted(index[v] for v in terms.tables if v in index))
     shapes = tuple(g.values[v].shape + (g.values[v].dtype,) for v in index)
@@ -185,6 +191,7 @@ class MemoryTerms:
     internal: frozenset = frozenset()  # the held and gathered ones that do not leave the window
     gathered: tuple = ()  # residuals held where a backward reader gathers them
     tables: frozenset = frozenset()  # the step's parameters a forward gather reads
+    weight_copies: frozenset = frozenset()  # (held value, the one weight it is made from)
 
 
 def memory_terms(analysis, window: Window, read_earlier: frozenset[int] = frozenset(),
@@ -224,8 +231,26 @@ def memory_terms(analysis, window: Window, read_earlier: frozenset[int] = frozen
                 continue
             if v not in leaving:
                 internal.add(v)
+    copies = weight_made(g)
     return MemoryTerms(tuple(adding), tuple(held_terms), frozenset(internal),
-                       tuple(gathered), gather_tables(g, backward_from))
+                       tuple(gathered), gather_tables(g, backward_from),
+                       frozenset((t[0], copies[t[0]]) for t in held_terms if t[0] in copies))
+
+
+def weight_made(g) -> dict[int, int]:
+    """value -> the parameter an op makes it from alone (with constants): a weight cast to
+    bfloat16 or transposed. The compiled program holds these as weight copies
+    (``cfp.measure.weight_copy_bytes``). Found once per graph."""
+    def make():
+        params = param_values(g)
+        source = {v: v for v in params}
+        for op in g.ops:
+            found = {source.get(v, -1) for v in op.inputs if g.values[v].producer is not None
+                     or v in source or g.values[v].input_index is not None}
+            if len(found) == 1 and -1 not in found:
+                source.update((v, next(iter(found))) for v in op.outputs)
+        return {v: w for v, w in source.items() if v not in params}
+    return memo(g, "weight_made", make)
 
 
 def gather_tables(g, backward_from: int) -> frozenset[int]:

@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import logging
 import math
@@ -36,23 +37,17 @@ class WorkloadSpec:
     step: str = "train"  # "train": value-and-grad plus the optimizer; "forward": the loss alone
 
     def build(self):
-        """The ``cfp.models.Workload`` this spec names."""
+        """The ``cfp.models.Workload`` this spec names: built once per process (per factory,
+        for a user's step), so its abstract trees are traced once for every pass."""
         from cfp.models.workload import STEPS
         if self.step not in STEPS:
             raise CfpError(f"--step {self.step!r} is not one of {', '.join(STEPS)}")
-        overrides = dict(self.overrides)
-        compute = overrides.pop("compute_dtype", None)
-        spec = dataclasses.replace(self, overrides=tuple(overrides.items()))
-        if ":" in self.model:
-            workload = _user_workload(spec)
-        else:
-            from cfp.models import get_workload
-            workload = get_workload(self.model, self.config, batch_size=self.batch_size,
-                                    dtype=self.dtype, **overrides)
-        if compute is not None and compute != self.dtype:
-            from cfp.models.workload import computing_in
-            workload = computing_in(workload, compute)
-        return dataclasses.replace(workload, step=self.step)
+        factory = _user_factory(self.model) if ":" in self.model else None
+        try:
+            hash(factory)
+        except TypeError:  # a factory object that cannot key a cache: built each time
+            return _built.__wrapped__(self, factory)
+        return _built(self, factory)
 
     def resolved(self) -> "WorkloadSpec":
         """The same spec with the preset and batch size filled in (checks them, too)."""
@@ -71,18 +66,39 @@ class WorkloadSpec:
         return "-".join(parts + (["forward"] if self.step == "forward" else []))
 
 
-def _user_workload(spec: WorkloadSpec):
-    module_name, _, attr = spec.model.partition(":")
+@functools.lru_cache(maxsize=32)
+def _built(spec: WorkloadSpec, factory):
+    overrides = dict(spec.overrides)
+    compute = overrides.pop("compute_dtype", None)
+    plain = dataclasses.replace(spec, overrides=tuple(overrides.items()))
+    if factory is not None:
+        workload = _user_workload(plain, factory)
+    else:
+        from cfp.models import get_workload
+        workload = get_workload(spec.model, spec.config, batch_size=spec.batch_size,
+                                dtype=spec.dtype, **overrides)
+    if compute is not None and compute != spec.dtype:
+        from cfp.models.workload import computing_in
+        workload = computing_in(workload, compute)
+    return dataclasses.replace(workload, step=spec.step)
+
+
+def _user_factory(model: str):
+    """The factory that ``package.module:factory`` names."""
+    module_name, _, attr = model.partition(":")
     if not (module_name and attr):
-        raise CfpError(f"--model {spec.model!r} names no factory: give it as "
+        raise CfpError(f"--model {model!r} names no factory: give it as "
                        f"package.module:factory with the module on PYTHONPATH")
     try:
-        factory = getattr(importlib.import_module(module_name), attr)
+        return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
-        raise CfpError(f"cannot load the user step {spec.model!r} ({e}); give it as "
+        raise CfpError(f"cannot load the user step {model!r} ({e}); give it as "
                        f"package.module:factory with the module on PYTHONPATH") from None
     except (Exception, SystemExit) as e:  # a module that fails to parse, raises, or exits
-        raise _user_error(spec.model, e, f"importing {module_name}") from None
+        raise _user_error(model, e, f"importing {module_name}") from None
+
+
+def _user_workload(spec: WorkloadSpec, factory):
     kwargs = dict(spec.overrides, dtype=spec.dtype)
     if spec.batch_size is not None:
         kwargs["batch_size"] = spec.batch_size
