@@ -20,7 +20,7 @@ kept in the work dir).
 What it changes in the caller's process: the console lines of each pass are printed to
 ``sys.stdout``; when JAX is not yet imported, ``XLA_FLAGS`` asks for the mesh's number of
 virtual CPU devices (with JAX already started, the devices JAX has are used); in a process
-other than 0 of several, ``sys.stdout`` is silenced. JAX's settings, the logging setup and
+other than 0 of several, cfp prints nothing. JAX's settings, the logging setup and
 signal handlers are left as they were (the measurement workers, which are processes of their
 own, use ``Options.compilation_cache``).
 """
@@ -101,15 +101,22 @@ def autoshard(model: str, *, mesh: str | None = None, memory_budget_gb: float | 
     if unknown:
         raise CfpError(f"autoshard() takes no option {unknown[0]!r} (see cfp.Options for "
                        f"the ones it takes)")
-    workdir = run(Options(model=model, mesh=mesh, memory_budget_gb=memory_budget_gb,
-                          workdir=workdir, **options))
-    return Plan.load(Path(workdir) / "plan.json")
+    workdir, plan = _run(Options(model=model, mesh=mesh, memory_budget_gb=memory_budget_gb,
+                                 workdir=workdir, **options))
+    # Process 0 wrote the plan; another process of several has it from its own search.
+    return Plan(plan) if plan is not None else Plan.load(Path(workdir) / "plan.json")
 
 
 def run(options: Options, *, own_process: bool = False) -> Path:
     """The passes ``options.mode`` asks for (all three in order when None); returns the work
     dir. ``own_process``: the caller is the command line, whose process this is: JAX's
     compilation cache is turned on in it too."""
+    return _run(options, own_process=own_process)[0]
+
+
+def _run(options: Options, *, own_process: bool = False) -> tuple[Path, dict | None]:
+    """``run``'s work dir, and the plan on a process of several that writes none (None
+    elsewhere: the plan is in the work dir)."""
     opts = check_options(options)
     # A described cluster is compiled for here only up to 64 devices (cluster_pricing).
     setup_devices(opts.num_devices // opts.runtime.num_processes if opts.runtime
@@ -137,8 +144,9 @@ def run(options: Options, *, own_process: bool = False) -> Path:
     try:
         with (locked(opts.workdir) if opts.reports else contextlib.nullcontext(),
               CtrlC() as ctrl_c):
+            plan = None
             for mode in opts.modes:
-                _RUNNERS[mode](opts, options)
+                plan = _RUNNERS[mode](opts, options)
                 ctrl_c.check()
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -150,7 +158,7 @@ def run(options: Options, *, own_process: bool = False) -> Path:
         if interrupted(e):  # an extension module interrupted while it was imported
             raise KeyboardInterrupt from e
         raise
-    return opts.workdir
+    return opts.workdir, plan
 
 
 
@@ -345,7 +353,7 @@ def _check_step(analysis) -> None:
                        f"{rule.name} hand plan its {check.describe()}")
 
 
-def _run_search(opts: RunOptions, options) -> None:
+def _run_search(opts: RunOptions, options) -> dict | None:
     from cfp import dumps, report
     from cfp.passes.search import SearchOptions, run_search
     wd = _workdir(opts)
@@ -363,8 +371,9 @@ def _run_search(opts: RunOptions, options) -> None:
     if options.verbose:
         report.say("***********Search Pass****************")
     rec = run_search(analysis, profile, search_options)
-    if not opts.reports:
-        return
+    if not opts.reports:  # process 0 writes the plan; this process has it all the same
+        import json
+        return json.loads(json.dumps(dumps.plan_of(analysis, rec)))
     wd.write_search(rec)
     report.search_console(rec, analysis, opts.num_devices, budget, options.verbose)
     dumps.write_search_dumps(wd.path, analysis, profile, rec)

@@ -71,6 +71,17 @@ def _with_paths(hlo: str, paths: list[str]) -> str:
                   if args else "")
 
 
+def plan_of(analysis, rec) -> dict:
+    """``plan.json``'s content for the search record ``rec``, with the plan in words."""
+    from cfp.describe import plan_words
+    from cfp.plan import make_plan
+    plan = rec.plan
+    plan_json = make_plan(analysis, plan.strategies, in_specs=rec.in_specs,
+                          out_specs=rec.out_specs, source=plan.source, storage=plan.storage)
+    plan_json["description"] = plan_words(analysis, plan.strategies, plan.storage)
+    return plan_json
+
+
 def write_search_dumps(workdir, analysis, profile, rec) -> None:
     """debug_search/: after_ir.txt, input/output_placement_specs.txt, mem_usage.txt,
     report.json, plan.png, predicted_vs_measured.png; and plan.json (with the plan in words)
@@ -79,7 +90,7 @@ def write_search_dumps(workdir, analysis, profile, rec) -> None:
     import math
     import jax
     from cfp.dims import spec_axes
-    from cfp.plan import make_plan, write_plan
+    from cfp.plan import write_plan
     from cfp.collectives import collectives
     out = Path(workdir) / "debug_search"
     out.mkdir(parents=True, exist_ok=True)
@@ -114,11 +125,7 @@ def write_search_dumps(workdir, analysis, profile, rec) -> None:
         [f"{k}: {v} B ({v / 2**30:.4f} GiB)" for k, v in mem.items()]
         + [f"composed from the profiles: {plan.composed_memory_bytes} B "
            f"({plan.composed_memory_bytes / 2**30:.4f} GiB)"]) + "\n")
-    from cfp.describe import plan_words
-    plan_json = make_plan(analysis, plan.strategies, in_specs=rec.in_specs,
-                          out_specs=rec.out_specs, source=plan.source, storage=plan.storage)
-    plan_json["description"] = plan_words(analysis, plan.strategies, plan.storage)
-    write_plan(Path(workdir) / "plan.json", plan_json)
+    write_plan(Path(workdir) / "plan.json", plan_of(analysis, rec))
     by_kind: dict = {}
     for c in collectives(rec.compiled_text, analysis.mesh_shape):
         k = by_kind.setdefault(c.kind, {"count": 0, "bytes": 0})

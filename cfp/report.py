@@ -15,14 +15,23 @@ from cfp.jax_compat import is_key
 _log = logging.getLogger(__name__)
 
 
+_silent = False  # a process other than 0 of several: process 0 reports
+
+
 def say(line: str = "") -> None:
-    print(line, flush=True)
+    _print(line, flush=True)
 
 
 def silence() -> None:
-    """Print nothing from here on (a process other than 0 of several: process 0 reports)."""
-    import os
-    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the rest of the process
+    """Print nothing from here on (a process other than 0 of several: process 0 reports);
+    what the caller prints is left alone."""
+    global _silent
+    _silent = True
+
+
+def _print(*args, **kwargs) -> None:
+    if not _silent:
+        print(*args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,7 +168,7 @@ class ProfileProgress:
         self.stop.set()
         self.thread.join(timeout=1)
         if self.tty and self.total:
-            print(flush=True)
+            _print(flush=True)
 
     def _eta(self) -> str:
         import time
@@ -171,14 +180,14 @@ class ProfileProgress:
     def _bar(self) -> None:
         import time
         bar = "#" * int(30 * self.n / max(1, self.total))
-        print(f"\r[{bar:<30}] {self.n}/{self.total} {self.unit}, {self.where}, "
+        _print(f"\r[{bar:<30}] {self.n}/{self.total} {self.unit}, {self.where}, "
               f"{self._eta()}   ", end="", flush=True)
         self.last_line_s = time.perf_counter()
 
     def _line(self, text: str) -> None:
         import time
         if self.tty and self.total:
-            print("\r" + " " * 100 + "\r", end="")
+            _print("\r" + " " * 100 + "\r", end="")
         say(text)
         self.last_line_s = time.perf_counter()
 

@@ -1,6 +1,6 @@
 """Two processes of four virtual devices each, run as two hosts would run them: the passes
 match one process of eight devices; a process killed mid-profile stops the other in one line,
-and a relaunch resumes."""
+and a relaunch (through ``cfp.autoshard``) resumes and hands every process the plan."""
 import os
 import pickle
 import signal
@@ -36,6 +36,24 @@ def _launch(dirs, port, *extra):
         [sys.executable, "-m", "cfp", *FLAGS, "--coordinator", f"127.0.0.1:{port}",
          "--process-id", str(i), *extra], cwd=d, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True) for i, d in enumerate(dirs)]
+
+
+# The same job through the Python API in each process: every process gets process 0's plan.
+API = """import sys
+import cfp
+plan = cfp.autoshard("mlp", num_layers=2, max_combinations=4, memory_budget_gb=1, workdir="wd",
+                     compilation_cache=None, join_timeout=10, num_processes=2,
+                     coordinator=sys.argv[1], process_id=int(sys.argv[2]), validate_top=2,
+                     validate_baselines=False, verbose=True)
+print("plan:", plan.data["source"], plan.data["blocks"])
+"""
+
+
+def _launch_api(dirs, port):
+    return [subprocess.Popen(
+        [sys.executable, "-c", API, f"127.0.0.1:{port}", str(i)], cwd=d,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        for i, d in enumerate(dirs)]
 
 
 def _finish(procs, timeout_s=240):
@@ -77,8 +95,7 @@ def runs(tmp_path_factory):
     procs[1].wait()
     known = _measured(dirs[0] / "wd")
     # two candidates, each timed for 0.1 s: the processes agree on the steps and the rounds
-    whole = _finish(_launch(dirs, port + 20, "--validate-top", "2", "--no-validate-baselines",
-                            "-v"))
+    whole = _finish(_launch_api(dirs, port + 20))
     return {"dirs": dirs, "survivor": (survivor, survivor_err, stop_s),
             "known": known, "whole": whole}
 
@@ -94,7 +111,9 @@ def test_killed_process_stops_the_other_and_a_relaunch_resumes(runs):
     assert code0 == 0 and code1 == 0, err0
     assert f"({runs['known']} measured before)" in out0
     assert f"compiled in this run: {total - runs['known']}" in out0
-    assert out1 == ""  # process 1 reports nothing
+    # process 1 reports nothing, and its plan is process 0's, which only process 0 wrote
+    plan_line = out0.splitlines()[-1]
+    assert plan_line.startswith("plan: ") and out1 == plan_line + "\n", (out0, out1)
 
 
 def _combinations() -> int:
