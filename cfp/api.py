@@ -20,7 +20,7 @@ kept in the work dir).
 What it changes in the caller's process: the console lines of each pass are printed to
 ``sys.stdout``; when JAX is not yet imported, ``XLA_FLAGS`` asks for the mesh's number of
 virtual CPU devices (with JAX already started, the devices JAX has are used); in a process
-other than 0 of several, cfp prints nothing. JAX's settings, the logging setup and
+other than 0 of several, cfp prints nothing while it runs. JAX's settings, the logging setup and
 signal handlers are left as they were (the measurement workers, which are processes of their
 own, use ``Options.compilation_cache``).
 """
@@ -122,9 +122,13 @@ def _run(options: Options, *, own_process: bool = False) -> tuple[Path, dict | N
     setup_devices(opts.num_devices // opts.runtime.num_processes if opts.runtime
                    else opts.num_devices if opts.cluster is None or opts.num_devices <= 64
                    else 8)
-    if not opts.reports:
-        from cfp import report
-        report.silence()
+    from cfp import report
+    with report.silenced(not opts.reports):
+        return _run_passes(opts, options, own_process)
+
+
+def _run_passes(opts: RunOptions, options: Options, own_process: bool
+                ) -> tuple[Path, dict | None]:
     if opts.reports and opts.workdir is not None:
         check_workdir(opts.workdir)  # before any work: --mesh auto ranks meshes first
     if opts.mesh_shape is None:

@@ -5,6 +5,7 @@ Library code logs; the lines users read come from here.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import math
 import sys
@@ -22,11 +23,16 @@ def say(line: str = "") -> None:
     _print(line, flush=True)
 
 
-def silence() -> None:
-    """Print nothing from here on (a process other than 0 of several: process 0 reports);
-    what the caller prints is left alone."""
+@contextlib.contextmanager
+def silenced(silent: bool = True):
+    """Print nothing inside (``silent``: a process other than 0 of several, where process 0
+    reports); what the caller prints is left alone."""
     global _silent
-    _silent = True
+    before, _silent = _silent, _silent or silent
+    try:
+        yield
+    finally:
+        _silent = before
 
 
 def _print(*args, **kwargs) -> None:
@@ -181,7 +187,7 @@ class ProfileProgress:
         import time
         bar = "#" * int(30 * self.n / max(1, self.total))
         _print(f"\r[{bar:<30}] {self.n}/{self.total} {self.unit}, {self.where}, "
-              f"{self._eta()}   ", end="", flush=True)
+               f"{self._eta()}   ", end="", flush=True)
         self.last_line_s = time.perf_counter()
 
     def _line(self, text: str) -> None:
