@@ -245,8 +245,8 @@ def weight_made(g) -> dict[int, int]:
         params = param_values(g)
         source = {v: v for v in params}
         for op in g.ops:
-            found = {source.get(v, -1) for v in op.inputs if g.values[v].producer is not None
-                     or v in source or g.values[v].input_index is not None}
+            found = {source.get(v, -1) for v in op.inputs  # constants aside
+                     if g.values[v].producer is not None or g.values[v].input_index is not None}
             if len(found) == 1 and -1 not in found:
                 source.update((v, next(iter(found))) for v in op.outputs)
         return {v: w for v, w in source.items() if v not in params}

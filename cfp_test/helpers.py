@@ -97,3 +97,31 @@ def assert_users_loop(train_step, plan, mesh, params, opt_state, batch, loss=lam
         # is, such as Adafactor's placeholder for an unfactored moment, needs no buffer)
         assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(placed[0]))
     return got[1]
+
+
+def hand_plan_windows(analysis, program, windows, mesh, name: str):
+    """The hand plan ``name``'s block strategies and state layout, and under it each window's
+    (window, combination, memory fields of its compiled program)."""
+    from cfp.baselines import baseline_strategy_indices
+    from cfp.measure import WindowProgram
+    from cfp.sharding import STATE_LAYOUTS
+    from cfp.windows import held_state
+    plan, layout = baseline_strategy_indices(analysis, storage=True)[name]
+    rows = []
+    for w in windows:
+        combo = tuple(plan[w.start:w.end]) + (
+            (STATE_LAYOUTS.index(layout),) if held_state(analysis, w) else ())
+        wp = WindowProgram(program, analysis, w, mesh)
+        rows.append((w, combo, wp.memory(wp.compile(combo)[0])))
+    return plan, layout, rows
+
+
+def composed_bytes(analysis, window_terms) -> int:
+    """The step's memory per device composed as search composes it (``cfp.solver.evaluate``)
+    from ``window_terms``: (window, combination, its ``option_memory`` terms) per window."""
+    from cfp.solver import Group, Option, Problem, evaluate
+    from cfp.window_memory import COMBINED_REDUCTION_BYTES
+    groups = [Group(tuple(range(w.start, w.end)), [Option(combo, 0, *terms)])
+              for w, combo, terms in window_terms]
+    return evaluate(Problem(groups, [len(b.strategies) for b in analysis.blocks.blocks],
+                            waiting_cap=COMBINED_REDUCTION_BYTES), [0] * len(groups))[1]

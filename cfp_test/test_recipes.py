@@ -258,36 +258,25 @@ def test_a_weight_cast_held_for_the_backward_pass_counts_once():
     Control: counted as a held activation too, it is more than 15% high."""
     import dataclasses
 
-    from cfp.baselines import baseline_strategy_indices
     from cfp.execute import PlannedStep, Storage
-    from cfp.measure import Measurement, WindowProgram, memory_of
+    from cfp.measure import Measurement, memory_of
     from cfp.passes.analysis import run_analysis
-    from cfp.sharding import STATE_LAYOUTS
-    from cfp.solver import Group, Option, Problem, evaluate
-    from cfp.window_memory import COMBINED_REDUCTION_BYTES, memory_terms, option_memory
-    from cfp.windows import held_state, inputs_read_earlier, split_windows
+    from cfp.window_memory import memory_terms, option_memory
+    from cfp.windows import inputs_read_earlier, split_windows
+    from helpers import composed_bytes, hand_plan_windows
     spec = WorkloadSpec("recipes:flax_bf16_cast", overrides=(("num_layers", 2),)).resolved()
     analysis, mesh = run_analysis(spec, (8,)), make_mesh((8,))
     program, (windows, _) = trace_step(spec.build()), split_windows(analysis, 4)
     earlier = inputs_read_earlier(analysis, windows)
-    n_blocks = [len(b.strategies) for b in analysis.blocks.blocks]
-    plan, layout = baseline_strategy_indices(analysis, storage=True)["dp"]
-    measured = []
-    for k, w in enumerate(windows):
-        combo = tuple(plan[w.start:w.end]) + (
-            (STATE_LAYOUTS.index(layout),) if held_state(analysis, w) else ())
-        wp = WindowProgram(program, analysis, w, mesh)
-        measured.append((w, combo, Measurement("ok", **wp.memory(wp.compile(combo)[0])),
-                         memory_terms(analysis, w, earlier[k])))
-    assert any(t.weight_copies for *_, t in measured)
+    plan, layout, measured = hand_plan_windows(analysis, program, windows, mesh, "dp")
+    terms = [memory_terms(analysis, w, earlier[k]) for k, w in enumerate(windows)]
+    assert any(t.weight_copies for t in terms)
 
     def composed(once):
-        groups = [Group(tuple(range(w.start, w.end)), [Option(combo, 0, *option_memory(
-            analysis, w, combo, m, mesh.axis_names, terms=t if once else
-            dataclasses.replace(t, weight_copies=frozenset())))])
-            for w, combo, m, t in measured]
-        return evaluate(Problem(groups, n_blocks, waiting_cap=COMBINED_REDUCTION_BYTES),
-                        [0] * len(groups))[1]
+        return composed_bytes(analysis, [(w, combo, option_memory(
+            analysis, w, combo, Measurement("ok", **mem), mesh.axis_names, terms=t if once
+            else dataclasses.replace(t, weight_copies=frozenset())))
+            for (w, combo, mem), t in zip(measured, terms)])
     peak = memory_of(PlannedStep(program, analysis, plan, mesh, Storage(layout))
                      .compile())["peak_bytes"]
     assert abs(composed(True) / peak - 1) < 0.10, (composed(True), peak)

@@ -348,27 +348,18 @@ def test_composed_memory_of_whole_kept_plans_counts_the_weight_copies():
     copy of each attention projection from the forward pass to the backward: composed with
     the copies its windows make, the step's memory is within 3% of its compiled peak.
     Control: without them it is more than 6% low."""
-    from cfp.baselines import baseline_strategy_indices
     from cfp.execute import Storage
     from cfp.measure import Measurement
-    from cfp.solver import Group, Option, Problem, evaluate
     from cfp.windows import inputs_read_earlier
-    from cfp.window_memory import COMBINED_REDUCTION_BYTES, option_memory
+    from cfp.window_memory import option_memory
+    from helpers import composed_bytes, hand_plan_windows
     spec = WorkloadSpec("llama", "tiny", 8, "float32", GPT + (
         ("seq_len", 128), ("hidden_size", 256))).resolved()
     analysis, mesh = run_analysis(spec, (8,)), make_mesh((8,))
     program, (windows, _) = trace_step(spec.build()), split_windows(analysis, 32)
-    earlier, n_blocks = inputs_read_earlier(analysis, windows), [
-        len(b.strategies) for b in analysis.blocks.blocks]
+    earlier = inputs_read_earlier(analysis, windows)
     for name in ("dp", "zero1"):
-        plan, layout = baseline_strategy_indices(analysis, storage=True)[name]
-        measured = []
-        for w in windows:
-            combo = tuple(plan[w.start:w.end]) + (
-                (STATE_LAYOUTS.index(layout),) if held_state(analysis, w) else ())
-            wp = WindowProgram(program, analysis, w, mesh)
-            compiled, _ = wp.compile(combo)
-            measured.append((w, combo, wp.memory(compiled)))
+        plan, layout, measured = hand_plan_windows(analysis, program, windows, mesh, name)
         extra = sum(m[2]["weight_copy_bytes"] for m in measured) - 8 * 256 * 256 * 4
         assert 0 <= extra < 64, extra  # q, k, v, o of 2 layers, and the step count converted
         w, combo, mem = max(measured, key=lambda m: m[2]["weight_copy_bytes"])
@@ -379,13 +370,10 @@ def test_composed_memory_of_whole_kept_plans_counts_the_weight_copies():
         assert (with_copies[0] - without[0], without[1] - with_copies[1]) == (n, n)
 
         def composed(with_copies):
-            groups = [Group(tuple(range(w.start, w.end)), [Option(combo, 0, *option_memory(
+            return composed_bytes(analysis, [(w, combo, option_memory(
                 analysis, w, combo, Measurement("ok", **dict(
                     mem, weight_copy_bytes=mem["weight_copy_bytes"] if with_copies else 0)),
-                mesh.axis_names, earlier[k]))])
-                      for k, (w, combo, mem) in enumerate(measured)]
-            return evaluate(Problem(groups, n_blocks, waiting_cap=COMBINED_REDUCTION_BYTES),
-                            [0] * len(groups))[1]
+                mesh.axis_names, earlier[k])) for k, (w, combo, mem) in enumerate(measured)])
         peak = memory_of(PlannedStep(program, analysis, plan, mesh, Storage(layout))
                          .compile())["peak_bytes"]
         assert abs(composed(True) / peak - 1) < 0.03, (name, composed(True), peak)
