@@ -63,6 +63,7 @@ def no_compilation_cache():
 _KEY_IMPLS = {"fry": "threefry2x32", "rbg": "rbg", "urbg": "unsafe_rbg"}
 
 
+@functools.lru_cache(maxsize=None)  # a trace asks once per value: tens of thousands of times
 def dtype_name(dtype) -> str:
     """A dtype as the name records keep: ``float32``, ``bfloat16``, or ``key<fry>``."""
     if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):

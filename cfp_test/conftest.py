@@ -1,15 +1,29 @@
-"""Test set-up: 8 virtual CPU devices, compiled without LLVM's optimizations, configured once
-before JAX starts, and a fresh compilation cache."""
+"""Test set-up: 8 virtual CPU devices, compiled without LLVM's optimizations or XLA's CPU
+fusion emitters, configured once before JAX starts, and a fresh compilation cache."""
 import os
+import subprocess
+import sys
 
 # LLVM's optimizations off: what the tests check (the programs, their shardings, memory and
 # numerics) is fixed before XLA's CPU backend hands a program to LLVM, and the suite spends
-# most of its time compiling small programs. Speed figures come from scripts/, which compile
-# as users do.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-).strip()
+# most of its time compiling small programs. XLA's CPU fusion emitters off too, where this
+# XLA has the flag: a compile then takes about half as long, the partitioned program and its
+# collectives are the same, and a scatter runs as a loop (tests that count loops count those
+# over the layers). Speed figures come from scripts/, which compile as users do.
+FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+NO_FUSION_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _xla_knows(flag: str) -> bool:
+    """Whether this XLA accepts ``flag`` (an unknown flag ends the process that starts XLA)."""
+    env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                          capture_output=True, timeout=120).returncode == 0
+
+
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8", *FAST_COMPILE]
+    + ([NO_FUSION_EMITTERS] if _xla_knows(NO_FUSION_EMITTERS) else [])).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import atexit
@@ -22,7 +36,6 @@ import tempfile
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="cfp-test-cache-")
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 
-import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # helpers and test-only models

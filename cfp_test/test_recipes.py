@@ -55,8 +55,14 @@ def test_the_cond_parts_compute_what_the_cond_computes():
     """The split conds compute the step as traced: the unrolled program, evaluated equation
     by equation, gives the jitted step's new state over two steps (one accumulating, one
     applying). Control: the first step leaves the parameters as they were and the second
-    moves them, so each branch ran where it should."""
+    moves them, so each branch ran where it should. The attention's key bias is compared to
+    AdamW's learning rate: its gradient is zero up to rounding (softmax ignores a shift all
+    keys share), so its step is rounding noise over Adam's epsilon, which the order of a sum
+    decides."""
     w = recipes.recipe_workload("gpt", "multisteps", 2)
+    paths = jax.tree_util.tree_flatten_with_path(w.abstract_params())[0]
+    noise = {i for i, (path, _) in enumerate(paths) if path[-1] == jax.tree_util.DictKey("bk")}
+    assert noise
     program = trace_step(w)
     assert sum(e.primitive.name == "cond" for e in program.eqns) > 10
     from cfp.execute import real_inputs
@@ -69,8 +75,9 @@ def test_the_cond_parts_compute_what_the_cond_computes():
     params = [np.asarray(args[0])]
     for _ in range(2):
         out_got, out_want = step(*got), ref(*want)
-        for a, b in zip(out_got, out_want):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+        for i, (a, b) in enumerate(zip(out_got, out_want)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
+                                       atol=1e-3 if i in noise else 1e-6)
         got = list(out_got[:n_state]) + got[n_state:]
         want = list(out_want[:n_state]) + want[n_state:]
         params.append(np.asarray(out_got[0]))

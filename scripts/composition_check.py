@@ -20,9 +20,6 @@ timed (each profile batch at its own speed: ``as_timed``), and, with the profile
 round of steps too, its time then against its time over the profile and the figures with the
 predictions scaled by that ratio: the composition at the speed the machine ran the steps.
 
-``--compiled-from CSV`` composes the memory of a finished run's plans again from the same
-profile (the rule may have changed since), against the compiled peaks it recorded.
-
 ``--profiles N`` profiles the analysis N - 1 more times (fresh workers, scratch work dirs)
 and composes the same plans from each against the steps measured once: the check's time
 figures depend on the profile it drew (each window type is timed in its own stretch of
@@ -82,14 +79,8 @@ def main() -> None:
                          "others in scratch work dirs), against the steps measured once")
     ap.add_argument("--out", default=None,
                     help="CSV to append to (default scripts/results/<date>-composition-<backend>.csv)")
-    ap.add_argument("--compiled-from", default=None, metavar="CSV",
-                    help="compose the memory of the plans again from the work dir's profile "
-                         "against the compiled peaks this CSV recorded for them (the last "
-                         "--plans rows of the workload and mesh); nothing compiles or runs")
     args = ap.parse_args()
     mesh_shape, label, workdir = plan_setup(args)
-    if args.compiled_from and not (workdir / "profile.pkl").exists():
-        _refuse(f"--compiled-from: no profile in {workdir} to compose from")
     n_dev = math.prod(mesh_shape)
     from cfp.cli import main as cli
     base = ["--model", args.model, "--config", args.config, "--mesh", args.mesh,
@@ -119,8 +110,6 @@ def main() -> None:
     profile = WorkDir(workdir, run_fp).read_profile(analysis, "measure", args.max_combinations,
                                                     args.whole_segments)
     problem, _ = build_problem(analysis, profile, None)
-    if args.compiled_from:
-        return memory_again(Path(args.compiled_from), label, args, problem, profile)
     cpu = CpuShare().start()
     steps, times, anchor_s = random_plan_steps(analysis, problem, make_mesh(mesh_shape), args)
     others, stolen = cpu.share()
@@ -176,40 +165,6 @@ def main() -> None:
     if args.profiles > 1:
         _other_profiles(args, base, workdir, analysis, problem, steps,
                         [r[1] for r in rows], out, label)
-
-
-def memory_again(path: Path, label: str, args, problem, profile) -> None:
-    """Prints the memory figures of the plans a run of this check measured, composed again
-    from the same profile by the current rule against the compiled peaks ``path`` recorded.
-    The composed step times must match the recorded ones: else the profile is another."""
-    import pandas as pd
-    from cfp.problem import SCALE
-    from cfp.solver import evaluate
-    rows = pd.read_csv(path)
-    rows = rows[(rows.workload == label) & (rows.mesh.astype(str) == args.mesh)].tail(args.plans)
-    if list(rows.plan) != list(range(args.plans)):
-        _refuse(f"{path}: no run of {args.plans} plans of {label} on mesh {args.mesh}")
-    errors = []
-    for row, choices in zip(rows.itertuples(), random_plans(problem, args.plans, args.seed)):
-        cost, mem, _ = evaluate(problem, choices)
-        predicted_s = cost / SCALE + profile.launch_overhead_s
-        if not math.isclose(predicted_s, row.predicted_s, rel_tol=1e-5):
-            _refuse(f"plan {row.plan}: composed {predicted_s:.6g} s, {path} has "
-                    f"{row.predicted_s:.6g} s: not the profile its steps came from")
-        errors.append(mem / row.compiled_mem_bytes - 1)
-    before = [abs(e) for e in rows.mem_err]
-    print(f"{label} mesh {args.mesh}, {len(errors)} plans composed again against the compiled "
-          f"peaks in {path.name}: median |memory error| "
-          f"{100 * statistics.median(abs(e) for e in errors):.1f}% (max "
-          f"{100 * max(abs(e) for e in errors):.1f}%, signed median "
-          f"{100 * statistics.median(errors):+.1f}%, {sum(e < 0 for e in errors)} under); "
-          f"as recorded: {100 * statistics.median(before):.1f}%")
-
-
-def _refuse(line: str) -> None:
-    """Bad input: one line on stderr, exit status 2."""
-    print(line, file=sys.stderr)
-    raise SystemExit(2)
 
 
 def as_timed_s(ps, problem, profile) -> float:

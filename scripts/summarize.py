@@ -5,7 +5,7 @@ ratios, bootstrap 95% interval; ``tie`` where the compiled programs are the same
 the done-bar holds against the best manual baseline (upper end <= 1.05, or a tie); then, where
 the CSV has ``cfp_own``, the method's two questions (``questions``).
 
-    python scripts/summarize.py scripts/results/2026-11-22-cpu.csv
+    python scripts/summarize.py scripts/results/compute-bound/2026-11-28-cpu.csv
     python scripts/summarize.py scripts/results/2026-11-22-enum-cpu-summary.csv
 """
 from __future__ import annotations
