@@ -19,32 +19,27 @@ import numpy as np
 
 
 def replay(workdir: Path, estimate: str, budget_bytes: int | None) -> dict:
-    from cfp import analytic
     from cfp.baselines import baseline_strategy_indices
     from cfp.cost_model import fit_cost_model_for
     from cfp.measure import Measurement
-    from cfp.mesh import AXIS_NAMES
+    from cfp.passes.profile import ProfileOptions, run_profile, with_state_layouts
     from cfp.problem import build_problem, predicted_plans
     from cfp.records import read_record
     from cfp.sharding import STATE_LAYOUTS
-    from cfp.windows import window_space
     analysis = read_record(workdir / "analysis.pkl", "cfp-analysis", None, hint="")
     full = read_record(workdir / "profile.pkl", "cfp-profile", None, hint="")
-    cost = fit_cost_model_for(tuple(analysis.mesh_shape))
-    names = AXIS_NAMES[:len(analysis.mesh_shape)]
     windows, oracle = full.windows, {k: p.results for k, p in full.window_profiles.items()}
-    priced = {}
-    for k, rep in enumerate(full.representatives):
-        w, known = windows[rep], {}
-        priced[k] = {c: analytic.window_measurement(analysis, w, c, cost, names, known)
-                     for c in itertools.product(*map(range, window_space(analysis, w)))}
+    priced = {k: p.results for k, p in run_profile(analysis, ProfileOptions(  # every combination
+        cost="analytic", cost_model=fit_cost_model_for(tuple(analysis.mesh_shape)),
+        max_combinations=full.max_combinations, whole_segments=full.whole_segments)
+    ).window_profiles.items()}
     measured = {k: set() for k in priced}
     for idx, layout in baseline_strategy_indices(analysis, storage=True).values():
         for w in windows:
             c = tuple(idx[b] for b in range(w.start, w.end))
             if None not in c:
-                stateful = len(window_space(analysis, w)) > len(c)
-                measured[w.type].add(c + ((STATE_LAYOUTS.index(layout),) if stateful else ()))
+                measured[w.type].update(with_state_layouts(
+                    analysis, w, [c], (STATE_LAYOUTS.index(layout),)))
 
     def estimated(k):
         xy = np.array([(priced[k][c].time_s, oracle[k][c].time_s) for c in measured[k]
