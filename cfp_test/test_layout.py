@@ -146,3 +146,12 @@ def test_the_readme_is_at_most_300_lines():
     text = (ROOT / "README.md").read_text()
     assert not too_long(text)
     assert too_long("\n" * README_LINES_MAX + "one line more")
+
+
+def test_the_suite_passes_xla_only_flags_it_knows():
+    """The suite adds XLA's CPU fusion-emitter flag only where this XLA accepts it (an unknown
+    flag ends the process that starts XLA). Control: a flag XLA has not is refused."""
+    import os
+    from conftest import NO_FUSION_EMITTERS, _xla_knows
+    assert not _xla_knows("--xla_cpu_no_such_flag=true")
+    assert (NO_FUSION_EMITTERS in os.environ["XLA_FLAGS"]) == _xla_knows(NO_FUSION_EMITTERS)
