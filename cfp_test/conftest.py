@@ -7,7 +7,7 @@ import sys
 # LLVM's optimizations off: what the tests check (the programs, their shardings, memory and
 # numerics) is fixed before XLA's CPU backend hands a program to LLVM, and the suite spends
 # most of its time compiling small programs. XLA's CPU fusion emitters off too, where this
-# XLA has the flag: a compile then takes about half as long, the partitioned program and its
+# XLA has the flag: the suite then takes about a third less time, the partitioned program and its
 # collectives are the same, and a scatter runs as a loop (tests that count loops count those
 # over the layers). Speed figures come from scripts/, which compile as users do.
 FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
