@@ -382,7 +382,7 @@ def _run_search(opts: RunOptions, options) -> dict | None:
     report.search_console(rec, analysis, opts.num_devices, budget, options.verbose)
     dumps.write_search_dumps(wd.path, analysis, profile, rec)
     _write_logical_rules(wd.path, analysis, options.verbose)
-    report.usage_console(wd.path)
+    report.usage_console(wd.path, analysis.spec.step)
 
 
 def _write_logical_rules(workdir: Path, analysis, verbose: bool) -> None:
@@ -478,11 +478,13 @@ def _draws_randomness(workload) -> bool:
 
 
 def _local_cluster(opts: RunOptions, options):
-    """This machine's devices as one node, priced by --device-preset (a100 when left out)."""
+    """This machine's devices as one node, priced by --device-preset (a100 when left out);
+    its links, those of the mesh's slowest axis (``--alpha``/``--beta`` give one per axis)."""
     from cfp.cluster import Cluster, Level
-    model = cost_model_of(options, (opts.num_devices,))
-    return Cluster("here", (Level("node", 1, model.alpha[0], model.beta[0]),
-                            Level("device", opts.num_devices, model.alpha[0], model.beta[0])),
+    model = cost_model_of(options, opts.mesh_shape, opts.device_ids)
+    alpha, beta = max(model.alpha), max(model.beta)
+    return Cluster("here", (Level("node", 1, alpha, beta),
+                            Level("device", opts.num_devices, alpha, beta)),
                    memory_budget_bytes(options, opts, required=True), model.device_flops,
                    model.device_bandwidth, ("priced by the " + (options.device_preset or "a100")
                                             + " device preset",), model.platform)

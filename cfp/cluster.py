@@ -16,7 +16,7 @@ Clusters come from a named preset (``PRESETS``) or a small JSON file::
     {"name": "my-cluster", "levels": [
         {"name": "node", "size": 4, "alpha_s": 1e-5, "bandwidth_GBps": 25},
         {"name": "gpu", "size": 8, "alpha_s": 5e-6, "bandwidth_GBps": 150}],
-     "memory_per_device_GB": 80, "peak_TFLOPs": 312, "memory_bandwidth_GBps": 1555,
+     "memory_per_device_GB": 80, "peak_TFLOPs": 312, "memory_bandwidth_GBps": 2039,
      "assumed": ["alpha_s"], "gpu": "a100"}
 
 Bandwidths are in GB/s (10**9 bytes), and ``memory_per_device_GB`` is read in GiB (2**30

@@ -51,7 +51,7 @@ class CostModel:
 # Documented presets (per device): peak dense bf16/fp32-TF32 FLOP/s, HBM bandwidth, and
 # alpha-beta for NVLink inside a node (axis 1) and the network across nodes (axis 0).
 DEVICE_PRESETS = {
-    "a100": {"device_flops": 312e12, "device_bandwidth": 1.555e12,
+    "a100": {"device_flops": 312e12, "device_bandwidth": 2.039e12,  # the 80 GB SXM4
              "alpha": (5e-6, 5e-6), "beta": (1 / 25e9, 1 / 150e9), "platform": "gpu",
              "gpu": "a100"},
     "h100": {"device_flops": 989e12, "device_bandwidth": 3.35e12,
@@ -125,7 +125,8 @@ def model_cost(compiled, mesh_shape, cost: CostModel) -> tuple[float, tuple]:
 def collectives_cost(hlo_text: str, mesh_shape, cost: CostModel) -> tuple[float, tuple]:
     """Alpha-beta seconds of a compiled program's collectives, and those collectives
     ``((kind, mesh axes, bytes), ...)``. CPU's reduce-scatter (an all-reduce whose result is
-    then sliced) is priced as one."""
+    then sliced) is priced as one where the slices are ops of their own; a slice fused into
+    the op that reads it is not seen, and the all-reduce is priced whole."""
     colls = collectives(hlo_text, mesh_shape)
     sliced = _sliced_allreduces(hlo_text)
     comm = 0.0
@@ -136,13 +137,23 @@ def collectives_cost(hlo_text: str, mesh_shape, cost: CostModel) -> tuple[float,
     return comm, tuple((c.kind, c.axes, c.bytes) for c in colls)
 
 
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([\w\-]+)\((.*)$")
+
+
 def _sliced_allreduces(text: str) -> set[str]:
-    """Names of all-reduces whose only use is a dynamic-slice (CPU's reduce-scatter)."""
-    names = set()
-    for m in re.finditer(r"dynamic-slice\(%?([\w.\-]+)", text):
-        if m.group(1).startswith("all-reduce"):
-            names.add(m.group(1))
-    return names
+    """Names of all-reduces whose every use is a dynamic-slice (CPU's reduce-scatter)."""
+    users: dict[str, list[str]] = {}  # all-reduce name -> the opcodes of its users
+    for line in text.splitlines():
+        m = _INSTRUCTION.match(line)
+        if m is None:
+            continue
+        name, opcode, rest = m.groups()
+        if opcode == "all-reduce":
+            users.setdefault(name, [])
+        for used in set(re.findall(r"%([\w.\-]+)", rest)):
+            if used in users:
+                users[used].append(opcode)
+    return {n for n, ops in users.items() if ops and all(op == "dynamic-slice" for op in ops)}
 
 
 def fit_cost_model_for(mesh_shape, device_ids=None) -> CostModel:

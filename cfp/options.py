@@ -194,6 +194,10 @@ def check_options(options) -> RunOptions:
     for k in BOUNDS:
         if k not in _PER_AXIS and getattr(options, k) is not None:
             _check_number(k, getattr(options, k))
+    if ":" in options.model and options.config is not None:
+        raise CfpError(f"--config picks a size preset of cfp's own models; {options.model} "
+                       f"takes its sizes as the keywords its factory declares (--num-layers, "
+                       f"--hidden-size, ...)")
     spec = WorkloadSpec(options.model, options.config, options.batch_size, options.dtype,
                         overrides, options.step)
     if options.mode == "stages" and options.step == "forward":
@@ -284,8 +288,8 @@ def check_devices(opts: RunOptions, options) -> None:
 
 
 def default_workdir(opts: RunOptions) -> Path:
-    """profiles/<model>-<config>[-overrides][-b<batch>]-<mesh>[-devices-<digest of the user's
-    mesh's device order>], from the flags as given."""
+    """profiles/<model>-<config>[-overrides][-forward][-b<batch>][-<cluster>]-<mesh>
+    [-devices-<digest of the user's mesh's device order>], from the flags as given."""
     import hashlib
     from cfp.mesh import mesh_text
     spec = opts.spec

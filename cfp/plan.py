@@ -59,6 +59,13 @@ PARTS = ("params", "opt_state", "batch")
 DONATE_ARGNUMS = (0, 1)  # train_step(params, opt_state, batch): the state a loop feeds back
 
 
+def plan_data(plan) -> dict:
+    """``plan.json``'s content: ``plan`` itself (a dict, as ``load_plan`` reads it), or the
+    ``data`` of the ``cfp.Plan`` that ``cfp.autoshard`` returns: ``shardings``,
+    ``step_shardings`` and ``jit`` take either."""
+    return getattr(plan, "data", plan)
+
+
 def step_parts(plan: dict) -> tuple[str, ...]:
     """The arguments of the plan's step: ``PARTS``, or ``(params, batch)`` for a forward
     step (plans written before steps had kinds are training steps)."""
@@ -220,6 +227,7 @@ def shardings(tree, plan: dict, mesh, part: str = "params", *, specs: dict | Non
     params wrapped or renamed) is refused, naming the first paths that do not match."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
+    plan = plan_data(plan)
     check_mesh(plan, mesh)
     specs = plan[part] if specs is None else specs
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
@@ -255,6 +263,7 @@ def step_shardings(plan: dict, mesh, *args) -> tuple[tuple, Any]:
     loss's (replicated); a forward step that returns something else (logits) may leave its
     out shardings to XLA."""
     from jax.sharding import NamedSharding, PartitionSpec
+    plan = plan_data(plan)
     parts = step_parts(plan)
     if len(args) != len(parts):
         raise CfpError(f"the plan's step takes ({', '.join(parts)}), {len(parts)} arguments; "
@@ -282,6 +291,7 @@ def jit(train_step: Callable, plan: dict, mesh, *args) -> Callable:
     from cfp.program import trace_program
     from cfp.jax_compat import auto_inside, constraint_mesh
     from cfp.sharding import step_function
+    plan = plan_data(plan)
     check_mesh(plan, mesh)
     in_shardings, out_shardings = step_shardings(plan, mesh, *args)  # checks the arguments
     # Traced from shapes and dtypes alone: arrays placed on a mesh of Explicit axes carry

@@ -100,7 +100,6 @@ class ProfileProgress:
     each window type's and the reshardings' lines too. ``close()`` when the pass ends."""
 
     def __init__(self, interval_s: float | None = None, verbose: bool = False):
-        import sys
         import threading
         self.tty = sys.stdout.isatty()
         self.verbose = verbose
@@ -341,11 +340,13 @@ def search_console(rec, analysis, devices: int, memory_budget_bytes: int | None,
     say(f"TFLOP_COUNT: {rec.step_flops / 1e12:.6g}")
 
 
-def usage_console(workdir: Path) -> None:
-    """The Python line that uses ``plan.json``, and where the plan is drawn."""
+def usage_console(workdir: Path, step: str = "train") -> None:
+    """The Python line that uses ``plan.json`` (for ``step``, ``cfp.models.STEPS``), and
+    where the plan is drawn."""
     path = Path(workdir) / "plan.json"
-    say(f"use it: plan = cfp.Plan.load({str(path)!r}); "
-        f"step = plan.jit(train_step, params, opt_state, batch); drawn in "
+    call = ("plan.jit(forward, params, batch)" if step == "forward"
+            else "plan.jit(train_step, params, opt_state, batch)")
+    say(f"use it: plan = cfp.Plan.load({str(path)!r}); step = {call}; drawn in "
         f"{Path(workdir) / 'debug_search' / 'plan.png'}")
 
 

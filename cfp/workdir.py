@@ -7,7 +7,8 @@ window type and ``reshard.pkl``, rewritten atomically), so an interrupted run re
 measures nothing twice.
 
 Layout of ``<workdir>``: ``analysis.pkl``; ``window_<k>.pkl``, ``reshard.pkl``,
-``profile.pkl`` and ``profile.csv`` (in ``model/`` for ``--cost model``); ``chosen.pkl``, the
+``profile.pkl`` and ``profile.csv`` (in ``model/``, ``analytic/`` or ``mock/`` for a profile
+priced so, ``--cost model``, analytic pricing or ``--cost mock``); ``chosen.pkl``, the
 combinations every profile of the work dir measures of a window too large to measure whole
 (whichever profile ran first chose them); ``search.pkl``, ``plan.json`` and ``debug_*/`` text
 dumps.
@@ -258,10 +259,13 @@ def _stale(holder: str, path: Path) -> bool:
     return started != "-" and _start_time(pid) != started
 
 
+PRICED_COSTS = ("model", "analytic", "mock")  # profiles kept in <workdir>/<cost>/
+
+
 def record_files(workdir: Path) -> list[Path]:
-    """The records and plan in ``workdir`` and its ``model/`` profile, in order."""
+    """The records and plan in ``workdir`` and its priced profiles' directories, in order."""
     workdir = Path(workdir)
-    return sorted(p for d in (workdir, workdir / "model") if d.is_dir()
+    return sorted(p for d in (workdir, *(workdir / c for c in PRICED_COSTS)) if d.is_dir()
                   for p in d.iterdir() if p.is_file() and not p.name.startswith(".")
                   and (p.suffix == ".pkl" or p.name == "plan.json"))
 

@@ -189,6 +189,8 @@ class Worker:
                     break
                 elif kind == "bug":
                     raise WorkerBug(f"the measurement worker failed:\n{payload}")
+                elif kind == "error":  # the step cannot be measured as analysed
+                    raise CfpError(payload)
                 else:  # died
                     charged, note = self._agree_on_death([c for c in in_flight
                                                           if c in pending])
@@ -301,7 +303,10 @@ def _main(conn, generation: int = 0, parent_pid: int | None = None):
         conn.send(("bug", traceback.format_exc()))
         return
     while True:
-        msg = conn.recv()
+        try:
+            msg = conn.recv()
+        except EOFError:  # the parent closed its end: nothing more to do
+            return
         if msg[0] == "stop":
             return
         try:

@@ -57,7 +57,8 @@ class WorkloadSpec:
 
     @property
     def label(self) -> str:
-        """``<model>-<config>`` plus the overrides, e.g. ``gpt-tiny-L4-b16``."""
+        """``<model>-<config>`` plus the overrides (``-forward`` for a forward step), e.g.
+        ``gpt-tiny-L4``."""
         short = {"num_layers": "L", "seq_len": "S", "hidden_size": "H", "num_heads": "A",
                  "vocab_size": "V", "num_experts": "E", "compute_dtype": "C"}
         name = self.model.rsplit(":", 1)[-1].replace(".", "_")
@@ -105,6 +106,8 @@ def _user_workload(spec: WorkloadSpec, factory):
     declared = _declared_keywords(factory)
     if declared is not None:  # a factory gets only the keywords it declares
         unknown = [k for k, _ in spec.overrides if k not in declared]
+        if spec.dtype != "float32" and "dtype" not in declared:  # float32: the default
+            unknown.append("dtype")
         if unknown:
             raise CfpError(f"{spec.model} takes no {', '.join(unknown)} (it declares "
                            f"{', '.join(sorted(declared)) or 'no keywords'})")

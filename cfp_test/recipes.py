@@ -182,7 +182,6 @@ def accumulating_state(model: str = "gpt", num_layers: int = 2, micro_batches: i
     ``lax.scan``, in the step (forward and backward per micro-batch, as MaxText and
     Levanter do) or, with ``in_loss``, in the loss (the mean of the micro-batches' losses,
     differentiated once)."""
-    import optax
     from flax.training import train_state
     loss_fn, init, batch = parts(model, num_layers, **sizes)
 

@@ -171,3 +171,14 @@ def test_the_default_job_answers_in_at_most_15_lines(tmp_path):
                              capture_output=True, text=True, timeout=900)
     assert verbose.returncode == 0 and len(verbose.stdout.splitlines()) > 15
     assert "candidate 0 (" in verbose.stdout
+
+
+def test_the_usage_line_calls_the_planned_step_with_its_arguments(capsys, tmp_path):
+    """The line printed after search calls a training plan's step with the optimizer state,
+    a forward plan's without it (``step_shardings`` refuses three arguments there)."""
+    from cfp.report import usage_console
+    usage_console(tmp_path, "train")
+    usage_console(tmp_path, "forward")
+    train, forward = capsys.readouterr().out.splitlines()
+    assert "step = plan.jit(train_step, params, opt_state, batch);" in train
+    assert "step = plan.jit(forward, params, batch);" in forward

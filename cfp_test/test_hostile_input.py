@@ -301,6 +301,27 @@ def test_an_error_in_user_code_is_one_line_naming_the_factory(tmp_path, capsys, 
         assert f"{mod}.py" in caplog.text  # the user's frame, for -v
 
 
+@pytest.mark.parametrize("flags,expected", [
+    (["--config", "tiny"], "--config picks a size preset of cfp's own models"),
+    (["--dtype", "bfloat16"], ":make takes no dtype (it declares no keywords)"),
+    ([], None),  # the control: the factory as it is
+])
+def test_flags_a_users_factory_does_not_take_are_refused(tmp_path, capsys, monkeypatch, flags,
+                                                          expected):
+    """A size preset, or a dtype that a user's factory does not declare, is one line, not
+    dropped without a word."""
+    mod = f"usermod_{tmp_path.name}"
+    (tmp_path / f"{mod}.py").write_text(_USER_HEAD + "def make():\n    return user_workload("
+                                        "_loss, lambda k: {'w': jnp.ones((4, 2))}, _batch)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rc = main(["--mode", "analysis", "--model", f"{mod}:make", "--mesh", "4",
+               "--workdir", str(tmp_path / "w"), *flags])
+    if expected is None:
+        assert rc == 0
+    else:
+        assert rc == 2 and expected in _one_line(capsys)
+
+
 def test_model_without_a_factory_is_one_line(tmp_path, capsys):
     assert main(["--mode", "analysis", "--model", ":", "--workdir", str(tmp_path)]) == 2
     assert "--model ':' names no factory" in _one_line(capsys)
@@ -416,6 +437,18 @@ def test_a_full_disk_is_one_line_naming_what_was_kept(tmp_path, capsys, monkeypa
     line = _one_line(capsys)
     assert f"the disk of the work dir {tmp_path} is full (writing {tmp_path}/" in line
     assert "kept there: analysis.pkl: free some space and run again" in line
+
+
+def test_the_records_named_as_kept_include_every_priced_profile(tmp_path):
+    """What a full disk's line names as kept: the work dir's records and plan, and those of
+    its priced profiles (``model/``, ``analytic/``, ``mock/``); not the dumps (the control)."""
+    from cfp.workdir import record_files
+    kept = ["analysis.pkl", "plan.json", "model/profile.pkl", "analytic/profile.pkl",
+            "mock/window_0.pkl"]
+    for rel in kept + ["debug_search/candidates.txt", "debug_search/x.pkl"]:
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_text("")
+    assert sorted(str(p.relative_to(tmp_path)) for p in record_files(tmp_path)) == sorted(kept)
 
 
 def test_window_files_renamed_or_swapped_are_refused(tmp_path):
@@ -647,6 +680,35 @@ def test_a_worker_killed_timing_a_resharding_charges_it_and_goes_on():
     finally:
         worker.close()
     assert got[items[1]] is None and got[items[0]] and got[items[2]]
+
+
+def test_a_refusal_by_the_worker_measuring_a_window_is_raised_as_it_is():
+    """The worker's one-line refusal while it measures a window (a step that cannot be
+    measured as analysed) reaches the caller as that ``CfpError``, not taken for a death
+    whose combinations would be charged to it. Control: a bug in the worker is a
+    ``WorkerBug``, which is no ``CfpError``."""
+    from cfp.worker import Worker, WorkerBug, WorkerOptions
+
+    class Replying(Worker):
+        def __init__(self, reply):
+            super().__init__(None, WorkerOptions("measure", 2**62, 16))
+            self.reply = reply
+
+        def ensure(self):
+            self.conn = self
+
+        def send(self, message):
+            pass
+
+        def _recv(self):
+            return self.reply
+
+    refusal = "the step cannot be measured as analysed"
+    with pytest.raises(CfpError, match=f"^{refusal}$"):
+        list(Replying(("error", refusal)).measure_window(None, [(0,)], None))
+    with pytest.raises(WorkerBug, match="Traceback"):
+        list(Replying(("bug", "Traceback (most recent call last)")).measure_window(
+            None, [(0,)], None))
 
 
 def test_under_nohup_a_sigint_stays_ignored(tmp_path, capsys, monkeypatch):

@@ -263,3 +263,18 @@ def test_work_per_mesh_runs_in_other_processes_in_order():
 def _pid(_):
     import os
     return os.getpid()
+
+
+def test_stages_here_take_the_links_given_per_axis_of_a_two_axis_mesh():
+    """``--mode stages`` without ``--cluster`` prices this machine's devices as one node:
+    ``--alpha``/``--beta`` given per axis of ``--mesh 2x4`` (as the options check asks) price
+    its links as the slower axis's. Control: one value for the two axes is refused."""
+    from cfp.api import _local_cluster
+    from cfp.errors import CfpError
+    from cfp.options import Options, check_options
+    options = Options(mode="stages", mesh="2x4", alpha="1e-5,2e-6", beta="1e-9,1e-10",
+                      memory_budget_gb=1)
+    cluster = _local_cluster(check_options(options), options)
+    assert [(lv.alpha_s, lv.beta_s_per_byte) for lv in cluster.levels] == [(1e-5, 1e-9)] * 2
+    with pytest.raises(CfpError, match="one value per mesh axis"):
+        check_options(Options(mode="stages", mesh="2x4", alpha="1e-5", memory_budget_gb=1))

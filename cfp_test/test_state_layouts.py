@@ -148,7 +148,6 @@ def xla_stand_in(analytic_problem, monkeypatch):
     without a budget, analysis, profile, that peak of a plan's choices)."""
     import cfp.execute
     import cfp.measure
-    import cfp.passes.search as search
     from cfp.solver import evaluate
     spec, analysis, profile, build_problem = analytic_problem
     problem, _ = build_problem(analysis, profile, None)

@@ -153,6 +153,7 @@ def test_a_forward_plan_in_the_users_own_jit():
     want = [jax.jit(evaluate)(params, b) for b in batches]  # one device
     in_sh, out_sh = step_shardings(plan, mesh, params, batches[0])
     assert Plan(plan).shardings(params, batches[0]) == (in_sh, out_sh)  # as autoshard hands it
+    assert step_shardings(Plan(plan), mesh, params, batches[0]) == (in_sh, out_sh)
     for step in (plan_jit(evaluate, plan, mesh, params, batches[0]),
                  Plan(plan).jit(evaluate, params, batches[0]),
                  jax.jit(evaluate, in_shardings=in_sh, out_shardings=out_sh)):

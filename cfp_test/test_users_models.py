@@ -174,6 +174,7 @@ def test_a_train_state_step_in_the_users_own_jit():
     donated, runs three steps that match one device, the state coming out as it went in."""
     import numpy as np
     import users_models
+    from cfp.api import Plan
     from cfp.models.state_step import state_shardings
     from cfp.plan import make_plan, shardings
     spec = WorkloadSpec("users_models:flax_train_state").resolved()
@@ -183,6 +184,7 @@ def test_a_train_state_step_in_the_users_own_jit():
     state, batch = jax.jit(init_state)(jax.random.key(0)), make_batch(jax.random.key(1))
     mesh = make_mesh((2, 4))
     state_sh, batch_sh = state_shardings(state, plan, mesh), shardings(batch, plan, mesh, "batch")
+    assert state_shardings(state, Plan(plan), mesh) == state_sh  # the plan autoshard returns
     assert any(any(e is not None for e in s.spec) for s in jax.tree_util.tree_leaves(
         state_sh.params))
 

@@ -92,7 +92,7 @@ def start(a, modes=("analysis", "profile", "search")):
                                    + (f"-budget-{a.budget_of}" if a.budget_of else ""))
     flags = cfp_flags(a) + ["--workdir", str(workdir)]
     print(f"== {label} on mesh {a.mesh} ({backend}, {math.prod(mesh_shape)} devices)")
-    spec = WorkloadSpec(a.model, a.config, a.batch_size, a.dtype, tuple(
+    spec = WorkloadSpec(a.model, preset(a), a.batch_size, a.dtype, tuple(
         (k, getattr(a, k)) for k in ("num_layers", "seq_len", "hidden_size", "num_heads",
                                      "vocab_size", "num_experts") if getattr(a, k) is not None)
     ).resolved()
@@ -126,7 +126,8 @@ def hand_plan_peak(name: str, analysis, spec, mesh_shape) -> int:
 
 
 def cfp_flags(a) -> list[str]:
-    flags = ["--model", a.model, "--config", a.config, "--mesh", a.mesh, "--dtype", a.dtype]
+    flags = (["--model", a.model] + (["--config", a.config] if preset(a) else [])
+             + ["--mesh", a.mesh, "--dtype", a.dtype])
     for name in ("num_layers", "batch_size", "seq_len", "hidden_size", "num_heads",
                  "vocab_size", "num_experts"):
         if getattr(a, name) is not None:
@@ -135,6 +136,11 @@ def cfp_flags(a) -> list[str]:
         flags += ["--memory-budget", str(a.memory_budget)]
     return flags + ["--max-combinations", str(a.max_combinations)] + (
         ["--whole-segments"] if a.whole_segments else [])
+
+
+def preset(a) -> str | None:
+    """``--config``, a preset of cfp's own models (a user's factory takes none)."""
+    return None if ":" in a.model else a.config
 
 
 def workload_label(a) -> str:

@@ -83,7 +83,8 @@ def main() -> None:
     mesh_shape, label, workdir = plan_setup(args)
     n_dev = math.prod(mesh_shape)
     from cfp.cli import main as cli
-    base = ["--model", args.model, "--config", args.config, "--mesh", args.mesh,
+    base = ["--model", args.model, *(["--config", args.config] if ":" not in args.model
+                                     else []), "--mesh", args.mesh,
             "--workdir", str(workdir), "--max-combinations", str(args.max_combinations)]
     for name in ("num_layers", "batch_size", "seq_len", "hidden_size", "num_heads",
                  "num_experts"):

@@ -102,7 +102,6 @@ def one_case(model: str, recipe: str, mesh: str, workdir: Path,
 
 
 def main() -> None:
-    import pandas as pd
     import recipes
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="gpt,llama,flax")
