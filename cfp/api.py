@@ -382,7 +382,9 @@ def _run_search(opts: RunOptions, options) -> dict | None:
     report.search_console(rec, analysis, opts.num_devices, budget, options.verbose)
     dumps.write_search_dumps(wd.path, analysis, profile, rec)
     _write_logical_rules(wd.path, analysis, options.verbose)
-    report.usage_console(wd.path, analysis.spec.step)
+    layout_of = getattr(analysis.spec.build().state_step, "layout_of", None)
+    report.usage_console(wd.path, analysis.spec.step,
+                         layout_of is not None and not layout_of().plain)
 
 
 def _write_logical_rules(workdir: Path, analysis, verbose: bool) -> None:

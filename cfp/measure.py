@@ -32,6 +32,9 @@ from cfp.windows import Window, apply_state, held_state, state_layout, window_la
 _FLOAT_LOW, _FLOAT_HIGH = 0.5, 1.5  # positive, away from zero: safe for log, sqrt, division
 
 
+OVER_BUDGET = "over the budget"  # the end of an ``oom`` note: refused, not run
+
+
 @dataclasses.dataclass(frozen=True)
 class Measurement:
     """One combination of one window (or one resharding) as measured."""
@@ -67,6 +70,11 @@ class Measurement:
     # of ``time_s``, the seconds priced rather than measured: under mocked GPUs (``--cost
     # mock``) the program's collectives, which the one GPU here skips
     priced_s: float = 0.0
+
+    def over_budget(self) -> bool:
+        """Whether this was refused for a compiled peak over the profile's memory budget (not
+        run): a profile under a larger budget measures it again."""
+        return self.status == "oom" and self.note.endswith(OVER_BUDGET)
 
     def busy(self) -> bool:
         """Whether this was timed while other work ran on the machine's cores."""

@@ -226,6 +226,7 @@ def shardings(tree, plan: dict, mesh, part: str = "params", *, specs: dict | Non
     name a leaf: a plan applied to a tree it was not made for (another model, or the same
     params wrapped or renamed) is refused, naming the first paths that do not match."""
     import jax
+    import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
     plan = plan_data(plan)
     check_mesh(plan, mesh)
@@ -234,6 +235,16 @@ def shardings(tree, plan: dict, mesh, part: str = "params", *, specs: dict | Non
     paths = [jax.tree_util.keystr(p) for p, _ in leaves]
     unmatched = [p for p in paths if p not in specs]
     unused = [p for p in specs if p not in set(paths)]
+    fields = [p for p, (_, leaf) in zip(paths, leaves)
+              if p in unmatched and not isinstance(leaf, (jax.Array, np.ndarray,
+                                                          jax.ShapeDtypeStruct))]
+    if fields and len(fields) == len(unmatched) and not unused:  # a module's other fields
+        raise CfpError(
+            f"the plan's {part} are arrays alone, and {', '.join(fields[:3])}"
+            f"{f' and {len(fields) - 3} more' if len(fields) > 3 else ''} "
+            f"{'is' if len(fields) == 1 else 'are'} not: pass the arrays, as cfp planned them "
+            f"(of an Equinox module, eqx.partition(model, eqx.is_array)), and join the rest "
+            f"inside the step (eqx.combine)")
     if unmatched or unused:
         raise CfpError(
             f"the plan's {part} do not match this tree: "

@@ -340,13 +340,17 @@ def search_console(rec, analysis, devices: int, memory_budget_bytes: int | None,
     say(f"TFLOP_COUNT: {rec.step_flops / 1e12:.6g}")
 
 
-def usage_console(workdir: Path, step: str = "train") -> None:
-    """The Python line that uses ``plan.json`` (for ``step``, ``cfp.models.STEPS``), and
-    where the plan is drawn."""
+def usage_console(workdir: Path, step: str = "train", whole_state: bool = False) -> None:
+    """The Python line that uses ``plan.json`` (for ``step``, ``cfp.models.STEPS``; a step
+    on one state, ``whole_state``: a TrainState, NNX's model and optimizer), and where the
+    plan is drawn."""
     path = Path(workdir) / "plan.json"
     call = ("plan.jit(forward, params, batch)" if step == "forward"
+            else "plan.shardings(params, opt_state, batch) of your state's parts (README: the "
+                 "step as you write it)" if whole_state
             else "plan.jit(train_step, params, opt_state, batch)")
-    say(f"use it: plan = cfp.Plan.load({str(path)!r}); step = {call}; drawn in "
+    say(f"use it: plan = cfp.Plan.load({str(path)!r}); "
+        f"{'' if whole_state else 'step = '}{call}; drawn in "
         f"{Path(workdir) / 'debug_search' / 'plan.png'}")
 
 

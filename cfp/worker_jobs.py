@@ -13,7 +13,7 @@ import statistics
 from cfp import multihost
 from cfp.errors import CfpError
 from cfp.jax_compat import JAX_ERRORS
-from cfp.measure import Measurement
+from cfp.measure import OVER_BUDGET, Measurement
 from cfp.phases import Phases
 
 log = logging.getLogger(__name__)
@@ -183,9 +183,11 @@ def _time_batch(conn, state, options, wp, ready, host_inputs, best_s):
 
 
 def _twin(combo, m: Measurement, compile_s: float) -> Measurement:
-    """The measurement of a combination compiled to the same program as ``combo``."""
+    """The measurement of a combination compiled to the same program as ``combo`` (its
+    note, after the one that says so)."""
     return dataclasses.replace(m, compile_s=compile_s, same_program_as=combo,
-                               note=f"the same program as {list(combo)}, measured once")
+                               note=f"the same program as {list(combo)}, measured once"
+                               + (f"; {m.note}" if m.note else ""))
 
 
 def _verdict(state, options, wp, got) -> Measurement | None:
@@ -204,7 +206,7 @@ def _verdict(state, options, wp, got) -> Measurement | None:
                            note="; ".join(mem["unnamed_collectives"][:3]), **mem)
     if mem["peak_bytes"] > options.memory_budget_bytes:
         return Measurement("oom", compile_s=compile_s, collectives=colls,
-                           note=f"compiled peak {mem['peak_bytes']} B over the budget", **mem)
+                           note=f"compiled peak {mem['peak_bytes']} B {OVER_BUDGET}", **mem)
     if options.cost == "model":
         t, colls = model_cost(exe, wp.mesh_shape, options.cost_model)
         return Measurement("ok", t, t, t, 0, compile_s, collectives=colls, **mem)

@@ -58,10 +58,11 @@ class WorkloadSpec:
     @property
     def label(self) -> str:
         """``<model>-<config>`` plus the overrides (``-forward`` for a forward step), e.g.
-        ``gpt-tiny-L4``."""
+        ``gpt-tiny-L4``; a user's ``pkg.module:make`` is ``pkg_module_make``."""
         short = {"num_layers": "L", "seq_len": "S", "hidden_size": "H", "num_heads": "A",
                  "vocab_size": "V", "num_experts": "E", "compute_dtype": "C"}
-        name = self.model.rsplit(":", 1)[-1].replace(".", "_")
+        # a user's factory by its module too: two modules' ``make`` are two runs
+        name = self.model.replace(":", "_").replace(".", "_")
         parts = [name] + ([self.config] if self.config else [])
         parts += [f"{short.get(k, k)}{v}" for k, v in self.overrides]
         return "-".join(parts + (["forward"] if self.step == "forward" else []))

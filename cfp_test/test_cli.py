@@ -175,10 +175,13 @@ def test_the_default_job_answers_in_at_most_15_lines(tmp_path):
 
 def test_the_usage_line_calls_the_planned_step_with_its_arguments(capsys, tmp_path):
     """The line printed after search calls a training plan's step with the optimizer state,
-    a forward plan's without it (``step_shardings`` refuses three arguments there)."""
+    a forward plan's without it (``step_shardings`` refuses three arguments there); a step on
+    one state (a TrainState, NNX's model and optimizer) takes the shardings of its parts."""
     from cfp.report import usage_console
     usage_console(tmp_path, "train")
     usage_console(tmp_path, "forward")
-    train, forward = capsys.readouterr().out.splitlines()
+    usage_console(tmp_path, "train", whole_state=True)
+    train, forward, state = capsys.readouterr().out.splitlines()
     assert "step = plan.jit(train_step, params, opt_state, batch);" in train
     assert "step = plan.jit(forward, params, batch);" in forward
+    assert "plan.shardings(params, opt_state, batch) of your state's parts" in state

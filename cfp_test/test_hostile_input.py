@@ -248,13 +248,16 @@ def test_the_api_raises_cfp_error_with_the_reason(tmp_path, capsys, kwargs, expe
 
 def test_the_api_without_a_workdir_uses_the_default_one(tmp_path, monkeypatch):
     """``workdir=None`` is the command line's default work dir, not ``./None``; here the run
-    stops after the analysis, so reading the plan names that dir."""
+    stops after the analysis, so reading the plan names that dir. It names a user's factory
+    by its module too: two modules' ``make`` do not share one."""
     from cfp.api import autoshard
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(CfpError, match="cannot read the plan profiles/convnet-4/plan.json"):
+    default = "profiles/zoo_extra_convnet-4"
+    with pytest.raises(CfpError, match=f"cannot read the plan {default}/plan.json"):
         autoshard("zoo_extra:convnet", mesh="4", mode="analysis")
-    assert (tmp_path / "profiles" / "convnet-4" / "analysis.pkl").exists()
+    assert (tmp_path / default / "analysis.pkl").exists()
     assert not (tmp_path / "None").exists()
+    assert WorkloadSpec("a.train:make").label != WorkloadSpec("b:make").label
 
 
 _USER_HEAD = """

@@ -214,3 +214,27 @@ def test_plan_jit_takes_state_wherever_it_lives(explicit):
                     donate_argnums=DONATE_ARGNUMS)
     with pytest.raises(ValueError, match="does not match the sharding"):
         plain(*jax.device_put(host, jax.tree_util.tree_map(lambda _: replicated, host)))
+
+
+def test_a_module_whole_is_refused_naming_its_fields_that_are_no_arrays():
+    """The plan names a module's arrays alone (cfp plans them, the rest set aside): the whole
+    module, with a field that is no array (``eqx.nn.Dropout``'s rate), is refused in one
+    line that says to pass the arrays; they are taken. Control: a tree of other arrays still
+    reads as a plan for another model."""
+    import equinox as eqx
+    import jax.numpy as jnp
+
+    class Net(eqx.Module):
+        w: jax.Array
+        rate: float
+
+    plan = {"format": "cfp-plan", "version": 3, "mesh": {"shape": [1], "axes": ["m0"]},
+            "params": {".w": ["m0", None]}}
+    mesh = jax.sharding.Mesh(jax.devices()[:1], ("m0",))
+    net = Net(jnp.ones((2, 2)), 0.1)
+    with pytest.raises(CfpError, match=r"are arrays alone, and \.rate is not: pass the arrays"):
+        shardings(net, plan, mesh)
+    arrays, _ = eqx.partition(net, eqx.is_array)
+    assert tuple(shardings(arrays, plan, mesh).w.spec) == ("m0", None)
+    with pytest.raises(CfpError, match="a plan for another model"):
+        shardings({"v": jnp.ones((2, 2))}, plan, mesh)

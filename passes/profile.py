@@ -168,7 +168,8 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
     try:
         chosen = _chosen(analysis, windows, reps, options, worker, notify, checkpoint)
         # Across processes what is known is process 0's checkpoint's.
-        known = worker.share([_known(k, windows[rep], analysis, checkpoint, chosen.get(k))
+        known = worker.share([_known(k, windows[rep], analysis, checkpoint, chosen.get(k),
+                                     options.memory_budget_bytes)
                               for k, rep in enumerate(reps)])
         notify("start", num_types=len(reps), total=sum(len(todo) for _, _, todo in known),
                known=sum(len(results) for _, results, _ in known))
@@ -222,12 +223,15 @@ def on_one_scale(window_profiles: dict) -> tuple[dict, float]:
             for k, p in window_profiles.items()}, scale_s
 
 
-def _known(k, window: Window, analysis, checkpoint, chosen=None) -> tuple[tuple, dict, list]:
+def _known(k, window: Window, analysis, checkpoint, chosen=None,
+           memory_budget_bytes: int = 2**62) -> tuple[tuple, dict, list]:
     """(strategies per block, results an earlier run measured, combinations still to
-    measure: ``chosen`` or every one) of window type k; what a budget cut off is measured
-    now."""
+    measure: ``chosen`` or every one) of window type k; what a profile budget cut off, and
+    what a smaller memory budget refused and ``memory_budget_bytes`` fits, are measured now."""
     space = tuple(window_space(analysis, window))
-    results = {c: m for c, m in checkpoint.load_window(k).items() if m.status != "not_measured"}
+    results = {c: m for c, m in checkpoint.load_window(k).items()
+               if m.status != "not_measured"
+               and not (m.over_budget() and m.peak_bytes <= memory_budget_bytes)}
     every = chosen if chosen is not None else with_state_layouts(
         analysis, window, itertools.product(*map(range, space[:window.end - window.start])))
     return space, results, [c for c in every if c not in results]

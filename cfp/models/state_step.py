@@ -144,6 +144,7 @@ def adapt(train_step: Callable, layout_of: Callable[[], StateLayout]) -> Callabl
         new_params, new_opt_state = layout.split(new_state)
         return new_params, new_opt_state, loss_of(metrics, name)
 
+    step.layout_of = layout_of  # what the state is (the usage line after search asks)
     return step
 
 
