@@ -311,13 +311,8 @@ def search_console(rec, analysis, devices: int, memory_budget_bytes: int | None,
         f"and {len(words) - 2} more groups of segments (debug_search/plan.png draws them all)"]
     for line in shown:
         say(f"  {line}")
-    hand = hand_plan_times(analysis, rec, memory_budget_bytes)
-    fitting = " that fits" if memory_budget_bytes else ""
-    if hand:
-        best = min(hand, key=hand.get)
-        vs = f"; best hand plan run{fitting}: {best} {ms_text(hand[best])}"
-    else:
-        vs = f"; no hand plan{fitting} was run"
+    vs = against_hand_plans(hand_plan_times(analysis, rec, memory_budget_bytes), analysis,
+                            memory_budget_bytes)
     achieved = rec.step_flops / plan.median_s / devices / 1e12
     say(f"step time: {ms_text(plan.median_s)}, {achieved:.3g} TFLOP/s per device (predicted "
         f"{ms_text(plan.predicted_s)}){vs}")
@@ -338,6 +333,20 @@ def search_console(rec, analysis, devices: int, memory_budget_bytes: int | None,
         f"{[round(t, 6) for t in plan.measured_s]}, memory_cost (GiB per device): "
         f"{rec.memory['peak_bytes'] / 2**30:.4f}")
     say(f"TFLOP_COUNT: {rec.step_flops / 1e12:.6g}")
+
+
+def against_hand_plans(hand: dict, analysis, memory_budget_bytes: int | None) -> str:
+    """The step-time line's end: the fastest of the hand plans run (name -> seconds), or why
+    none ran: none fits the budget, or none is a plan of this step on this mesh (a batch the
+    mesh does not divide, heads it does not)."""
+    from cfp.baselines import baseline_strategy_indices
+    fitting = " that fits" if memory_budget_bytes else ""
+    if hand:
+        best = min(hand, key=hand.get)
+        return f"; best hand plan run{fitting}: {best} {ms_text(hand[best])}"
+    if all(None in idx for idx, _ in baseline_strategy_indices(analysis, storage=True).values()):
+        return "; no hand plan splits this step on this mesh"
+    return f"; no hand plan{fitting} was run"
 
 
 def usage_console(workdir: Path, step: str = "train", whole_state: bool = False) -> None:

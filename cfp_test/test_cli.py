@@ -185,3 +185,19 @@ def test_the_usage_line_calls_the_planned_step_with_its_arguments(capsys, tmp_pa
     assert "step = plan.jit(train_step, params, opt_state, batch);" in train
     assert "step = plan.jit(forward, params, batch);" in forward
     assert "plan.shardings(params, opt_state, batch) of your state's parts" in state
+
+
+def test_the_step_time_line_says_why_no_hand_plan_ran():
+    """Where no hand plan is a plan of the step on the mesh (a Flax model of batch 4 and 4
+    heads on mesh 8), the step-time line says so; where they are (gpt, the control), none
+    having run means none fitted the budget."""
+    from cfp.passes.analysis import run_analysis
+    from cfp.report import against_hand_plans
+    from cfp.workloads import WorkloadSpec
+    none_split = run_analysis(WorkloadSpec("users_models:flax_train_state").resolved(), (8,))
+    assert (against_hand_plans({}, none_split, 2**30)
+            == "; no hand plan splits this step on this mesh")
+    gpt = run_analysis(WorkloadSpec("gpt", "tiny").resolved(), (8,))
+    assert against_hand_plans({}, gpt, 2**30) == "; no hand plan that fits was run"
+    assert against_hand_plans({"dp": 0.002, "fsdp": 0.003}, gpt, None).startswith(
+        "; best hand plan run: dp ")

@@ -146,10 +146,11 @@ def test_an_all_reduce_is_priced_as_a_reduce_scatter_only_where_every_use_slices
     that another op also reads moves its whole result (the control)."""
     from cfp.cost_model import _sliced_allreduces
     text = """
-  %all-reduce.1 = f32[8,4]{1,0} all-reduce(f32[8,4]{1,0} %param.0), replica_groups={}, to_apply=%add
-  %all-reduce.2 = f32[8,4]{1,0} all-reduce(f32[8,4]{1,0} %param.0), replica_groups={}, to_apply=%add
-  %dynamic-slice.3 = f32[1,4]{1,0} dynamic-slice(f32[8,4]{1,0} %all-reduce.1, s32[] %c, s32[] %c), dynamic_slice_sizes={1,4}
-  %dynamic-slice.4 = f32[1,4]{1,0} dynamic-slice(f32[8,4]{1,0} %all-reduce.2, s32[] %c, s32[] %c), dynamic_slice_sizes={1,4}
-  ROOT %tuple.5 = (f32[1,4]{1,0}, f32[1,4]{1,0}, f32[8,4]{1,0}) tuple(f32[1,4]{1,0} %dynamic-slice.3, f32[1,4]{1,0} %dynamic-slice.4, f32[8,4]{1,0} %all-reduce.2)
-"""
+  %all-reduce.1 = f32[8,4]{1,0} all-reduce(%param.0), replica_groups={}, to_apply=%add
+  %all-reduce.2 = f32[8,4]{1,0} all-reduce(%param.0), replica_groups={}, to_apply=%add
+  %dynamic-slice.3 = f32[1,4]{1,0} dynamic-slice(%all-reduce.1, %c, %c), dynamic_slice_sizes={1,4}
+  %dynamic-slice.4 = f32[1,4]{1,0} dynamic-slice(%all-reduce.2, %c, %c), dynamic_slice_sizes={1,4}
+  ROOT %tuple.5 = (f32[1,4]{1,0}, f32[1,4]{1,0}, f32[8,4]{1,0}) tuple(%dynamic-slice.3, \
+%dynamic-slice.4, %all-reduce.2)
+"""  # the backslash joins the ROOT line, as XLA prints it
     assert _sliced_allreduces(text) == {"all-reduce.1"}
