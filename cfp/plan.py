@@ -235,9 +235,8 @@ def shardings(tree, plan: dict, mesh, part: str = "params", *, specs: dict | Non
     paths = [jax.tree_util.keystr(p) for p, _ in leaves]
     unmatched = [p for p in paths if p not in specs]
     unused = [p for p in specs if p not in set(paths)]
-    fields = [p for p, (_, leaf) in zip(paths, leaves)
-              if p in unmatched and not isinstance(leaf, (jax.Array, np.ndarray,
-                                                          jax.ShapeDtypeStruct))]
+    fields = [p for p, (_, leaf) in zip(paths, leaves) if p not in specs and not isinstance(
+        leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))] if unmatched else []
     if fields and len(fields) == len(unmatched) and not unused:  # a module's other fields
         raise CfpError(
             f"the plan's {part} are arrays alone, and {', '.join(fields[:3])}"

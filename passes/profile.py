@@ -223,8 +223,8 @@ def on_one_scale(window_profiles: dict) -> tuple[dict, float]:
             for k, p in window_profiles.items()}, scale_s
 
 
-def _known(k, window: Window, analysis, checkpoint, chosen=None,
-           memory_budget_bytes: int = 2**62) -> tuple[tuple, dict, list]:
+def _known(k, window: Window, analysis, checkpoint, chosen,
+           memory_budget_bytes: int) -> tuple[tuple, dict, list]:
     """(strategies per block, results an earlier run measured, combinations still to
     measure: ``chosen`` or every one) of window type k; what a profile budget cut off, and
     what a smaller memory budget refused and ``memory_budget_bytes`` fits, are measured now."""
