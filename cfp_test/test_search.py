@@ -151,7 +151,7 @@ def test_three_passes_plan_json_and_user_jit(tmp_path, capsys):
         assert leaf.sharding.is_equivalent_to(s, leaf.ndim)
 
 
-def test_search_runs_each_hand_plan_as_written(tmp_path, mlp_profiled):
+def test_search_runs_each_hand_plan_as_written(tmp_path, mlp_profiled, capsys):
     """A hand plan that splits the state (zero1, fsdp) is validated, and kept, with its own
     layout for every leaf, as the user's hand plan would be. Control: the per-window layouts
     that its strategy choices translate to keep some leaves whole (those no window holds)."""
@@ -175,6 +175,22 @@ def test_search_runs_each_hand_plan_as_written(tmp_path, mlp_profiled):
     translated = plan_storage(analysis, problem, profile.windows, hand["baseline zero1"].choices)
     layouts = translated.layouts(len(analysis.graph.state_pairs()))
     assert "zero1" in layouts and "plan" in layouts  # the control
+    # a hand plan kept though cfp's own ran faster by median: the plan line says so
+    from cfp.report import search_console
+    hand_i = next(i for i, c in enumerate(rec.candidates) if c.source == "baseline zero1")
+    own_i = next(i for i, c in enumerate(rec.candidates) if c.source.startswith("predicted"))
+    hand_s = rec.candidates[hand_i].measured_s
+    slow = [dataclasses.replace(c, measured_s=tuple(1.2 * t for t in hand_s))
+            if c.source.startswith("predicted") else c for c in rec.candidates]
+    tied = list(slow)
+    tied[own_i] = dataclasses.replace(tied[own_i], measured_s=tuple(
+        t * f for t, f in zip(hand_s, [0.9, 1.04, 0.93, 0.98, 1.02, 0.91, 0.99])))
+    capsys.readouterr()
+    for cands, says in ((tied, True), (slow, False)):  # control: no faster own plan
+        search_console(dataclasses.replace(rec, candidates=tuple(cands), kept=hand_i),
+                       analysis, 4, None)
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("plan on"))
+        assert ("the zero1 hand plan" in line and "not measurably faster" in line) == says, line
 
 
 def test_search_errors(tmp_path, capsys, mlp_profiled):
@@ -285,6 +301,30 @@ def test_kept_plan_fits_the_budget_once_compiled():
     assert fastest_within_budget(cands, int(1.2 * gb)) == 1  # composed 1.0 fits, compiled not
     with pytest.raises(CfpError, match="no candidate plan fits"):
         fastest_within_budget(cands, int(1.05 * gb))
+
+
+def test_own_plan_is_kept_only_where_the_rounds_show_it_faster():
+    """cfp's own plan, fastest by median, is kept only where the interleaved rounds separate
+    it from the hand plans that fit; a tie keeps the fastest of the tied hand plans, and a
+    hand plan over the budget is no candidate."""
+    from cfp.passes.search import Candidate, kept_candidate
+    gb = 2**30
+
+    def cand(source, times, compiled_gb=1.0):
+        return Candidate(source, (0,), (0,), 0.0, gb, tuple(times), 0.0, int(compiled_gb * gb))
+
+    noisy = [1.00, 1.10, 0.90, 1.05, 0.95, 1.08, 0.93]  # hand plan's rounds
+    ahead_in_noise = [t * f for t, f in zip(noisy, [0.90, 1.04, 0.93, 0.98, 1.02, 0.91, 0.99])]
+    ahead = [t * 0.95 for t in noisy]  # every round 5% faster
+    zero1, fsdp = cand("baseline zero1", noisy), cand("baseline fsdp", [t * 1.2 for t in noisy])
+    assert kept_candidate([cand("predicted", ahead_in_noise), zero1, fsdp], None) == 1
+    # control: the same median lead, held in every round, keeps cfp's own plan
+    assert kept_candidate([cand("predicted", ahead), zero1, fsdp], None) == 0
+    # the tied hand plan over the budget is no candidate
+    over = cand("baseline zero1", noisy, compiled_gb=3.0)
+    assert kept_candidate([cand("predicted", ahead_in_noise), over, fsdp], 2 * gb) == 0
+    # a hand plan fastest by median is kept as before
+    assert kept_candidate([cand("predicted", [t * 1.1 for t in noisy]), zero1], None) == 1
 
 
 def test_validation_rounds_separate_plans_round_by_round():

@@ -8,7 +8,8 @@ joins, priced from the resharding table. It solves it, asks for the next-best pl
 (``predicted_plans``), compiles them and solves again for those over the memory budget once
 compiled (``fitting_predictions``), adds the baseline plans that are plans of the problem
 (``baseline_candidates``), runs each end to end on the mesh in interleaved rounds, keeps the
-measured fastest, checks it against the single-device step, and returns a ``SearchRecord``.
+measured fastest (a hand plan where cfp's own is not measurably faster: ``kept_candidate``),
+checks it against the single-device step, and returns a ``SearchRecord``.
 Across processes (``SearchOptions.runtime``) it runs in a worker that joins their runtime
 (``cfp.worker``), on process 0's plans, timed by the slowest process.
 """
@@ -145,7 +146,7 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
         tuple(s.choices), predicted_seconds(problem, s.choices, profile.launch_overhead_s),
         s.memory, tuple(t), ps.compile_s, memory_of(ps.compiled)["peak_bytes"], st)
         for s, t, ps, st in zip(sols, times, steps, storages))
-    kept = fastest_within_budget(candidates, options.memory_budget_bytes)
+    kept = kept_candidate(candidates, options.memory_budget_bytes)
     numerics = None
     if checked:
         with phases("numerical check"):
@@ -295,6 +296,22 @@ def _twins(steps) -> list[int]:
     first: dict[tuple, int] = {}
     return share([first.setdefault((normalized_hlo(ps.compiled), repr(ps.in_specs),
                                     repr(ps.out_specs)), i) for i, ps in enumerate(steps)])
+
+
+def kept_candidate(candidates, memory_budget_bytes: int | None) -> int:
+    """Index of the candidate search keeps: the measured fastest whose compiled peak fits the
+    budget; but where that is a plan of cfp's own and a hand plan that fits is not measurably
+    slower than it in the same rounds (``cfp.timing.slower``), the fastest such hand plan. A
+    plan of cfp's own replaces the hand plans only where the rounds show it faster: a few
+    percent in seven rounds on a noisy machine is no evidence, and a hand plan is a layout
+    its user knows."""
+    best = fastest_within_budget(candidates, memory_budget_bytes)
+    if candidates[best].source.startswith("baseline"):
+        return best
+    tied = [i for i, c in enumerate(candidates) if c.source.startswith("baseline")
+            and (memory_budget_bytes is None or c.compiled_peak_bytes <= memory_budget_bytes)
+            and not slower(c.measured_s, candidates[best].measured_s)]
+    return min(tied, key=lambda i: candidates[i].median_s) if tied else best
 
 
 def _separated(times) -> bool:
