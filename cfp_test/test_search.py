@@ -305,8 +305,8 @@ def test_kept_plan_fits_the_budget_once_compiled():
 
 def test_own_plan_is_kept_only_where_the_rounds_show_it_faster():
     """cfp's own plan, fastest by median, is kept only where the interleaved rounds separate
-    it from the hand plans that fit; a tie keeps the fastest of the tied hand plans, and a
-    hand plan over the budget is no candidate."""
+    it from the fastest hand plan that fits; a tie keeps that hand plan, and a hand plan over
+    the budget is no candidate."""
     from cfp.passes.search import Candidate, kept_candidate
     gb = 2**30
 
@@ -323,6 +323,11 @@ def test_own_plan_is_kept_only_where_the_rounds_show_it_faster():
     # the tied hand plan over the budget is no candidate
     over = cand("baseline zero1", noisy, compiled_gb=3.0)
     assert kept_candidate([cand("predicted", ahead_in_noise), over, fsdp], 2 * gb) == 0
+    # only the fastest hand plan that fits is weighed: a slower one tied by its noise is not
+    # kept where the fastest is measurably slower than cfp's own
+    spread = [1.3, 0.8, 1.4, 0.9, 1.3, 0.85, 1.4]
+    wide = cand("baseline fsdp", [t * f for t, f in zip(noisy, spread)])
+    assert kept_candidate([cand("predicted", ahead), zero1, wide], None) == 0
     # a hand plan fastest by median is kept as before
     assert kept_candidate([cand("predicted", [t * 1.1 for t in noisy]), zero1], None) == 1
 

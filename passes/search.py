@@ -300,18 +300,19 @@ def _twins(steps) -> list[int]:
 
 def kept_candidate(candidates, memory_budget_bytes: int | None) -> int:
     """Index of the candidate search keeps: the measured fastest whose compiled peak fits the
-    budget; but where that is a plan of cfp's own and a hand plan that fits is not measurably
-    slower than it in the same rounds (``cfp.timing.slower``), the fastest such hand plan. A
+    budget; but where that is a plan of cfp's own and the fastest hand plan that fits is not
+    measurably slower than it in the same rounds (``cfp.timing.slower``), that hand plan. A
     plan of cfp's own replaces the hand plans only where the rounds show it faster: a few
     percent in seven rounds on a noisy machine is no evidence, and a hand plan is a layout
     its user knows."""
     best = fastest_within_budget(candidates, memory_budget_bytes)
-    if candidates[best].source.startswith("baseline"):
+    hand = [i for i, c in enumerate(candidates) if c.source.startswith("baseline")
+            and (memory_budget_bytes is None or c.compiled_peak_bytes <= memory_budget_bytes)]
+    if candidates[best].source.startswith("baseline") or not hand:
         return best
-    tied = [i for i, c in enumerate(candidates) if c.source.startswith("baseline")
-            and (memory_budget_bytes is None or c.compiled_peak_bytes <= memory_budget_bytes)
-            and not slower(c.measured_s, candidates[best].measured_s)]
-    return min(tied, key=lambda i: candidates[i].median_s) if tied else best
+    fastest_hand = min(hand, key=lambda i: candidates[i].median_s)
+    return (best if slower(candidates[fastest_hand].measured_s, candidates[best].measured_s)
+            else fastest_hand)
 
 
 def _separated(times) -> bool:
