@@ -290,9 +290,9 @@ def state_variants(analysis, window: Window, results: dict, windows) -> list[tup
     """The combinations to measure under the split state layouts (``zero1``, ``fsdp``): those
     of the ``STATE_VARIANTS`` fastest measured with the state as the blocks compute it, and
     those of the plans people write (``ranking.baseline_combinations``). Measuring every
-    combination three times would triple the profile; the split layouts change the state's
-    gathers and memory, not the blocks' programs, so the fastest block combinations carry
-    them."""
+    combination three times would triple the profile. A pruning: a split layout's gain differs
+    by combination (more on tensor-parallel ones), and the order under the plain layout is
+    within the timing noise, so a plan of combinations ranked lower can be missed."""
     from cfp import ranking
     n = window.end - window.start
     if len(window_space(analysis, window)) == n:
