@@ -125,8 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("search")
     s.add_argument("--time-limit", type=float, default=60.0, help="CP-SAT seconds per solve")
     s.add_argument("--validate-top", type=int, default=3,
-                   help="run the K best predicted plans end to end beside the hand plans; keep "
-                        "the fastest, a hand plan unless cfp's own is measurably faster")
+                   help="run the K best predicted plans end to end and keep the fastest")
     s.add_argument("--no-validate-baselines", dest="validate_baselines", action="store_false",
                    help="validate only the predicted plans, not the rule-file baselines too")
     s.add_argument("--iters", type=int, default=None,

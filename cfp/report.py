@@ -306,7 +306,7 @@ def search_console(rec, analysis, devices: int, memory_budget_bytes: int | None,
     kept = source if own else f"the {plan.source.split()[-1]} hand plan"
     say(f"plan on mesh {mesh}: {kept}"
         + (f", the same program as {' and '.join(same)}" if same
-           else ", no hand plan's program" if own else "") + _tie_text(rec, memory_budget_bytes))
+           else ", no hand plan's program" if own else ""))
     shown = words if len(words) <= 3 else words[:2] + [
         f"and {len(words) - 2} more groups of segments (debug_search/plan.png draws them all)"]
     for line in shown:
@@ -333,20 +333,6 @@ def search_console(rec, analysis, devices: int, memory_budget_bytes: int | None,
         f"{[round(t, 6) for t in plan.measured_s]}, memory_cost (GiB per device): "
         f"{rec.memory['peak_bytes'] / 2**30:.4f}")
     say(f"TFLOP_COUNT: {rec.step_flops / 1e12:.6g}")
-
-
-def _tie_text(rec, memory_budget_bytes: int | None) -> str:
-    """Where a hand plan is kept though a plan of cfp's own that fits ran faster by median
-    (``kept_candidate``: the rounds did not separate them), the plan line's end saying so."""
-    plan = rec.plan
-    faster = [c for c in rec.candidates if c.source.startswith("predicted")
-              and c.median_s < plan.median_s
-              and (memory_budget_bytes is None or c.compiled_peak_bytes <= memory_budget_bytes)]
-    if plan.source.startswith("predicted") or not faster:
-        return ""
-    best = min(faster, key=lambda c: c.median_s)
-    return (f" (cfp's own plan ran {ms_text(best.median_s)}, not measurably faster in "
-            f"{len(best.measured_s)} interleaved rounds)")
 
 
 def against_hand_plans(hand: dict, analysis, memory_budget_bytes: int | None) -> str:

@@ -8,8 +8,7 @@ joins, priced from the resharding table. It solves it, asks for the next-best pl
 (``predicted_plans``), compiles them and solves again for those over the memory budget once
 compiled (``fitting_predictions``), adds the baseline plans that are plans of the problem
 (``baseline_candidates``), runs each end to end on the mesh in interleaved rounds, keeps the
-measured fastest (a hand plan where cfp's own is not measurably faster: ``kept_candidate``),
-checks it against the single-device step, and returns a ``SearchRecord``.
+measured fastest, checks it against the single-device step, and returns a ``SearchRecord``.
 Across processes (``SearchOptions.runtime``) it runs in a worker that joins their runtime
 (``cfp.worker``), on process 0's plans, timed by the slowest process.
 """
@@ -42,7 +41,7 @@ class SearchOptions:
     validate_baselines: bool = True  # also run the rule-file baselines that are plans here
     iters: int | None = None  # steps per measurement; None: at least 5 steps and 0.1 s
     rounds: int = 7  # most measurements per plan, interleaved across plans
-    min_rounds: int = 5  # fewest; more while the fastest that fits is not ``slower`` than the rest
+    min_rounds: int = 5  # fewest; more only while the fastest is not ``slower`` than the rest
     check_numerics: bool = True  # on configurations small enough for one device
     runtime: object = None  # cfp.multihost.Runtime: run across these processes' devices
     compilation_cache: str | None = None  # for the worker that runs it across processes
@@ -146,7 +145,7 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
         tuple(s.choices), predicted_seconds(problem, s.choices, profile.launch_overhead_s),
         s.memory, tuple(t), ps.compile_s, memory_of(ps.compiled)["peak_bytes"], st)
         for s, t, ps, st in zip(sols, times, steps, storages))
-    kept = share(kept_candidate(candidates, options.memory_budget_bytes))  # process 0's
+    kept = share(fastest_within_budget(candidates, options.memory_budget_bytes))  # process 0's
     numerics = None
     if checked:
         with phases("numerical check"):
@@ -231,18 +230,16 @@ def fitting_predictions(analysis, problem: Problem, profile, options: SearchOpti
 
 def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOptions,
                   phases: Phases | None = None):
-    """Compile every plan ((block strategies, ``Storage``); a compiled ``PlannedStep`` is taken as
-    it is), then time them in interleaved rounds; per plan the compiled step and the
+    """Compile every plan ((block strategies, ``Storage``); a compiled ``PlannedStep`` is
+    taken as it is), then time them in interleaved rounds; per plan the compiled step and the
     measured seconds per step of each round. Plans compiled to one program are run once
-    (``_twins``). Rounds stop after ``min_rounds`` once, of the plans that fit the budget,
-    every other is ``slower`` than the fastest. Where every plan's state and the largest
-    plan's temporaries fit the memory budget together (``_fit_together``), each plan's state
-    is placed once and a step run untimed; otherwise each measurement places its plan's
-    state from the host, runs a step untimed, times its steps, and frees the state before
-    the next plan's is placed: the candidates of a memory-bound search each fit the devices,
-    and together would not."""
+    (``_twins``). Rounds stop after ``min_rounds`` once every other plan is ``slower`` than
+    the fastest. Where every plan's state and the largest plan's temporaries fit the memory
+    budget together (``_fit_together``), each plan's state is placed once and a step run
+    untimed; otherwise each measurement places its plan's state from the host, runs a step
+    untimed, times its steps, and frees the state before the next plan's is placed: the
+    candidates of a memory-bound search each fit the devices, and together would not."""
     from cfp.execute import PlannedStep, compile_steps, steps_for, time_steps
-    from cfp.measure import memory_of
     from cfp.multihost import processes, share
     phases = phases or Phases()
     steps = [plan if isinstance(plan, PlannedStep)
@@ -251,9 +248,6 @@ def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOpti
         compile_steps(steps)
     twin = _twins(steps)
     runs = [i for i, j in enumerate(twin) if i == j]
-    budget = options.memory_budget_bytes
-    fitting = share([i for i in runs if budget is None  # the plans the rounds decide between
-                     or memory_of(steps[i].compiled)["peak_bytes"] <= budget]) or runs
     times = [[] for _ in steps]
     held, warm_s = {}, {}
     if _fit_together([steps[i] for i in runs], options.memory_budget_bytes):
@@ -274,7 +268,7 @@ def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOpti
                 # process 0's time, so that every process stops and keeps alike
                 times[i].append(share(time_steps(run, iters=iters)))
             del run  # unless held, this plan's state freed before the next plan's is placed
-        if r + 1 >= options.min_rounds and _separated([times[i] for i in fitting]):
+        if r + 1 >= options.min_rounds and _separated([times[i] for i in runs]):
             break
     return steps, [list(times[j]) for j in twin]
 
@@ -301,28 +295,6 @@ def _twins(steps) -> list[int]:
     first: dict[tuple, int] = {}
     return share([first.setdefault((normalized_hlo(ps.compiled), repr(ps.in_specs),
                                     repr(ps.out_specs)), i) for i, ps in enumerate(steps)])
-
-
-def kept_candidate(candidates, memory_budget_bytes: int | None) -> int:
-    """Index of the candidate search keeps, of those whose compiled peak fits the budget: the
-    measured fastest where it is a hand plan or no hand plan fits; else the fastest plan of
-    cfp's own that the rounds show faster than the fastest hand plan (``cfp.timing.slower``:
-    the hand plan measurably slower in the same rounds), or compiled to its program (a twin
-    shares its times); else that hand plan. A few percent in seven rounds on a noisy machine
-    is no evidence, and a hand plan is a layout its user knows."""
-    best = fastest_within_budget(candidates, memory_budget_bytes)
-    fits = [i for i, c in enumerate(candidates)
-            if memory_budget_bytes is None or c.compiled_peak_bytes <= memory_budget_bytes]
-    hand = [i for i in fits if candidates[i].source.startswith("baseline")]
-    if candidates[best].source.startswith("baseline") or not hand:
-        return best
-    h = candidates[min(hand, key=lambda i: candidates[i].median_s)]
-    ahead = [i for i in fits if not candidates[i].source.startswith("baseline")
-             and (candidates[i].measured_s == h.measured_s
-                  or (candidates[i].median_s < h.median_s
-                      and slower(h.measured_s, candidates[i].measured_s)))]
-    return (min(ahead, key=lambda i: candidates[i].median_s) if ahead
-            else min(hand, key=lambda i: candidates[i].median_s))
 
 
 def _separated(times) -> bool:
