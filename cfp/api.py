@@ -130,14 +130,14 @@ def _run(options: Options, *, own_process: bool = False) -> tuple[Path, dict | N
 def _run_passes(opts: RunOptions, options: Options, own_process: bool
                 ) -> tuple[Path, dict | None]:
     if opts.reports and opts.workdir is not None:
-        check_workdir(opts.workdir)  # before any work: --mesh auto ranks meshes first
+        check_workdir(opts.workdir, opts.modes)  # before any work: --mesh auto ranks meshes first
     if opts.mesh_shape is None:
         chosen = _choose_mesh(opts, options)
         opts = dataclasses.replace(opts, mesh_shape=chosen[2].mesh_shape, chosen_mesh=chosen)
     if opts.workdir is None:
         opts = dataclasses.replace(opts, workdir=default_workdir(opts))
         if opts.reports:
-            check_workdir(opts.workdir)
+            check_workdir(opts.workdir, opts.modes)
     opts = dataclasses.replace(opts, spec=opts.spec.resolved())
     check_devices(opts, options)
     if own_process:

@@ -142,8 +142,10 @@ class ProfileProgress:
             elif event == "not_measured":
                 what = ("reshardings" if f["k"] is None
                         else f"combinations of window type {f['k']}")
+                pace = (f"about {f['count'] * self._pass_pace_s():.0f} s more at this "
+                        f"run's pace: raise --profile-budget, or " if self.n else "")
                 self._line(f"profile budget spent: {f['count']} {what} not measured "
-                           f"(profile again to measure them)")
+                           f"({pace}profile again to measure them)")
             elif event == "ranked":
                 self._detail(f"window type {f['k']}: {f['space']} combinations; measuring "
                              f"the {f['cheapest']} cheapest by the additive analytic price"
@@ -175,12 +177,20 @@ class ProfileProgress:
         if self.tty and self.total:
             _print(flush=True)
 
-    def _eta(self) -> str:
+    def _pace_s(self) -> float:
+        """Seconds per result since the first (two results at least)."""
         import time
+        return max(1e-9, time.perf_counter() - self.t_first) / (self.n - 1)
+
+    def _pass_pace_s(self) -> float:
+        """Seconds per result since the pass started, its worker's start included."""
+        import time
+        return (time.perf_counter() - self.t0) / max(1, self.n)
+
+    def _eta(self) -> str:
         if self.t_first is None or self.n < 2:
             return "ETA --"
-        rate = (self.n - 1) / max(1e-9, time.perf_counter() - self.t_first)
-        return f"ETA {(self.total - self.n) / rate:.0f} s"
+        return f"ETA {(self.total - self.n) * self._pace_s():.0f} s"
 
     def _bar(self) -> None:
         import time
@@ -225,9 +235,11 @@ def profile_console(rec, model_space_log10: float, verbose: bool = False) -> Non
             f"{len(rec.windows)} window instances of {len(rec.window_profiles)} types")
         phases_console("profile", rec.time_s, rec.phase_s)
     by_status = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+    resumed = sum(counts.values()) - counts["not_measured"] - rec.compiled
     say(f"profile: {sum(counts.values())} combinations of {len(rec.window_profiles)} window "
         f"types ({by_status}), {len(rec.reshard_s)} reshardings; compiled in this "
-        f"run: {rec.compiled} ({rec.time_s:.1f} s)")
+        f"run: {rec.compiled}" + (f", {resumed} resumed from the work dir" if resumed > 0
+                                  else "") + f" ({rec.time_s:.1f} s)")
     busy = rec.busy_window_types()
     if busy:
         marked = [m for seg in rec.window_profiles.values() for m in seg.results.values()

@@ -176,7 +176,7 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
         for k, rep in enumerate(reps):
             window_profiles[k], n = _profile_window(k, windows[rep], *known[k],
                                                     worker, options, checkpoint, start, notify,
-                                                    analysis, windows)
+                                                    analysis, windows, compiled)
             compiled += n
         bounds = boundaries(analysis, windows)
         timed = _profile_reshards(analysis, bounds, worker, checkpoint, options, start,
@@ -307,9 +307,11 @@ def state_variants(analysis, window: Window, results: dict, windows) -> list[tup
 
 
 def _profile_window(k, window: Window, space, results, todo, worker: Worker,
-                    options, checkpoint, start, notify, analysis=None, windows=()
-                    ) -> tuple[WindowProfile, int]:
-    """Measure ``todo`` of window type ``k``, then its state variants (``state_variants``)."""
+                    options, checkpoint, start, notify, analysis=None, windows=(),
+                    measured_in_run: int = 0) -> tuple[WindowProfile, int]:
+    """Measure ``todo`` of window type ``k``, then its state variants (``state_variants``).
+    A run measures one batch at least, however small ``--profile-budget``: the next run
+    then goes on from there (``measured_in_run``: what this run measured before)."""
     blocks = tuple(range(window.start, window.end))
     notify("window", k=k, window=window, space=space, todo=len(todo), known=len(results))
     log.info("window type %d (blocks %d..%d): %d combinations to measure, %d known", k,
@@ -323,7 +325,7 @@ def _profile_window(k, window: Window, space, results, todo, worker: Worker,
                 break
             notify("state_variants", k=k, count=len(todo))
         for i, batch in even_batches(todo, options.batch):
-            if worker.share(_spent(options, start)):
+            if measured_in_run + done and worker.share(_spent(options, start)):
                 for c in todo[i:]:
                     results[c] = Measurement("not_measured", note="--profile-budget spent")
                 notify("not_measured", k=k, count=len(todo) - i)
