@@ -231,8 +231,10 @@ def _run_analysis(opts: RunOptions, options) -> None:
     if options.verbose:
         report.say("***********Analysis Pass****************")
     program, grouping, _ = opts.chosen_mesh or (None, None, None)
-    rec = run_analysis(opts.spec, opts.mesh_shape, program and program.graph(), grouping,
-                       axis_names=opts.mesh_axes, device_ids=opts.device_ids)
+    with report.ticking("analysis") as on_stage:
+        rec = run_analysis(opts.spec, opts.mesh_shape, program and program.graph(), grouping,
+                           axis_names=opts.mesh_axes, device_ids=opts.device_ids,
+                           on_stage=on_stage)
     _check_fits_host(opts, options, rec)
     report.analysis_console(rec, options.verbose)
     if not opts.reports:  # each process analyses for itself; process 0 keeps the record

@@ -24,6 +24,28 @@ def say(line: str = "") -> None:
 
 
 @contextlib.contextmanager
+def ticking(pass_name: str, every_s: float = 15.0):
+    """While a long pass runs, a line every ``every_s`` seconds saying which stage it is in;
+    yields the function that names the stage (``run_analysis``'s ``on_stage``)."""
+    import threading
+    import time
+    state = {"stage": "starting", "t0": time.perf_counter()}
+    stop = threading.Event()
+
+    def tick():
+        while not stop.wait(every_s):
+            say(f"{pass_name}: {state['stage']} ({time.perf_counter() - state['t0']:.0f} s so "
+                f"far)")
+    thread = threading.Thread(target=tick, name=f"cfp {pass_name} progress", daemon=True)
+    thread.start()
+    try:
+        yield lambda stage: state.__setitem__("stage", stage)
+    finally:
+        stop.set()
+        thread.join()
+
+
+@contextlib.contextmanager
 def silenced(silent: bool = True):
     """Print nothing inside (``silent``: a process other than 0 of several, where process 0
     reports); what the caller prints is left alone."""
