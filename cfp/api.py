@@ -297,6 +297,7 @@ def _run_profile(opts: RunOptions, options) -> None:
         from cfp.passes.profile import cluster_pricing
         cost_model = opts.cluster.cost_model(opts.mesh_shape)
         cost, why, gpus = cluster_pricing(analysis, options.max_combinations,
+                                          max_devices=CLUSTER_COMPILE_DEVICES,
                                           compile_for=_compile_for(cost_model),
                                           limit_s=options.budget_s or 60.0,
                                           program=opts.chosen_mesh and opts.chosen_mesh[0])
@@ -326,6 +327,9 @@ def _run_profile(opts: RunOptions, options) -> None:
     report.profile_console(rec, analysis.plan_space_log10(), verbose)
     if verbose or opts.modes == ("profile",):
         report.say(f"wrote {out / 'profile.pkl'} and {out / 'profile.csv'}")
+
+
+CLUSTER_COMPILE_DEVICES = 64  # the most devices of a cluster whose programs are compiled here
 
 
 def _compile_for(cost_model) -> str | None:
@@ -427,8 +431,16 @@ def _predict(opts: RunOptions, options, wd, analysis) -> None:
                             else [("analytic", None), ("model", opts.cluster.gpu),
                                   ("model", None)])
     report.say("***********Search Pass (predicted, nothing runs)****************")
+    # The whole steps are compiled for the cluster's GPUs where they are described and the
+    # mesh is one cfp compiles for (cluster_pricing's bound)
+    from cfp.gpu_compile import unavailable_reason
+    gpus = opts.cluster.gpu  # (the profile pass said once why it could not compile for them)
+    if (gpus is None or math.prod(analysis.mesh_shape) > CLUSTER_COMPILE_DEVICES
+            or unavailable_reason(gpus) is not None):
+        gpus = None
     rec = predict_plan(analysis, profile, memory_budget_bytes(options, opts), options.time_limit,
-                       ranked=opts.chosen_mesh[2].prediction if opts.chosen_mesh else None)
+                       ranked=opts.chosen_mesh[2].prediction if opts.chosen_mesh else None,
+                       compile_for=gpus)
     report.prediction_console(rec, opts.cluster)
     path = wd.path / "plan.json"
     plan = make_plan(analysis, rec.strategies, storage=rec.storage,

@@ -257,7 +257,8 @@ def profile_console(rec, model_space_log10: float, verbose: bool = False) -> Non
             f"{len(rec.windows)} window instances of {len(rec.window_profiles)} types")
         phases_console("profile", rec.time_s, rec.phase_s)
     by_status = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-    resumed = sum(counts.values()) - counts["not_measured"] - rec.compiled
+    resumed = (sum(counts.values()) - counts["not_measured"] - rec.compiled
+               if rec.cost != "analytic" else 0)  # priced anew each run
     say(f"profile: {sum(counts.values())} combinations of {len(rec.window_profiles)} window "
         f"types ({by_status}), {len(rec.reshard_s)} reshardings; compiled in this "
         f"run: {rec.compiled}" + (f", {resumed} resumed from the work dir" if resumed > 0
@@ -424,10 +425,18 @@ def prediction_console(rec, cluster) -> None:
         figure = f"{composed} (budget {budget / 2**30:g} GiB)"
     say(f"memory per device: {figure}; state: {rec.storage.describe()}")
     if rec.hand_plans:
+        from cfp.gpu_compile import label
+        from cfp.passes.search import compiled_fits
         say(f"hand plans priced the same way ({how}):")
-        for name, seconds, nbytes in sorted(rec.hand_plans, key=lambda h: h[1]):
-            say(f"  {name:<10} predicted {seconds * 1e3:10.3f} ms, {nbytes / 2**30:8.3f} GiB "
-                f"per device, {'fits' if nbytes <= budget else 'does not fit'}")
+        for name, seconds, nbytes, peak in sorted(rec.hand_plans, key=lambda h: h[1]):
+            if peak is None:
+                memory = (f"{nbytes / 2**30:8.3f} GiB per device composed, "
+                          f"{'fits' if nbytes <= budget else 'does not fit'}")
+            else:
+                memory = (f"{peak / 2**30:8.3f} GiB per device, its whole step compiled for "
+                          f"{label(rec.compiled_for)} ({nbytes / 2**30:.3f} composed), "
+                          f"{'fits' if compiled_fits(peak, budget, 'gpu') else 'does not fit'}")
+            say(f"  {name:<10} predicted {seconds * 1e3:10.3f} ms, {memory}")
 
 
 def meshes_console(ranked, cluster) -> None:

@@ -205,3 +205,82 @@ def test_a_device_preset_named_compiles_for_that_gpu(tmp_path, capsys):
     # search reads the profile compiled for the H200s, and runs its plan on the devices here
     assert main(args + ["--mode", "search", "--validate-top", "1"]) == 0
     assert (tmp_path / str(says) / "plan.json").exists()
+
+
+def _scaled_memory(profile, scale: float):
+    """``profile`` with every window's bytes times ``scale``: a composition that counts
+    ``scale`` times what its windows hold."""
+    import dataclasses
+    fields = ("peak_bytes", "argument_bytes", "output_bytes", "temp_bytes")
+    return dataclasses.replace(profile, window_profiles={
+        k: dataclasses.replace(p, results={c: dataclasses.replace(
+            m, **{f: int(getattr(m, f) * scale) for f in fields}) for c, m in p.results.items()})
+        for k, p in profile.window_profiles.items()})
+
+
+def _gpt_for_a100s():
+    """The tiny GPT analysed for 8 A100s and priced from the analysis; a budget that admits
+    its leanest hand plan once compiled (within ``COMPILED_FIT_SHARE``, with a quarter to
+    spare), and the fastest plan with no budget, which that budget does not admit once
+    compiled."""
+    from cfp.baselines import baseline_strategy_indices, load_rules
+    from cfp.cluster import load_cluster
+    from cfp.execute import Storage
+    from cfp.passes.profile import ProfileOptions, run_profile
+    from cfp.passes.search import COMPILED_FIT_SHARE, compiled_peaks_for, predict_plan
+    analysis = run_analysis(WorkloadSpec("gpt", "tiny", None, "float32", ()).resolved(), (8,))
+    profile = run_profile(analysis, ProfileOptions(
+        cost="analytic", cost_model=load_cluster("a100-8").cost_model((8,))))
+    rules = load_rules()
+    hand = [(idx, Storage(rules[name].storage))
+            for name, (idx, _) in baseline_strategy_indices(analysis, storage=True).items()]
+    budget = int(min(compiled_peaks_for(analysis, hand, "a100")) / COMPILED_FIT_SHARE * 1.25)
+    free = predict_plan(analysis, profile, None, 10.0, compile_for="a100", hand_plans=False)
+    assert free.compiled_peak_bytes > budget * COMPILED_FIT_SHARE  # the fastest does not fit
+    return analysis, profile, budget, free
+
+
+@pytest.mark.parametrize("xla_share,dropped", [(1.3, True), (0.9, False)])
+def test_a_cluster_plan_over_the_budget_once_compiled_is_dropped(monkeypatch, xla_share,
+                                                                  dropped):
+    """The tiny GPT priced for 8 A100s from the analysis, its budget the composed memory of
+    its fastest plan, each plan's compiled peak given as ``xla_share`` of its composition:
+    where XLA holds 1.3x, the fastest plan is over the budget once compiled and dropped, and
+    the plan kept fits once compiled (within ``COMPILED_FIT_SHARE``). The control: where XLA
+    holds 0.9x, the fastest plan fits and is kept."""
+    from cfp.cluster import load_cluster
+    from cfp.passes import search
+    from cfp.passes.profile import ProfileOptions, run_profile
+    analysis = run_analysis(WorkloadSpec("gpt", "tiny", None, "float32", ()).resolved(), (8,))
+    profile = run_profile(analysis, ProfileOptions(
+        cost="analytic", cost_model=load_cluster("a100-8").cost_model((8,))))
+    monkeypatch.setattr(search, "plan_peak", lambda analysis, problem, profile, sol, gpus:
+                        int(sol.memory * xla_share))
+    free = search.predict_plan(analysis, profile, None, 10.0, compile_for="a100",
+                               hand_plans=False)
+    rec = search.predict_plan(analysis, profile, free.memory_bytes, 10.0, compile_for="a100",
+                              hand_plans=False)
+    assert (rec.strategies != free.strategies) == dropped
+    assert rec.compiled_peak_bytes == int(rec.memory_bytes * xla_share)
+    assert rec.compiled_peak_bytes <= free.memory_bytes * search.COMPILED_FIT_SHARE
+
+
+@needs_plugin
+@pytest.mark.slow  # more whole steps compiled; the rule's fast test is the one above
+def test_a_cluster_plan_the_composition_refuses_is_found_once_compiled():
+    """A composition counting 10x what the windows hold fits no plan under a budget that
+    plans fit once compiled: calibrated on compiled peaks (or the hand plans compiled), a
+    plan that fits once compiled is found. The control: under a budget below every compiled
+    peak, no plan fits, said from the compiled figures."""
+    from cfp.errors import CfpError
+    from cfp.passes.search import COMPILED_FIT_SHARE, predict_plan
+    from cfp.problem import build_problem
+    from cfp.solver import least_memory
+    analysis, profile, budget, _ = _gpt_for_a100s()
+    high = _scaled_memory(profile, 10.0)
+    assert least_memory(build_problem(analysis, high, None)[0]) > budget  # composes none
+    rec = predict_plan(analysis, high, budget, 10.0, compile_for="a100")
+    assert rec.compiled_peak_bytes <= budget * COMPILED_FIT_SHARE
+    with pytest.raises(CfpError, match=r"no plan fits the memory budget of [\d.]+ GiB per "
+                                       r"device once compiled for A100 .* the least of the"):
+        predict_plan(analysis, high, budget // 3, 10.0, compile_for="a100")

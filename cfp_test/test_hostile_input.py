@@ -243,10 +243,10 @@ def test_a_good_cluster_file_and_the_readme_cluster_cases_pass_the_checks(tmp_pa
     script = (Path(__file__).parents[1] / "scripts" / "cluster_cases.sh").read_text()
     cases = [shlex.split(line.replace("\\\n", " "))[1:]
              for line in script.replace("\\\n", " ").splitlines() if line.startswith("run ")]
-    assert len(cases) == 5
+    assert len(cases) == 7
     for argv in cases:
         opts = check_options(parse(argv))
-        assert opts.cluster is not None and opts.num_devices in (64, 200)
+        assert opts.cluster is not None and opts.num_devices in (8, 64, 200)
 
 
 def test_a_step_too_large_to_run_here_is_refused_before_any_worker(tmp_path, capsys):

@@ -27,7 +27,7 @@ from cfp.phases import Phases
 from cfp.problem import (UNRESHARDED, baseline_candidates, build_problem, calibrated,
                          fastest_within_budget, plan_flops, plan_storage, predicted_plans,
                          predicted_seconds, top_plans, unresharded_plan)
-from cfp.solver import Problem, Solution, evaluate
+from cfp.solver import Problem, Solution, evaluate, least_memory
 from cfp.timing import slower
 
 log = logging.getLogger(__name__)
@@ -204,10 +204,12 @@ def fitting_predictions(analysis, problem: Problem, profile, options: SearchOpti
         return [memory_of(ps.compiled)["peak_bytes"] for ps in steps]
 
     fitting: list[Solution] = []
+    platform = mesh.devices.flat[0].platform
     for n in range(CALIBRATIONS):
         peaks_bytes = peaks(sols)
-        fitting += [s for s, p in zip(sols, peaks_bytes) if p <= budget]
-        over = [(s, p) for s, p in zip(sols, peaks_bytes) if p > budget]
+        fitting += [s for s, p in zip(sols, peaks_bytes) if compiled_fits(p, budget, platform)]
+        over = [(s, p) for s, p in zip(sols, peaks_bytes)
+                if not compiled_fits(p, budget, platform)]
         if not over or n == CALIBRATIONS - 1:
             break
         with phases("solving"):
@@ -321,7 +323,8 @@ class Prediction:
     pricing: str  # the profile's cost: "model" (compile-only) or "analytic"
     memory_budget_bytes: int | None = None
     storage: Storage = Storage()  # where the plan keeps the training state
-    # the rule-file hand plans priced from the same profile: (name, seconds, bytes per device)
+    # the rule-file hand plans priced from the same profile: (name, seconds, composed bytes per
+    # device, the peak of its whole step compiled for ``compiled_for``, None: not compiled)
     hand_plans: tuple = ()
     choices: tuple = ()  # option per window instance (``build_problem``'s)
     memory_source: str = ""  # where the composed memory comes from (``ProfileRecord``)
@@ -341,12 +344,16 @@ PREDICTION_GAP = 0.01
 
 def predict_plan(analysis, profile, memory_budget_bytes: int | None,
                  time_limit_s: float, *, alike_only: bool = False,
-                 hand_plans: bool = True, ranked: Prediction | None = None) -> Prediction:
+                 hand_plans: bool = True, ranked: Prediction | None = None,
+                 compile_for: str | None = None) -> Prediction:
     """The best plan of the priced profile, with its predicted step time and memory, and
     unless not ``hand_plans``, the hand plans priced beside it. ``ranked``: the plan whose
     repeated layers are alike that ranked this mesh (``rank_meshes``), from the same
     analysis priced the same way (analytic): the whole problem starts from it, not solving it
-    again."""
+    again. Where the profile's programs were compiled for GPUs, or ``compile_for`` names
+    GPUs to compile for, the plan's whole step (and each hand plan's) is compiled for them,
+    and what fits the budget is what fits once compiled (``_fitting_once_compiled``)."""
+    gpus = profile.compiled_for or compile_for
     problem, _ = build_problem(analysis, profile, memory_budget_bytes)
     alike = None
     if (ranked is not None and profile.cost == ranked.pricing
@@ -358,26 +365,39 @@ def predict_plan(analysis, profile, memory_budget_bytes: int | None,
         if tuple(strategies) == ranked.strategies and fits:
             alike = Solution(ranked.choices, strategies, cost, memory, ranked.solver_status,
                              ranked.solve_s)
+    hand_sols = (baseline_candidates(analysis, problem, [], within_budget=False)
+                 if hand_plans else [])
     hand = tuple((name, predicted_seconds(problem, sol.choices, profile.launch_overhead_s),
-                  sol.memory) for name, sol in (baseline_candidates(
-                      analysis, problem, [], within_budget=False) if hand_plans else ()))
+                  sol.memory, None) for name, sol in hand_sols)
     try:
         sol = top_plans(problem, 1, time_limit_s, alike_only=alike_only,
                         relative_gap=PREDICTION_GAP, alike=alike)[0]
-    except CfpError as e:  # no plan fits: neither does any hand plan; say what they need
-        if not hand:
-            raise
-        raise CfpError(f"{e}; the hand plans need " + ", ".join(
-            f"{name} {mem / 2**30:.1f} GiB" for name, _, mem in hand)) from None
+    except CfpError as e:  # no plan composes within the budget
+        if gpus is None or problem.memory_budget is None:  # neither does any hand plan
+            if not hand:
+                raise
+            raise CfpError(f"{e}; the hand plans need " + ", ".join(
+                f"{name} {mem / 2**30:.1f} GiB" for name, _, mem, _ in hand)) from None
+        sol = None  # XLA may hold less than the composition: compiled, it decides
     peak = None
-    if profile.compiled_for is not None:  # the whole step compiled for the GPUs too
-        sol, peak = _compiled_for_gpus(analysis, problem, profile, sol, time_limit_s)
+    if gpus is not None:  # the whole step compiled for the GPUs too
+        budget = problem.memory_budget
+        if budget is not None and (sol is None or max(
+                [sol.memory] + [mem for _, _, mem, _ in hand]) > budget * COMPILED_FIT_SHARE):
+            # memory binds: the hand plans' whole steps compiled too, so what fits is XLA's say
+            peaks = compiled_peaks_for(analysis, [
+                (s.strategies, Storage(load_rules()[name].storage)) for name, s in hand_sols],
+                gpus)
+            hand = tuple(h[:3] + (p,) for h, p in zip(hand, peaks))
+        sol, peak = _fitting_once_compiled(
+            analysis, problem, profile, sol, time_limit_s, gpus,
+            [(name, s, h[3]) for (name, s), h in zip(hand_sols, hand) if h[3] is not None])
     storage = plan_storage(analysis, problem, profile.windows, sol.choices)
     return Prediction(tuple(analysis.mesh_shape), tuple(sol.strategies),
                       predicted_seconds(problem, sol.choices, profile.launch_overhead_s),
                       sol.memory, sol.status, sol.solve_s, plan_flops(analysis), profile.cost,
                       memory_budget_bytes, storage, hand, tuple(sol.choices),
-                      profile.memory_source(), peak, profile.compiled_for,
+                      profile.memory_source(), peak, gpus,
                       priced_seconds(analysis, profile, sol.choices)
                       if profile.cost == "mock" else 0.0)
 
@@ -393,25 +413,90 @@ def priced_seconds(analysis, profile, choices) -> float:
     return predicted_seconds(build_problem(analysis, priced, None)[0], choices, 0.0)
 
 
-def _compiled_for_gpus(analysis, problem: Problem, profile, sol: Solution,
-                       time_limit_s: float) -> tuple[Solution, int]:
-    """The plan whose whole step, compiled for the GPUs the profile was compiled for, fits
-    the budget, and that peak: ``sol`` where it fits, else the fastest of those the
-    calibrated composition gives that fit (``fitting_predictions``, one prediction compiled
-    per solve), else the last of them."""
-    from cfp.jax_compat import no_compilation_cache
-    from cfp.measure import memory_of
-    from cfp.tracing import trace_step
-    if problem.memory_budget is None:
-        storage = plan_storage(analysis, problem, profile.windows, sol.choices)
-        return sol, compiled_peak_for(analysis, sol.strategies, storage, profile.compiled_for)
-    with no_compilation_cache():
-        sols, compiled, _ = fitting_predictions(
-            analysis, problem, profile, SearchOptions(problem.memory_budget, time_limit_s, 1),
-            trace_step(analysis.spec.build()), gpu_mesh_of(analysis, profile.compiled_for))
-    best = min(sols, key=lambda s: predicted_seconds(problem, s.choices,
-                                                     profile.launch_overhead_s))
-    return best, memory_of(compiled[best.choices].compiled)["peak_bytes"]
+# Of the device's memory, the share a step compiled for GPUs may peak at and count as fitting:
+# XLA's GPU compiler rematerializes on its own until a program fits the device, so a peak just
+# under the budget is XLA's recomputation, which no price here counts: a LLaMA-7B step at
+# batch 64 compiles to 80.0 GiB of 80 that way, and its dp plan at batch 32 to 77.6 GiB (97%)
+# where XLA logs that its rematerialization stopped at 80.9.
+COMPILED_FIT_SHARE = 0.95
+
+
+def compiled_fits(peak_bytes: int, budget_bytes: int | None, platform: str) -> bool:
+    """Whether a compiled peak fits the budget: on GPUs, within ``COMPILED_FIT_SHARE`` of it."""
+    if budget_bytes is None:
+        return True
+    return peak_bytes <= budget_bytes * (COMPILED_FIT_SHARE if platform != "cpu" else 1.0)
+
+
+# The leanest plans: within these shares, in turn, of the least any plan can compose to
+LEANEST_SHARES = (1.05, 1.25, 1.5, 2.0)
+
+
+def _fitting_once_compiled(analysis, problem: Problem, profile, sol: Solution | None,
+                           time_limit_s: float, gpus: str, hand=()) -> tuple[Solution, int]:
+    """The fastest plan whose whole step, compiled for ``gpus``, fits the budget, and that
+    peak, of those compiled: ``sol`` (the plan the composition fits; None where it fits
+    none, as XLA may hold less than it counts: the fastest plan with no budget), and while
+    the last one compiled does not fit, the plan the composition gives calibrated on it
+    (``calibrated``), up to ``CALIBRATIONS`` compiles; then, where none fits, the fastest of
+    those the composition counts leanest; and the hand plans (``hand``: (name, solution,
+    compiled peak) each). A plan over the budget once compiled is dropped; where none fits,
+    "no plan fits" is said from the compiled figures."""
+    budget = problem.memory_budget
+    if budget is None:
+        return sol, plan_peak(analysis, problem, profile, sol, gpus)
+    tried = {}  # choices -> (solution, compiled peak) of each plan compiled
+
+    def compiled(sol: Solution) -> int:
+        peak = plan_peak(analysis, problem, profile, sol, gpus)
+        tried[sol.choices] = (sol, peak)
+        log.info("composed %.3f GiB, compiled for %s %.3f GiB", sol.memory / 2**30, gpus,
+                 peak / 2**30)
+        return peak
+
+    def solved(p: Problem) -> Solution | None:
+        try:
+            return top_plans(p, 1, time_limit_s, relative_gap=PREDICTION_GAP,
+                             exclude=list(tried))[0]
+        except CfpError:  # none composes within it, but those compiled already
+            return None
+
+    sol = sol or solved(dataclasses.replace(problem, memory_budget=None))
+    for _ in range(CALIBRATIONS):
+        if sol is None:
+            break
+        peak = compiled(sol)
+        if compiled_fits(peak, budget, "gpu"):
+            break
+        # solved against the budget scaled by this plan's composed / compiled bytes
+        sol = solved(calibrated(analysis, problem, profile.windows, [(sol, peak)],
+                                first=False, budget_bytes=int(budget * COMPILED_FIT_SHARE)))
+    if not any(compiled_fits(p, budget, "gpu") for _, p in tried.values()):
+        least = least_memory(problem)  # a bound: the leanest plan may compose to more
+        for share in LEANEST_SHARES:
+            lean = solved(dataclasses.replace(problem, memory_budget=int(least * share)))
+            if lean is not None:
+                compiled(lean)
+                break
+    fits = [(s, p) for s, p in list(tried.values()) + [(s, p) for _, s, p in hand]
+            if compiled_fits(p, budget, "gpu")]
+    if fits:
+        return min(fits, key=lambda sp: predicted_seconds(problem, sp[0].choices,
+                                                          profile.launch_overhead_s))
+    from cfp.gpu_compile import label
+    peaks = [p for _, p in tried.values()] + [p for _, _, p in hand] or [0]
+    hands = [f"{name} {p / 2**30:.1f} GiB" for name, _, p in hand]
+    raise CfpError(f"no plan fits the memory budget of {budget / 2**30:.3f} GiB per device once "
+                   f"compiled for {label(gpus)} (within {COMPILED_FIT_SHARE:.0%} of it: XLA "
+                   f"recomputes to fit a device): the least of the {len(peaks)} plans compiled "
+                   f"peaks at {min(peaks) / 2**30:.1f} GiB"
+                   + (f"; the hand plans compile to {', '.join(hands)}" if hands else ""))
+
+
+def plan_peak(analysis, problem: Problem, profile, sol: Solution, gpus: str) -> int:
+    """The peak per device of ``sol``'s whole step compiled for ``gpus``."""
+    storage = plan_storage(analysis, problem, profile.windows, sol.choices)
+    return compiled_peak_for(analysis, sol.strategies, storage, gpus)
 
 
 def gpu_mesh_of(analysis, gpu: str):
@@ -425,14 +510,28 @@ def compiled_peak_for(analysis, strategies, storage, gpu: str | None) -> int | N
     (``cfp.gpu_compile``); None without GPUs to compile for."""
     if gpu is None:
         return None
+    return compiled_peaks_for(analysis, [(strategies, storage)], gpu)[0]
+
+
+def compiled_peaks_for(analysis, plans, gpu: str) -> list[int]:
+    """``compiled_peak_for`` of each of ``plans`` ((strategies, storage) each), compiled on
+    every core at once (a compile for described GPUs times no kernel), each plan once."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
     from cfp.execute import PlannedStep
     from cfp.jax_compat import no_compilation_cache
     from cfp.measure import memory_of
     from cfp.tracing import trace_step
-    step = PlannedStep(trace_step(analysis.spec.build()), analysis, strategies,
-                       gpu_mesh_of(analysis, gpu), storage)
-    with no_compilation_cache():
-        return memory_of(step.compile())["peak_bytes"]
+    program, mesh = trace_step(analysis.spec.build()), gpu_mesh_of(analysis, gpu)
+    distinct = list(dict.fromkeys((tuple(st), storage) for st, storage in plans))
+
+    def peak(plan):
+        return memory_of(PlannedStep(program, analysis, plan[0], mesh, plan[1]).compile()
+                         )["peak_bytes"]
+    with no_compilation_cache(), ThreadPoolExecutor(
+            max_workers=max(1, min(os.cpu_count() or 1, len(distinct)))) as pool:
+        peaks = dict(zip(distinct, pool.map(peak, distinct)))
+    return [peaks[(tuple(st), storage)] for st, storage in plans]
 
 
 @dataclasses.dataclass(frozen=True)

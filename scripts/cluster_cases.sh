@@ -7,8 +7,11 @@
 # The forward cases plan LLaMA-2-13B's forward computation alone (--step forward, the case of
 # Alpa's simulation) on alpa-50x4 within its 32 GB, at batch 8 and at batch 200 (which the
 # 50 nodes and the 200 devices divide, so that data parallelism over nodes is a plan too).
-# Usage: bash scripts/cluster_cases.sh [OUT [train|forward]]  (both kinds when left out;
-# default OUT scripts/results/<date>-cluster-cpu.txt)
+# The a100 cases plan the runs people train on one node of 8 A100s (bfloat16): LLaMA-2-7B at
+# batch 32, sequence 2048, and GPT-6.7B at batch 16, each plan's whole step (and each hand
+# plan's) compiled for the A100s with no GPU here (the gpu-compile extra).
+# Usage: bash scripts/cluster_cases.sh [OUT [train|forward|a100]]  (train and forward when
+# left out; default OUT scripts/results/<date>-cluster-cpu.txt)
 set -uo pipefail  # a case that has no plan says so and the next one runs
 cd "$(dirname "$0")/.."
 out=${1:-scripts/results/$(date +%F)-cluster-cpu.txt}
@@ -19,6 +22,12 @@ run() {
     | grep -Ev "^\[|^  ParallelBlock|ParallelBlocks sequence|^window type|^wrote" | tee -a "$out"
 }
 cases=${2:-all}
+if [ "$cases" = a100 ]; then
+run --model llama --config 7b --dtype bfloat16 --batch-size 32 --seq-len 2048 --cluster a100-8
+run --model gpt --config 6.7b --dtype bfloat16 --batch-size 16 --cluster a100-8
+echo "wrote $out"
+exit 0
+fi
 if [ "$cases" != forward ]; then
 run --model llama --config 13b --dtype bfloat16 --batch-size 8 --seq-len 1024 --cluster alpa-50x4
 run --model llama --config 13b --dtype bfloat16 --batch-size 8 --seq-len 1024 --cluster alpa-50x4 \

@@ -59,7 +59,7 @@ def plans_of(analysis, profile, budget_bytes):
     rows = [("cfp", pred.predicted_s, pred.memory_bytes, pred.strategies, pred.storage)]
     rows += [(name, seconds, nbytes, hand[name].strategies,
               plan_storage(analysis, problem, profile.windows, hand[name].choices))
-             for name, seconds, nbytes in pred.hand_plans]
+             for name, seconds, nbytes, _ in pred.hand_plans]
     return pred, sorted(rows, key=lambda r: r[1])
 
 
