@@ -350,7 +350,7 @@ def search_console(rec, analysis, devices: int, memory_budget_bytes: int | None,
                             memory_budget_bytes)
     achieved = rec.step_flops / plan.median_s / devices / 1e12
     say(f"step time: {ms_text(plan.median_s)}, {achieved:.3g} TFLOP/s per device (predicted "
-        f"{ms_text(plan.predicted_s)}){vs}")
+        f"{ms_text(plan.predicted_s)}){vs}{race_text(rec, memory_budget_bytes)}")
     budget = f", budget {gb_text(memory_budget_bytes)}" if memory_budget_bytes else ""
     import jax
     here = jax.devices()[0].platform.upper()
@@ -368,6 +368,27 @@ def search_console(rec, analysis, devices: int, memory_budget_bytes: int | None,
         f"{[round(t, 6) for t in plan.measured_s]}, memory_cost (GiB per device): "
         f"{rec.memory['peak_bytes'] / 2**30:.4f}")
     say(f"TFLOP_COUNT: {rec.step_flops / 1e12:.6g}")
+
+
+def race_text(rec, memory_budget_bytes: int | None) -> str:
+    """Where the rounds tell cfp's fastest own plan and the fastest hand plan that fits (two
+    programs) apart in neither direction as ``slower``: that it is a tie, over how many."""
+    from cfp.passes.search import RACE_LEVEL
+    from cfp.timing import slower
+    fits = [c for c in rec.candidates if memory_budget_bytes is None
+            or c.compiled_peak_bytes <= memory_budget_bytes]
+    own = [c for c in fits if not c.source.startswith("baseline")]
+    rivals = [c for c in fits if c.source.startswith("baseline")]
+    if not own or not rivals:
+        return ""
+    plan, rival = (min(cs, key=lambda c: c.median_s) for cs in (own, rivals))
+    if rival.measured_s == plan.measured_s:  # the same program, run once
+        return ""
+    n = min(len(rival.measured_s), len(plan.measured_s))
+    a, b = plan.measured_s[-n:], rival.measured_s[-n:]
+    if slower(a, b, RACE_LEVEL) or slower(b, a, RACE_LEVEL):
+        return ""
+    return f" (a tie: {n} rounds do not tell the two apart)"
 
 
 def against_hand_plans(hand: dict, analysis, memory_budget_bytes: int | None) -> str:
@@ -401,7 +422,7 @@ def usage_console(workdir: Path, step: str = "train", whole_state: bool = False)
 def prediction_console(rec, cluster) -> None:
     """A plan predicted for a described cluster: nothing of it ran."""
     how = {"model": "compile-only programs priced by the cost model",
-           "analytic": "priced from the analysis, nothing compiled",
+           "analytic": "priced from the analysis, no window compiled",
            "mock": "compiled for the cluster's GPUs on the GPU here, one GPU's share of "
                    "each program timed on it, collectives priced"}[rec.pricing]
     say(f"cluster {cluster.describe()}")

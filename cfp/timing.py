@@ -211,13 +211,14 @@ def time_in_context(producer, with_reshard, args, *, min_rounds: int = 5,
 
 
 def median_interval(samples: Sequence[float], *, resamples: int = 1000,
-                    seed: int = 0) -> tuple[float, float]:
-    """95% bootstrap interval of the median of ``samples`` (a fixed seed: the same samples
-    give the same interval on every process)."""
+                    seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """``level`` bootstrap interval of the median of ``samples`` (a fixed seed: the same
+    samples give the same interval on every process)."""
     x = np.asarray(samples, float)
     rng = np.random.default_rng(seed)
     medians = np.median(x[rng.integers(0, len(x), size=(resamples, len(x)))], axis=1)
-    return float(np.percentile(medians, 2.5)), float(np.percentile(medians, 97.5))
+    tail = 50 * (1 - level)
+    return float(np.percentile(medians, tail)), float(np.percentile(medians, 100 - tail))
 
 
 def median_rel_error(times: Sequence[float]) -> float:
@@ -265,8 +266,8 @@ def speed_anchor(mesh, rows_per_device: int = 512, width: int = 256, layers: int
     return fn, (x, w)
 
 
-def slower(a_s: Sequence[float], b_s: Sequence[float]) -> bool:
+def slower(a_s: Sequence[float], b_s: Sequence[float], level: float = 0.95) -> bool:
     """Whether program ``a`` is measurably slower than ``b``, from their times in the same
-    interleaved rounds (a round's drift hits both): the 95% interval of the median of the
-    per-round ratios lies above 1."""
-    return median_interval([a / b for a, b in zip(a_s, b_s)])[0] > 1
+    interleaved rounds (a round's drift hits both): the ``level`` interval of the median of
+    the per-round ratios lies above 1."""
+    return median_interval([a / b for a, b in zip(a_s, b_s)], level=level)[0] > 1

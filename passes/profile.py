@@ -101,7 +101,7 @@ class ProfileRecord:
         """Where the windows' memory comes from, in words."""
         from cfp.gpu_compile import label
         if self.cost == "analytic":
-            return "the analysis (nothing compiled)"
+            return "the analysis (no window compiled)"
         if self.cost == "mock":
             return "windows compiled on the GPU here for the mocked GPUs"
         if self.compiled_for is not None:
