@@ -35,7 +35,7 @@ from pathlib import Path
 from cfp.errors import CfpError
 from cfp.options import (Options, RunOptions, check_devices, check_options, check_workdir,
                          cost_model_of, default_workdir, memory_budget_bytes, preset_gpu,
-                         setup_devices)
+                         require_workdir, setup_devices)
 
 
 class Plan:
@@ -140,6 +140,8 @@ def _run_passes(opts: RunOptions, options: Options, own_process: bool
             check_workdir(opts.workdir, opts.modes)
     opts = dataclasses.replace(opts, spec=opts.spec.resolved())
     check_devices(opts, options)
+    if opts.reports:
+        require_workdir(opts.workdir, opts.modes)
     if own_process:
         from cfp.jax_compat import enable_compilation_cache
         enable_compilation_cache(_cache_dir(options))  # before anything compiles

@@ -348,11 +348,10 @@ def setup_devices(num_devices: int) -> None:
 
 
 def check_workdir(workdir: Path, modes=MODES) -> None:
-    """The work dir can be written; a run that starts after the analysis (``modes``) finds
-    it there, and a refusal creates nothing."""
-    if "analysis" not in modes and "stages" not in modes and not workdir.is_dir():
-        raise CfpError(f"no work dir {workdir}: run python -m cfp --mode analysis with the same "
-                       f"flags first")
+    """The work dir can be written: created by a run that analyses (``modes``); a run that
+    starts after the analysis creates none (``require_workdir`` says it is missing)."""
+    if not _analyses(modes) and not workdir.is_dir():
+        return
     try:
         workdir.mkdir(parents=True, exist_ok=True)
         probe = workdir / ".cfp-write-test"
@@ -361,6 +360,17 @@ def check_workdir(workdir: Path, modes=MODES) -> None:
     except OSError as e:
         raise CfpError(f"cannot write to the work dir {workdir} ({e.strerror}): "
                        f"choose another with --workdir") from None
+
+
+def _analyses(modes) -> bool:
+    return "analysis" in modes or "stages" in modes
+
+
+def require_workdir(workdir: Path, modes) -> None:
+    """A run that starts after the analysis finds its work dir there."""
+    if not _analyses(modes) and not workdir.is_dir():
+        raise CfpError(f"no work dir {workdir}: run python -m cfp --mode analysis with the same "
+                       f"flags first")
 
 
 def memory_budget_bytes(options, opts: RunOptions, *, required: bool = False) -> int:

@@ -373,8 +373,7 @@ def search_console(rec, analysis, devices: int, memory_budget_bytes: int | None,
 def race_text(rec, memory_budget_bytes: int | None) -> str:
     """Where the rounds tell cfp's fastest own plan and the fastest hand plan that fits (two
     programs) apart in neither direction as ``slower``: that it is a tie, over how many."""
-    from cfp.passes.search import RACE_LEVEL
-    from cfp.timing import slower
+    from cfp.timing import RACE_LEVEL, slower
     fits = [c for c in rec.candidates if memory_budget_bytes is None
             or c.compiled_peak_bytes <= memory_budget_bytes]
     own = [c for c in fits if not c.source.startswith("baseline")]
@@ -447,7 +446,7 @@ def prediction_console(rec, cluster) -> None:
     say(f"memory per device: {figure}; state: {rec.storage.describe()}")
     if rec.hand_plans:
         from cfp.gpu_compile import label
-        from cfp.passes.search import compiled_fits
+        from cfp.problem import compiled_fits
         say(f"hand plans priced the same way ({how}):")
         for name, seconds, nbytes, peak in sorted(rec.hand_plans, key=lambda h: h[1]):
             if peak is None:

@@ -266,6 +266,12 @@ def speed_anchor(mesh, rows_per_device: int = 512, width: int = 256, layers: int
     return fn, (x, w)
 
 
+# The interval search's rounds tell plans apart at: at 95%, two plans alike in speed (4% noise
+# per round) were told apart in 23 of 100 seeded races of up to 15 rounds; at 99%, in 9 (a 10%
+# gap: in all 100 either way; cfp_test/test_search.py)
+RACE_LEVEL = 0.99
+
+
 def slower(a_s: Sequence[float], b_s: Sequence[float], level: float = 0.95) -> bool:
     """Whether program ``a`` is measurably slower than ``b``, from their times in the same
     interleaved rounds (a round's drift hits both): the ``level`` interval of the median of

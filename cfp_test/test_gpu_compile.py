@@ -227,7 +227,8 @@ def _gpt_for_a100s():
     from cfp.cluster import load_cluster
     from cfp.execute import Storage
     from cfp.passes.profile import ProfileOptions, run_profile
-    from cfp.passes.search import COMPILED_FIT_SHARE, compiled_peaks_for, predict_plan
+    from cfp.passes.search import compiled_peaks_for, predict_plan
+    from cfp.problem import COMPILED_FIT_SHARE
     analysis = run_analysis(WorkloadSpec("gpt", "tiny", None, "float32", ()).resolved(), (8,))
     profile = run_profile(analysis, ProfileOptions(
         cost="analytic", cost_model=load_cluster("a100-8").cost_model((8,))))
@@ -251,6 +252,7 @@ def test_a_cluster_plan_over_the_budget_once_compiled_is_dropped(monkeypatch, xl
     from cfp.cluster import load_cluster
     from cfp.passes import search
     from cfp.passes.profile import ProfileOptions, run_profile
+    from cfp.problem import COMPILED_FIT_SHARE
     analysis = run_analysis(WorkloadSpec("gpt", "tiny", None, "float32", ()).resolved(), (8,))
     profile = run_profile(analysis, ProfileOptions(
         cost="analytic", cost_model=load_cluster("a100-8").cost_model((8,))))
@@ -262,7 +264,7 @@ def test_a_cluster_plan_over_the_budget_once_compiled_is_dropped(monkeypatch, xl
                               hand_plans=False)
     assert (rec.strategies != free.strategies) == dropped
     assert rec.compiled_peak_bytes == int(rec.memory_bytes * xla_share)
-    assert rec.compiled_peak_bytes <= free.memory_bytes * search.COMPILED_FIT_SHARE
+    assert rec.compiled_peak_bytes <= free.memory_bytes * COMPILED_FIT_SHARE
 
 
 @needs_plugin
@@ -273,7 +275,8 @@ def test_a_cluster_plan_the_composition_refuses_is_found_once_compiled():
     plan that fits once compiled is found. The control: under a budget below every compiled
     peak, no plan fits, said from the compiled figures."""
     from cfp.errors import CfpError
-    from cfp.passes.search import COMPILED_FIT_SHARE, predict_plan
+    from cfp.passes.search import predict_plan
+    from cfp.problem import COMPILED_FIT_SHARE
     from cfp.problem import build_problem
     from cfp.solver import least_memory
     analysis, profile, budget, _ = _gpt_for_a100s()

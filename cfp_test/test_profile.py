@@ -179,9 +179,9 @@ def test_profile_resumes_records_failures_and_refuses_bad_files(tmp_path, capsys
     # What the budget refused is measured again under a larger one; the same budget again
     # measures nothing (the control).
     assert main(["--mode", "profile", "--memory-budget", "0.00001"] + base) == 0
-    assert "compiled in this run: 0 " in capsys.readouterr().out
+    assert "compiled in this run: 0, 23 resumed from the work dir " in capsys.readouterr().out
     assert main(["--mode", "profile", "--memory-budget", "1"] + base) == 0
-    assert "compiled in this run: 0 " not in capsys.readouterr().out
+    assert "compiled in this run: 0," not in capsys.readouterr().out
     assert ",oom," not in (tmp_path / "profile.csv").read_text()
     # A real budget (the profiled dir, copied); then forget two results and resume: only
     # they are measured.

@@ -475,8 +475,8 @@ def test_the_race_separates_plans_10_percent_apart_and_calls_twins_a_tie():
     measured; a race stopped at ``rounds``, told apart at 95%, calls 77). The control: with
     no rival, the rounds stop at ``rounds`` at most."""
     import random
-    from cfp.passes.search import RACE_LEVEL, SearchOptions, race
-    from cfp.timing import slower
+    from cfp.passes.search import SearchOptions, race
+    from cfp.timing import RACE_LEVEL, slower
     options = SearchOptions(None)
 
     def races(rival_share, rivals=(1,)):

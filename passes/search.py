@@ -24,11 +24,12 @@ from cfp.errors import CfpError
 from cfp.execute import Storage
 from cfp.mesh import AXIS_NAMES
 from cfp.phases import Phases
-from cfp.problem import (UNRESHARDED, baseline_candidates, build_problem, calibrated,
-                         fastest_within_budget, plan_flops, plan_storage, predicted_plans,
-                         predicted_seconds, top_plans, unresharded_plan)
+from cfp.problem import (COMPILED_FIT_SHARE, UNRESHARDED, baseline_candidates, build_problem,
+                         calibrated, compiled_fits, fastest_within_budget, plan_flops,
+                         plan_storage, predicted_plans, predicted_seconds, top_plans,
+                         unresharded_plan)
 from cfp.solver import Problem, Solution, evaluate, least_memory
-from cfp.timing import slower
+from cfp.timing import RACE_LEVEL, slower
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +208,7 @@ def fitting_predictions(analysis, problem: Problem, profile, options: SearchOpti
         return [memory_of(ps.compiled)["peak_bytes"] for ps in steps]
 
     fitting: list[Solution] = []
-    platform = mesh.devices.flat[0].platform
+    platform = "cpu" if mesh is None else mesh.devices.flat[0].platform
     for n in range(CALIBRATIONS):
         peaks_bytes = peaks(sols)
         fitting += [s for s, p in zip(sols, peaks_bytes) if compiled_fits(p, budget, platform)]
@@ -281,9 +282,7 @@ def measure_plans(program, analysis, plans, mesh, args_host, options: SearchOpti
 
 
 RACE_LOOK = 4  # rounds of the race between looks at whether it is decided
-# The race's interval: at 95%, two plans alike in speed (4% noise per round) were told apart
-# in 23 of 100 seeded races of up to 15 rounds; at 99%, in 9 (a 10% gap: in all 100 either way)
-RACE_LEVEL = 0.99
+
 
 
 def race(measure, runs: list[int], rivals: list[int], options: SearchOptions
@@ -461,21 +460,6 @@ def priced_seconds(analysis, profile, choices) -> float:
     priced = dataclasses.replace(profile, window_profiles={
         k: dataclasses.replace(p, results=results(p)) for k, p in profile.window_profiles.items()})
     return predicted_seconds(build_problem(analysis, priced, None)[0], choices, 0.0)
-
-
-# Of the device's memory, the share a step compiled for GPUs may peak at and count as fitting:
-# XLA's GPU compiler rematerializes on its own until a program fits the device, so a peak just
-# under the budget is XLA's recomputation, which no price here counts: a LLaMA-7B step at
-# batch 64 compiles to 80.0 GiB of 80 that way, and its dp plan at batch 32 to 77.6 GiB (97%)
-# where XLA logs that its rematerialization stopped at 80.9.
-COMPILED_FIT_SHARE = 0.95
-
-
-def compiled_fits(peak_bytes: int, budget_bytes: int | None, platform: str) -> bool:
-    """Whether a compiled peak fits the budget: on GPUs, within ``COMPILED_FIT_SHARE`` of it."""
-    if budget_bytes is None:
-        return True
-    return peak_bytes <= budget_bytes * (COMPILED_FIT_SHARE if platform != "cpu" else 1.0)
 
 
 # The leanest plans: within these shares, in turn, of the least any plan can compose to
