@@ -90,21 +90,42 @@ class Plan:
                 f"{len(self.data.get('blocks', ()))} blocks, {self.data.get('source', '')!r})")
 
 
-def autoshard(model: str, *, mesh: str | None = None, memory_budget_gb: float | None = None,
-              workdir: str | Path | None = None, **options) -> Plan:
-    """Analyse, profile and search ``model``'s step on ``mesh``; the plan kept.
+def autoshard(model, *example_args, mesh: str | None = None,
+              memory_budget_gb: float | None = None, workdir: str | Path | None = None,
+              **options) -> Plan:
+    """Analyse, profile and search a step on ``mesh``; the plan kept.
 
-    ``options`` are further ``Options`` fields (``batch_size``, ``max_combinations``,
-    ``validate_top``, ``iters``, ...). ``workdir`` None: ``profiles/<model>-<config>-<mesh>/``
+    ``model`` is the step itself with its example arguments (arrays, or
+    ``jax.ShapeDtypeStruct``s: cfp then makes the inputs it checks the step on), in one of
+    the forms ``cfp.workloads.STEP_FORMS`` lists; or a factory of a ``cfp.models.Workload``,
+    a ``Workload``, or by name, a zoo model (``"gpt"``) or ``"package.module:factory"``. A
+    step handed in is named by the fingerprint of its traced program: a second call on the
+    same step, shapes and mesh finds the work dir's profile. ``options`` are further
+    ``Options`` fields (``step="forward"``, ``batch_size``, ``max_combinations``,
+    ``validate_top``, ``iters``, ...). ``workdir`` None: ``profiles/<name>-<mesh>/``
     (``cfp.options.default_workdir``)."""
     unknown = sorted(set(options) - {f.name for f in dataclasses.fields(Options)})
     if unknown:
         raise CfpError(f"autoshard() takes no option {unknown[0]!r} (see cfp.Options for "
                        f"the ones it takes)")
+    if not isinstance(model, str):
+        model = _hand_in(model, example_args, dict(options, mesh=mesh, workdir=workdir))
+    elif example_args:
+        raise CfpError(f"{model!r} names a model, which makes its own inputs: hand in the step "
+                       f"function itself with example arguments")
     workdir, plan = _run(Options(model=model, mesh=mesh, memory_budget_gb=memory_budget_gb,
                                  workdir=workdir, **options))
     # Process 0 wrote the plan; another process of several has it from its own search.
     return Plan(plan) if plan is not None else Plan.load(Path(workdir) / "plan.json")
+
+
+def _hand_in(handed, example_args: tuple, options: dict) -> str:
+    """The model name of a step handed in (``cfp.workloads.hand_in``), the options it is
+    built with checked first."""
+    from cfp.workloads import hand_in
+    opts = check_options(Options(**dict(options, model="step@")))
+    _setup_devices(opts)  # before the step's trace can start JAX's backends
+    return hand_in(handed, example_args, opts.spec).model
 
 
 def run(options: Options, *, own_process: bool = False) -> Path:
@@ -118,13 +139,17 @@ def _run(options: Options, *, own_process: bool = False) -> tuple[Path, dict | N
     """``run``'s work dir, and the plan on a process of several that writes none (None
     elsewhere: the plan is in the work dir)."""
     opts = check_options(options)
-    # A described cluster is compiled for here only up to 64 devices (cluster_pricing).
-    setup_devices(opts.num_devices // opts.runtime.num_processes if opts.runtime
-                   else opts.num_devices if opts.cluster is None or opts.num_devices <= 64
-                   else 8)
+    _setup_devices(opts)
     from cfp import report
     with report.silenced(not opts.reports):
         return _run_passes(opts, options, own_process)
+
+
+def _setup_devices(opts: RunOptions) -> None:
+    # A described cluster is compiled for here only up to 64 devices (cluster_pricing).
+    setup_devices(opts.num_devices // opts.runtime.num_processes if opts.runtime
+                  else opts.num_devices if opts.cluster is None or opts.num_devices <= 64
+                  else 8)
 
 
 def _run_passes(opts: RunOptions, options: Options, own_process: bool
