@@ -99,6 +99,12 @@ def read_record(path: Path, fmt: str, fingerprint: tuple | None, *, hint: str) -
                            f"{SCHEMA_VERSION}: {hint}")
         if fingerprint is not None and header.fingerprint != fingerprint:
             mine, theirs = dict(fingerprint), dict(header.fingerprint)
+            handed = str(theirs.get("model", ""))
+            if "@" in handed and mine.get("model") != handed:
+                raise CfpError(f"{path} was made by cfp.autoshard for the step "
+                               f"{handed.partition('@')[0]!r} handed to it in its process; a "
+                               f"work dir keeps that step's fingerprint, not the step: call "
+                               f"cfp.autoshard with it again")
             diff = [k for k in dict.fromkeys([*mine, *theirs]) if mine.get(k) != theirs.get(k)]
             raise CfpError(f"{path} was made for another run ({', '.join(diff)} differ: "
                            f"{', '.join(f'{k}={theirs.get(k)}' for k in diff)}): {hint}")

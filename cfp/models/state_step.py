@@ -37,7 +37,7 @@ from typing import Any, Callable
 import jax
 
 from cfp.errors import CfpError
-from cfp.models.common import is_array, split_arrays
+from cfp.models.common import is_array, join_arrays, split_arrays
 
 
 def _is_nnx(state) -> bool:
@@ -57,6 +57,8 @@ class StateLayout:
     rest_def: Any = None  # a record without its params (or a plain opt_state): its structure
     rest_static: tuple = ()  # and per leaf, None for an array, else the leaf kept aside
     plain: bool = False  # a plain (params, opt_state) pair
+    # of a plain pair's params (an Equinox module, say), what is not an array: kept aside
+    params_static: Any = None
 
     @classmethod
     def of(cls, state) -> "StateLayout":
@@ -71,7 +73,7 @@ class StateLayout:
                            f"(model, optimizer) or a plain (params, opt_state)")
         if plain:
             leaves, rest_def = jax.tree_util.tree_flatten(state[1])
-            return cls(rest_def=rest_def, plain=True,
+            return cls(rest_def=rest_def, plain=True, params_static=split_arrays(state[0])[1],
                        rest_static=tuple(None if is_array(x) else x for x in leaves))
         leaves, rest_def = jax.tree_util.tree_flatten(_rest(state))
         return cls(rest_def=rest_def,
@@ -85,7 +87,7 @@ class StateLayout:
             _, params, rest = nnx.split(state, nnx.Param, ...)
             return params, rest
         if self.plain:
-            return state[0], split_arrays(state[1])[0]
+            return split_arrays(state[0])[0], split_arrays(state[1])[0]
         return state.params, split_arrays(_rest(state))[0]
 
     def merge(self, params, opt_state):
@@ -97,7 +99,9 @@ class StateLayout:
         arrays = iter(jax.tree_util.tree_leaves(opt_state))
         leaves = [next(arrays) if x is None else x for x in self.rest_static]
         rest = jax.tree_util.tree_unflatten(self.rest_def, leaves)
-        return (params, rest) if self.plain else rest.replace(params=params)
+        if self.plain:
+            return join_arrays(params, self.params_static), rest
+        return rest.replace(params=params)
 
 
 def _rest(state):
