@@ -317,7 +317,7 @@ def hand_in(handed, example_args: tuple, spec: WorkloadSpec) -> WorkloadSpec:
     elif not callable(handed):
         raise CfpError(f"autoshard takes a step function with its example arguments, a "
                        f"factory of a cfp.models.Workload, a Workload or a model's name "
-                       f"(\"gpt\", \"package.module:factory\"), not a {type(handed).__name__}")
+                       f"(\"gpt\", \"package.module:factory\"), not {handed!r:.40}")
     elif example_args:
         factory, name = HandedStep(handed, example_args, spec.step), step_name(handed)
     else:

@@ -122,6 +122,13 @@ def loss_of(metrics, where: str) -> jax.Array:
                    f"a dict holding it under 'loss'")
 
 
+def _what(out) -> str:
+    """What a step returned, in words: an array's shape, else its type."""
+    if hasattr(out, "shape") and hasattr(out, "dtype"):
+        return f"one array ({out.dtype}{list(out.shape)})"
+    return f"a {type(out).__name__}" + (f" of {len(out)}" if isinstance(out, tuple) else "")
+
+
 def adapt(train_step: Callable, layout_of: Callable[[], StateLayout]) -> Callable:
     """``train_step`` on the user's state as ``step(params, opt_state, batch) -> (params,
     opt_state, loss)``; ``layout_of()`` gives the state's layout once it is known."""
@@ -137,12 +144,14 @@ def adapt(train_step: Callable, layout_of: Callable[[], StateLayout]) -> Callabl
             out = train_step(*state, batch)
             if not (isinstance(out, tuple) and len(out) == 3):
                 raise CfpError(f"{name}(params, opt_state, batch) returns "
-                               f"{type(out).__name__}, not (params, opt_state, metrics)")
+                               f"{_what(out)}, not (params, opt_state, metrics); a step "
+                               f"that returns only the loss is planned with step='forward', "
+                               f"as loss(params, batch)")
             new_state, metrics = out[:2], out[2]
         else:
             out = train_step(state, batch)
             if not (isinstance(out, tuple) and len(out) == 2):
-                raise CfpError(f"{name}(state, batch) returns {type(out).__name__}, not "
+                raise CfpError(f"{name}(state, batch) returns {_what(out)}, not "
                                f"(state, metrics)")
             new_state, metrics = out
         new_params, new_opt_state = layout.split(new_state)

@@ -1,0 +1,169 @@
+"""A step handed to ``cfp.autoshard`` as a function with example arguments, a factory or a
+``Workload`` (``cfp.workloads.hand_in``): the mistakes are one ``CfpError`` line before any
+work, the run is named by its traced program's fingerprint, a pool's processes get the step
+by value without running the caller's script again, and the command line refuses a work dir
+it cannot resume."""
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import cfp
+from cfp.errors import CfpError
+from cfp.workloads import WorkloadSpec, hand_in
+
+ROOT = Path(__file__).resolve().parents[1]
+TX = optax.adam(1e-3)
+
+
+def _loss(params, batch):
+    return jnp.mean((jnp.tanh(batch["x"] @ params["w1"]) @ params["w2"] - batch["y"]) ** 2)
+
+
+def train_step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(_loss)(params, batch)
+    updates, opt_state = TX.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+def _inputs(hidden=16, as_shapes=False):
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    params = {"w1": jax.random.normal(k1, (8, hidden)) * 0.1,
+              "w2": jax.random.normal(k2, (hidden, 8)) * 0.1}
+    x = jax.random.normal(k3, (8, 8))
+    args = (params, TX.init(params), {"x": x, "y": jnp.sin(x)})
+    return jax.eval_shape(lambda: args) if as_shapes else args
+
+
+def _name(handed, *args, **options):
+    return hand_in(handed, args, WorkloadSpec("", **options)).model
+
+
+def test_the_run_is_named_by_its_traced_program():
+    """The same step and shapes: one name; arrays or their shapes: one name; another hidden
+    size, or another step body at the same shapes: another (control: the name is not just
+    the function's)."""
+    def body_changed(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(_loss)(params, batch)
+        updates, opt_state = TX.update(jax.tree_util.tree_map(lambda g: 2 * g, grads),
+                                       opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    body_changed.__name__ = "train_step"
+    first = _name(train_step, *_inputs())
+    assert first.startswith("train_step@")
+    assert _name(train_step, *_inputs()) == first
+    assert _name(train_step, *_inputs(as_shapes=True)) == first
+    assert _name(train_step, *_inputs(hidden=24)) != first
+    assert _name(body_changed, *_inputs()) != first
+
+
+def _four(params, opt_state, batch, lr):
+    return train_step(params, opt_state, batch)
+
+
+def _loss_only(params, opt_state, batch):
+    return _loss(params, batch)
+
+
+def _lock_closure():
+    lock = threading.Lock()
+
+    def step(params, opt_state, batch):
+        with lock:
+            return train_step(params, opt_state, batch)
+    return step
+
+
+def _bad_batch():
+    params, opt_state, batch = _inputs()
+    return params, opt_state, {"x": jnp.ones((8, 5)), "y": batch["y"]}
+
+
+@pytest.mark.parametrize("case,handed,args,message", [
+    ("four arguments", _four, lambda: _inputs() + (1e-3,), "4 example arguments"),
+    ("four, given three", _four, _inputs, "takes 4 positional arguments"),
+    ("a loss only", _loss_only, _inputs, "not \\(params, opt_state, metrics\\)"),
+    ("args that do not match", train_step, _bad_batch, "train_step raised TypeError"),
+    ("a lock in a closure", _lock_closure(), _inputs, "cannot be sent to cfp's measurement"),
+    ("a number", 123, lambda: (), "not 123"),
+    ("a step without its arguments", train_step, lambda: (), "takes 3 positional arguments"),
+    ("a factory given arguments", lambda: None, _inputs, "takes 0 positional arguments"),
+    ("a (params, batch) loss without step='forward'", _loss, lambda: _inputs()[::2],
+     "step='forward'"),
+])
+def test_a_step_handed_in_wrong_is_one_line_before_any_work(tmp_path, case, handed, args,
+                                                           message):
+    """Control: the right step, arguments and form plan (``test_the_run_is_named...``); a
+    loss with step='forward' is taken."""
+    with pytest.raises(CfpError, match=message) as e:
+        cfp.autoshard(handed, *args(), mesh="2x4", memory_budget_gb=1,
+                      workdir=tmp_path / "wd")
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "wd").exists()
+
+
+def test_a_forward_loss_and_a_workload_are_taken():
+    """The loss with step='forward'; a Workload, or its factory, with no example arguments."""
+    from cfp.models import user_workload
+    params, _, batch = _inputs()
+    assert _name(_loss, params, batch, step="forward").startswith("_loss@")
+    workload = user_workload(_loss, lambda key: params, lambda key: batch, optimizer=TX)
+    assert "@" in _name(workload)
+    assert "@" in _name(lambda: workload)
+    with pytest.raises(CfpError, match="without example arguments"):
+        _name(workload, params)
+
+
+def test_the_command_line_refuses_a_work_dir_of_a_handed_step(tmp_path):
+    """The analysis of a handed step reads back in its process (control); ``python -m cfp
+    --mode search`` on its work dir says, in one line and with exit 2, to call autoshard."""
+    from cfp.api import run, workdir_of
+    options = cfp.Options(model=_name(train_step, *_inputs()), mesh="2x4", mode="analysis",
+                          workdir=str(tmp_path / "wd"))
+    run(options)
+    assert workdir_of(options).read_analysis().spec.model == options.model
+    done = subprocess.run([sys.executable, "-m", "cfp", "--mode", "search", "--mesh", "2x4",
+                           "--memory-budget", "1", "--workdir", str(tmp_path / "wd")],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert done.returncode == 2, done.stderr[-2000:]
+    said = [line for line in done.stderr.splitlines() if line.startswith("cfp: error")]
+    assert len(said) == 1 and "call cfp.autoshard with it again" in said[0]
+    assert "Traceback" not in done.stderr
+
+
+SCRIPT = """
+import jax, jax.numpy as jnp
+print("THE SCRIPT RUNS")
+from cfp.pool import map_meshes
+from cfp.workloads import WorkloadSpec, hand_in
+from helpers import handed_fingerprint
+
+def step(params, batch):
+    return jnp.mean((batch @ params) ** 2)
+
+spec = hand_in(step, (jnp.ones((4, 4)), jnp.ones((2, 4))), WorkloadSpec("", step="forward"))
+print("FINGERPRINTS", spec.model, *map_meshes(handed_fingerprint, (spec,), [0, 1], processes=2))
+"""
+
+
+@pytest.mark.parametrize("how", ["file", "stdin"])
+def test_a_pools_processes_get_the_step_by_value(tmp_path, how):
+    """A script with no ``__main__`` guard, run from a file or from standard input, hands in
+    a step defined in it: a pool's two processes trace it to its fingerprint, and the script
+    runs once (Python's spawn would run it again in each, or fail on ``<stdin>``)."""
+    (tmp_path / "s.py").write_text(SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "cfp_test"), str(ROOT)]))
+    cmd = [sys.executable, "s.py"] if how == "file" else [sys.executable, "-"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300, input=SCRIPT if how == "stdin" else None)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("THE SCRIPT RUNS") == 1
+    line = next(x for x in done.stdout.splitlines() if x.startswith("FINGERPRINTS")).split()
+    assert line[2:] == [line[1].partition("@")[2]] * 2
