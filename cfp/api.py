@@ -108,13 +108,19 @@ def autoshard(model, *example_args, mesh: str | None = None,
     if unknown:
         raise CfpError(f"autoshard() takes no option {unknown[0]!r} (see cfp.Options for "
                        f"the ones it takes)")
-    if not isinstance(model, str):
+    handed = not isinstance(model, str)
+    if handed:
         model = _hand_in(model, example_args, dict(options, mesh=mesh, workdir=workdir))
     elif example_args:
         raise CfpError(f"{model!r} names a model, which makes its own inputs: hand in the step "
                        f"function itself with example arguments")
-    workdir, plan = _run(Options(model=model, mesh=mesh, memory_budget_gb=memory_budget_gb,
-                                 workdir=workdir, **options))
+    try:
+        workdir, plan = _run(Options(model=model, mesh=mesh, memory_budget_gb=memory_budget_gb,
+                                     workdir=workdir, **options))
+    finally:
+        if handed:  # the user's loop donates them: cfp keeps no reference to the arrays
+            from cfp.workloads import forget_arrays
+            forget_arrays(model)
     # Process 0 wrote the plan; another process of several has it from its own search.
     return Plan(plan) if plan is not None else Plan.load(Path(workdir) / "plan.json")
 
@@ -125,7 +131,12 @@ def _hand_in(handed, example_args: tuple, options: dict) -> str:
     from cfp.workloads import hand_in
     opts = check_options(Options(**dict(options, model="step@")))
     _setup_devices(opts)  # before the step's trace can start JAX's backends
-    return hand_in(handed, example_args, opts.spec).model
+    from cfp import report
+    from cfp.workloads import has_shapes
+    model = hand_in(handed, example_args, opts.spec).model
+    if has_shapes(example_args):
+        report.made_inputs_console()
+    return model
 
 
 def run(options: Options, *, own_process: bool = False) -> Path:

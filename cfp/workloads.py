@@ -349,6 +349,16 @@ def hand_in(handed, example_args: tuple, spec: WorkloadSpec) -> WorkloadSpec:
     return named
 
 
+def forget_arrays(model: str) -> None:
+    """After ``autoshard``: the handed step ``model`` keeps its example arguments' shapes
+    only (and no workload built from them is kept), so that the arrays the user's loop
+    donates are not held here."""
+    factory, sent = _HANDED[model]
+    if isinstance(factory, HandedStep):
+        _HANDED[model] = (factory.shapes_only(), sent)
+    _built.cache_clear()
+
+
 def handed_steps(model: str | None = None) -> dict[str, bytes]:
     """The steps handed in, as the workers get them: ``model``'s, or all (a pool's)."""
     return {k: sent for k, (_, sent) in _HANDED.items() if model in (None, k)}
