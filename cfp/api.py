@@ -415,7 +415,8 @@ def _run_search(opts: RunOptions, options) -> dict | None:
         import json
         return json.loads(json.dumps(dumps.plan_of(analysis, rec)))
     wd.write_search(rec)
-    report.search_console(rec, analysis, opts.num_devices, budget, options.verbose)
+    report.search_console(rec, analysis, opts.num_devices, budget, options.verbose,
+                          options.driver_lines)
     dumps.write_search_dumps(wd.path, analysis, profile, rec)
     _write_logical_rules(wd.path, analysis, options.verbose)
     layout_of = getattr(analysis.spec.build().state_step, "layout_of", None)
@@ -463,7 +464,7 @@ def _predict(opts: RunOptions, options, wd, analysis) -> None:
     report.say("***********Search Pass (predicted, nothing runs)****************")
     rec = predict_plan(analysis, profile, memory_budget_bytes(options, opts), options.time_limit,
                        ranked=opts.chosen_mesh[2].prediction if opts.chosen_mesh else None)
-    report.prediction_console(rec, opts.cluster)
+    report.prediction_console(rec, opts.cluster, options.driver_lines)
     path = wd.path / "plan.json"
     plan = make_plan(analysis, rec.strategies, storage=rec.storage,
                      source=f"predicted for {opts.cluster.name} ({rec.pricing})")

@@ -32,6 +32,9 @@ class Options:
 
     mode: Literal["analysis", "profile", "search", "stages"] | None = None  # None: all three
     verbose: bool = False  # print blocks, segments and candidates too
+    # print the lines benchmark drivers read (searched ParallelBlock Strategies solution,
+    # searched training cost, TFLOP_COUNT)
+    driver_lines: bool = False
     # workload
     model: str = "gpt"  # a zoo key (mlp, gpt, llama, moe, bert) or package.module:factory
     config: str | None = None  # size preset; None: tiny

@@ -285,10 +285,10 @@ def hand_plan_times(analysis, rec, memory_budget_bytes: int | None = None
 
 
 def search_console(rec, analysis, devices: int, memory_budget_bytes: int | None,
-                   verbose: bool = False) -> None:
+                   verbose: bool = False, driver_lines: bool = False) -> None:
     """The answer: the plan in words, its step time against the best hand plan run, its
-    memory and the numerical check; then the lines drivers read
-    (``searched ParallelBlock Strategies solution``, ``searched training cost``,
+    memory and the numerical check; with ``driver_lines``, then the lines benchmark drivers
+    read (``searched ParallelBlock Strategies solution``, ``searched training cost``,
     ``TFLOP_COUNT``). ``verbose``: every candidate and the phases first."""
     from cfp.describe import plan_words
     plan = rec.plan
@@ -334,6 +334,8 @@ def search_console(rec, analysis, devices: int, memory_budget_bytes: int | None,
         say("scans run as lax.scan: one strategy per scan body")
     elif rec.scans == "unrolled":
         say("scans run unrolled: this plan gives a scan's iterations different strategies")
+    if not driver_lines:
+        return
     say(f"searched ParallelBlock Strategies solution ({source}): {list(plan.strategies)}")
     say(f"searched training cost (s per step, one per round): "
         f"{[round(t, 6) for t in plan.measured_s]}, memory_cost (GiB per device): "
@@ -369,7 +371,7 @@ def usage_console(workdir: Path, step: str = "train", whole_state: bool = False)
         f"{Path(workdir) / 'debug_search' / 'plan.png'}")
 
 
-def prediction_console(rec, cluster) -> None:
+def prediction_console(rec, cluster, driver_lines: bool = False) -> None:
     """A plan predicted for a described cluster: nothing of it ran."""
     how = {"model": "compile-only programs priced by the cost model",
            "analytic": "priced from the analysis, nothing compiled",
@@ -378,7 +380,8 @@ def prediction_console(rec, cluster) -> None:
     say(f"cluster {cluster.describe()}")
     say(f"mesh {'x'.join(map(str, rec.mesh_shape))}; profile {how}")
     say(f"solver: {rec.solver_status} in {rec.solve_s:.2f} s")
-    say(f"searched ParallelBlock Strategies solution (predicted): {list(rec.strategies)}")
+    if driver_lines:
+        say(f"searched ParallelBlock Strategies solution (predicted): {list(rec.strategies)}")
     say(f"predicted step time: {rec.predicted_s * 1e3:.3f} ms; "
         f"{rec.step_flops / rec.predicted_s / math.prod(rec.mesh_shape) / 1e12:.4g} TFLOP/s "
         f"per device")

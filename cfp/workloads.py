@@ -329,6 +329,7 @@ def hand_in(handed, example_args: tuple, spec: WorkloadSpec) -> WorkloadSpec:
                            f"params, opt_state, batch, ...), or hand in a factory of a "
                            f"cfp.models.Workload")
     for_workers = factory.shapes_only() if isinstance(factory, HandedStep) else factory
+    _check_rebuildable(name, example_args)
     import cloudpickle
     try:
         sent = cloudpickle.dumps(for_workers)
@@ -357,6 +358,33 @@ def forget_arrays(model: str) -> None:
     if isinstance(factory, HandedStep):
         _HANDED[model] = (factory.shapes_only(), sent)
     _built.cache_clear()
+
+
+def _check_rebuildable(name: str, example_args: tuple) -> None:
+    """Refuse an Equinox module among the example arguments whose class the workers would
+    get by value (defined in ``__main__``, a notebook's cell or a function): cloudpickle
+    rebuilds such a class before its fields are set, and JAX then flattens its instances to
+    nothing."""
+    import sys
+    import jax
+    eqx = sys.modules.get("equinox")  # a user with Equinox modules has imported it
+    if eqx is None:
+        return
+
+    def classes(tree, root=None):
+        for x in jax.tree_util.tree_leaves(
+                tree, is_leaf=lambda y: y is not root and isinstance(y, eqx.Module)):
+            if isinstance(x, eqx.Module):
+                yield type(x)
+                yield from classes(x, x)
+
+    for cls in classes(example_args):
+        if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
+            where = "a function" if "<locals>" in cls.__qualname__ else "__main__"
+            raise CfpError(f"{name}'s example arguments hold an Equinox module of the class "
+                           f"{cls.__qualname__}, defined in {where}: cfp's measurement workers "
+                           f"cannot rebuild it (cloudpickle rebuilds a class before its fields "
+                           f"are set); define it at the top level of an importable module")
 
 
 def handed_steps(model: str | None = None) -> dict[str, bytes]:
