@@ -184,6 +184,12 @@ def _run_passes(opts: RunOptions, options: Options, own_process: bool
     try:
         with (locked(opts.workdir) if opts.reports else contextlib.nullcontext(),
               CtrlC() as ctrl_c):
+            if opts.reports and "@" in opts.spec.model and "analysis" in opts.modes:
+                from cfp import report
+                from cfp.workdir import clear_other_handed_step
+                if clear_other_handed_step(opts.workdir, opts.spec.model):
+                    report.say(f"the step differs from the one {opts.workdir} was profiled "
+                               f"for: profiled again")
             plan = None
             for mode in opts.modes:
                 plan = _RUNNERS[mode](opts, options)

@@ -77,6 +77,17 @@ def write_record(path: Path, fmt: str, fingerprint: tuple, record: Any) -> None:
         raise
 
 
+def read_fingerprint(path: Path) -> dict:
+    """The fingerprint a record file's header carries, as a dict; empty for a file that is
+    missing or not cfp's."""
+    try:
+        header = _RestrictedUnpickler(io.BytesIO(Path(path).read_bytes())).load()
+    except Exception:  # noqa: BLE001 - missing, truncated or foreign: it names no run
+        return {}
+    return dict(p for p in header.fingerprint if isinstance(p, tuple) and len(p) == 2) \
+        if isinstance(header, FileHeader) and isinstance(header.fingerprint, tuple) else {}
+
+
 def read_record(path: Path, fmt: str, fingerprint: tuple | None, *, hint: str) -> Any:
     """Read a record written by ``write_record``, checking format, version and fingerprint.
 

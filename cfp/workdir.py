@@ -262,6 +262,21 @@ def _stale(holder: str, path: Path) -> bool:
 PRICED_COSTS = ("model", "analytic", "mock")  # profiles kept in <workdir>/<cost>/
 
 
+def clear_other_handed_step(workdir: Path, model: str) -> bool:
+    """Before a step handed to ``cfp.autoshard`` (``model``, ``<name>@<fingerprint>``) is
+    analysed in ``workdir``: the records of another handed step there (an earlier version of
+    it, whose traced program differed) are deleted, so that the changed step is profiled
+    afresh. Records of a run of the command line are left, and refuse the run as before.
+    Returns whether any were deleted."""
+    from cfp.records import read_fingerprint
+    theirs = str(read_fingerprint(Path(workdir) / "analysis.pkl").get("model", ""))
+    if "@" not in theirs or theirs == model:
+        return False
+    for path in record_files(workdir):
+        path.unlink()
+    return True
+
+
 def record_files(workdir: Path) -> list[Path]:
     """The records and plan in ``workdir`` and its priced profiles' directories, in order."""
     workdir = Path(workdir)
