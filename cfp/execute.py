@@ -63,7 +63,8 @@ class Storage:
         counts = {}
         for _, z in self.leaves:
             counts[z] = counts.get(z, 0) + 1
-        return ", ".join(f"{n} leaves {z}" for z, n in sorted(counts.items()))
+        from cfp.describe import layouts_text
+        return layouts_text(counts)
 
 
 def plan_specs(analysis, strategies: Sequence[int | Strategy] | None, axis_names,

@@ -133,8 +133,8 @@ class ProfileProgress:
                 self._detail(f"window type {f['k']} (blocks {w.start}..{w.end - 1}): search "
                              f"space {list(f['space'])}, {f['todo']} to measure"
                              + (f", {f['known']} measured before" if f["known"] else ""))
-            elif event == "state_variants":
-                self.total += f["count"]
+            elif event == "state_variants":  # fewer (or more) than the total counted on
+                self.total += f["count"] - f["expected"]
             elif event == "result":
                 self.n += 1
                 if self.t_first is None:
@@ -309,10 +309,13 @@ def search_console(rec, analysis, devices: int, memory_budget_bytes: int | None,
     same = [n for n in (words.pop(0).removeprefix("same program as ").split(" and ")
                         if words[0].startswith("same program as") else [])
             if own or n != plan.source.split()[-1]]
-    kept = source if own else f"the {plan.source.split()[-1]} hand plan"
+    kept = (("cfp's own plan" + (" (the fastest predicted with no resharding between "
+                                 "blocks)" if "without reshardings" in plan.source else ""))
+            if own else f"the {plan.source.split()[-1]} hand plan")
     say(f"plan on mesh {mesh}: {kept}"
-        + (f", the same program as {' and '.join(same)}" if same
-           else ", no hand plan's program" if own else ""))
+        + (f", which compiles to the same program as the {' and '.join(same)} hand plan"
+           f"{'s' if len(same) > 1 else ''}" if same
+           else ", unlike every hand plan" if own else ""))
     shown = words if len(words) <= 3 else words[:2] + [
         f"and {len(words) - 2} more groups of segments (debug_search/plan.png draws them all)"]
     for line in shown:

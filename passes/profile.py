@@ -171,12 +171,15 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
         known = worker.share([_known(k, windows[rep], analysis, checkpoint, chosen.get(k),
                                      options.memory_budget_bytes)
                               for k, rep in enumerate(reps)])
-        notify("start", num_types=len(reps), total=sum(len(todo) for _, _, todo in known),
+        expected = [expected_state_variants(analysis, windows[rep], known[k][1], windows)
+                    for k, rep in enumerate(reps)]
+        notify("start", num_types=len(reps),
+               total=sum(len(todo) for _, _, todo in known) + sum(expected),
                known=sum(len(results) for _, results, _ in known))
         for k, rep in enumerate(reps):
             window_profiles[k], n = _profile_window(k, windows[rep], *known[k],
                                                     worker, options, checkpoint, start, notify,
-                                                    analysis, windows)
+                                                    analysis, windows, expected[k])
             compiled += n
         bounds = boundaries(analysis, windows)
         timed = _profile_reshards(analysis, bounds, worker, checkpoint, options, start,
@@ -297,18 +300,31 @@ def state_variants(analysis, window: Window, results: dict, windows) -> list[tup
     n = window.end - window.start
     if len(window_space(analysis, window)) == n:
         return []
+    picked = list(dict.fromkeys(ranking.baseline_combinations(analysis, window, windows)))
     plain = sorted((m.time_s, c[:n]) for c, m in results.items()
-                   if m.status == "ok" and c[n] == 0)
-    picked = [c for _, c in plain[:STATE_VARIANTS]]
-    picked += ranking.baseline_combinations(analysis, window, windows)
-    return [c for c in with_state_layouts(analysis, window, dict.fromkeys(picked),
+                   if m.status == "ok" and c[n] == 0 and c[:n] not in picked)
+    picked += [c for _, c in plain[:STATE_VARIANTS]]
+    return [c for c in with_state_layouts(analysis, window, picked,
                                           range(1, len(STATE_LAYOUTS)))
             if c not in results]
 
 
+def expected_state_variants(analysis, window: Window, results: dict, windows) -> int:
+    """How many combinations ``state_variants`` will give, known before any is measured:
+    every baseline's and ``STATE_VARIANTS`` others' under each split layout, less those
+    measured before (fewer where fewer than ``STATE_VARIANTS`` others fit the budget)."""
+    from cfp import ranking
+    n = window.end - window.start
+    if len(window_space(analysis, window)) == n:
+        return 0
+    baselines = len(dict.fromkeys(ranking.baseline_combinations(analysis, window, windows)))
+    measured = sum(1 for c in results if c[n] != 0)
+    return max(0, (baselines + STATE_VARIANTS) * (len(STATE_LAYOUTS) - 1) - measured)
+
+
 def _profile_window(k, window: Window, space, results, todo, worker: Worker,
-                    options, checkpoint, start, notify, analysis=None, windows=()
-                    ) -> tuple[WindowProfile, int]:
+                    options, checkpoint, start, notify, analysis=None, windows=(),
+                    expected_variants: int = 0) -> tuple[WindowProfile, int]:
     """Measure ``todo`` of window type ``k``, then its state variants (``state_variants``)."""
     blocks = tuple(range(window.start, window.end))
     notify("window", k=k, window=window, space=space, todo=len(todo), known=len(results))
@@ -319,9 +335,10 @@ def _profile_window(k, window: Window, space, results, todo, worker: Worker,
     for phase in ("blocks", "state"):
         if phase == "state":
             todo = state_variants(analysis, window, results, windows)
+            if len(todo) != expected_variants:  # the progress total, corrected
+                notify("state_variants", k=k, count=len(todo), expected=expected_variants)
             if not todo:
                 break
-            notify("state_variants", k=k, count=len(todo))
         for i, batch in even_batches(todo, options.batch):
             if worker.share(_spent(options, start)):
                 for c in todo[i:]:
