@@ -416,18 +416,45 @@ def _run_search(opts: RunOptions, options) -> dict | None:
                                    runtime=opts.runtime, compilation_cache=_cache_dir(options))
     if options.verbose:
         report.say("***********Search Pass****************")
+    before = _search_found_before(opts, wd, search_options, profile)
+    if before is not None:  # a handed step called again: its plan is the work dir's
+        report.search_console(before, analysis, opts.num_devices, budget, options.verbose,
+                              options.driver_lines, found_before=True)
+        report.usage_console(wd.path, analysis.spec.step, _holds_state(analysis))
+        return None
     rec = run_search(analysis, profile, search_options)
     if not opts.reports:  # process 0 writes the plan; this process has it all the same
         import json
         return json.loads(json.dumps(dumps.plan_of(analysis, rec)))
-    wd.write_search(rec)
+    from cfp.workdir import search_inputs
+    wd.write_search(dataclasses.replace(rec, inputs=search_inputs(search_options, profile)))
     report.search_console(rec, analysis, opts.num_devices, budget, options.verbose,
                           options.driver_lines)
     dumps.write_search_dumps(wd.path, analysis, profile, rec)
     _write_logical_rules(wd.path, analysis, options.verbose)
+    report.usage_console(wd.path, analysis.spec.step, _holds_state(analysis))
+
+
+def _holds_state(analysis) -> bool:
+    """Whether the step carries one state (a TrainState, NNX's model and optimizer) that the
+    user splits to use the plan."""
     layout_of = getattr(analysis.spec.build().state_step, "layout_of", None)
-    report.usage_console(wd.path, analysis.spec.step,
-                         layout_of is not None and not layout_of().plain)
+    return layout_of is not None and not layout_of().plain
+
+
+def _search_found_before(opts: RunOptions, wd, search_options, profile):
+    """For a step handed to ``cfp.autoshard``: the work dir's search record where it was
+    searched from the same profile and options (``cfp.workdir.search_inputs``) and its plan
+    is there; else None."""
+    from cfp.workdir import search_inputs
+    if not (opts.reports and "@" in opts.spec.model and (wd.path / "plan.json").exists()
+            and (wd.path / "search.pkl").exists()):
+        return None
+    try:
+        before = wd.read_search()
+    except CfpError:
+        return None
+    return before if before.inputs == search_inputs(search_options, profile) else None
 
 
 def _write_logical_rules(workdir: Path, analysis, verbose: bool) -> None:

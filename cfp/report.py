@@ -285,7 +285,8 @@ def hand_plan_times(analysis, rec, memory_budget_bytes: int | None = None
 
 
 def search_console(rec, analysis, devices: int, memory_budget_bytes: int | None,
-                   verbose: bool = False, driver_lines: bool = False) -> None:
+                   verbose: bool = False, driver_lines: bool = False,
+                   found_before: bool = False) -> None:
     """The answer: the plan in words, its step time against the best hand plan run, its
     memory and the numerical check; with ``driver_lines``, then the lines benchmark drivers
     read (``searched ParallelBlock Strategies solution``, ``searched training cost``,
@@ -299,8 +300,12 @@ def search_console(rec, analysis, devices: int, memory_budget_bytes: int | None,
                 f"{ms_text(c.median_s)}; memory {gb_text(c.composed_memory_bytes)} composed, "
                 f"{gb_text(c.compiled_peak_bytes)} compiled" + ("  <- kept" if i == rec.kept else ""))
         phases_console("search", rec.time_s, rec.phase_s)
-    say(f"search: {len(rec.candidates)} candidate plans run end to end; solver "
-        f"{rec.solver_status} in {rec.solve_s:.1f} s ({rec.time_s:.1f} s)")
+    if found_before:
+        say("search: the plan found before for this step, from the same profile and options "
+            "(nothing run again)")
+    else:
+        say(f"search: {len(rec.candidates)} candidate plans run end to end; solver "
+            f"{rec.solver_status} in {rec.solve_s:.1f} s ({rec.time_s:.1f} s)")
     own = plan.source.startswith("predicted")  # "predicted" or "predicted without reshardings"
     source = ("cfp's own prediction" + plan.source.removeprefix("predicted") if own
               else f"the {plan.source.split()[-1]} baseline")

@@ -105,6 +105,17 @@ class WorkDir:
                            hint="run python -m cfp --mode search with the same flags first")
 
 
+def search_inputs(search_options, profile) -> str:
+    """A digest of what a search is run from: its options (the memory budget, the solver's
+    time limit, what it validates and how long) and the profile's measurements."""
+    o = search_options
+    windows = [(k, sorted(wp.results.items(), key=repr))
+               for k, wp in sorted(profile.window_profiles.items())]
+    return _digest((o.memory_budget_bytes, o.time_limit_s, o.validate_top,
+                    o.validate_baselines, o.iters, o.rounds, o.min_rounds, windows,
+                    sorted(profile.reshard_s.items(), key=repr)))
+
+
 def _digest(obj) -> str:
     import hashlib
     return hashlib.sha1(repr(obj).encode()).hexdigest()[:16]

@@ -49,7 +49,8 @@ def _losses(stdout: str) -> tuple[list[float], list[float]]:
 
 def test_the_readme_quick_start_runs_from_a_file_and_from_stdin(tmp_path):
     """Its loop's losses within 1e-5 relative of one device's, from a file and piped through
-    ``python -``; the second run finds the first's profile and compiles nothing. Control: the
+    ``python -``; the second run finds the first's profile and plan, and compiles and runs
+    nothing (its loop still checked). Control: the
     same state check against a loop at half the learning rate fails."""
     import numpy as np
     text = readme_blocks()["train.py"]
@@ -71,4 +72,5 @@ def test_the_readme_quick_start_runs_from_a_file_and_from_stdin(tmp_path):
         assert abs(got[1] - want[0]) > 1e-5 * abs(want[0])  # control: the steps differ
     compiled = [re.search(r"compiled in this run: (\d+)", d.stdout) for d in runs]
     assert int(compiled[0].group(1)) > 0 and int(compiled[1].group(1)) == 0
+    assert ["nothing run again" in d.stdout for d in runs] == [False, True]
     assert (tmp_path / "profiles" / "mine" / "plan.json").exists()
