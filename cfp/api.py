@@ -1,15 +1,17 @@
 """The Python API: a training step through the three passes, and the plan they find.
 
     >>> import cfp  # doctest: +SKIP
-    >>> plan = cfp.autoshard("mypkg.train:make_workload", mesh="2x4",
+    >>> plan = cfp.autoshard(train_step, params, opt_state, batch, mesh="2x4",
     ...                      memory_budget_gb=4, workdir="profiles/mine")  # doctest: +SKIP
     >>> step = plan.jit(train_step, params, opt_state, batch)  # doctest: +SKIP
 
-``make_workload`` returns a ``cfp.models.Workload``, most simply through
-``cfp.models.user_workload(loss_fn, init_params, make_batch, optimizer=tx)``; it gets only the
-keyword arguments it declares (``batch_size``, ``dtype``, size overrides). It is named by import
-path because measurement runs in worker processes that build it afresh; ``"gpt"``, ``"moe"``
-and the other zoo models are named by their key.
+The step is handed in as the function with example arguments (``cfp.workloads.hand_in``),
+from a script with or without a main guard, standard input or a notebook: the measurement
+workers get it by value over their pipe and never run the caller's script again. A factory
+of a ``cfp.models.Workload`` (``cfp.models.user_workload(...)``), a ``Workload``, or by name
+``"package.module:factory"`` (the command line's form: the factory gets only the keyword
+arguments it declares, ``batch_size``, ``dtype``, size overrides) and the zoo's ``"gpt"``,
+``"moe"``... are taken too.
 
 ``run(Options(...))`` runs the passes ``Options.mode`` asks for and returns the work dir; the
 command line (``cfp.cli``) only parses its flags into ``Options`` and calls it.

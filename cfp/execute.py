@@ -416,6 +416,12 @@ def reference_run(workload, analysis, program=None) -> tuple[list, list, list | 
     return _LAST[key]
 
 
+def forget_reference_run() -> None:
+    """Drop the inputs and values ``reference_run`` keeps (a step handed to
+    ``cfp.autoshard`` is done with them once it returns)."""
+    _LAST.clear()
+
+
 def compare_numerics(workload, analysis, strategies, mesh, storage=None, *,
                      program=None) -> Numerics:
     """The step's checked values (``checked_values``) under the plan against one device's."""

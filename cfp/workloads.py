@@ -358,6 +358,8 @@ def forget_arrays(model: str) -> None:
     if isinstance(factory, HandedStep):
         _HANDED[model] = (factory.shapes_only(), sent)
     _built.cache_clear()
+    from cfp import execute
+    execute.forget_reference_run()
 
 
 def _check_rebuildable(name: str, example_args: tuple) -> None:

@@ -291,8 +291,9 @@ STATE_VARIANTS = 4  # per window type, the fastest combinations also measured wi
 
 def state_variants(analysis, window: Window, results: dict, windows) -> list[tuple[int, ...]]:
     """The combinations to measure under the split state layouts (``zero1``, ``fsdp``): those
-    of the ``STATE_VARIANTS`` fastest measured with the state as the blocks compute it, and
-    those of the plans people write (``ranking.baseline_combinations``). Measuring every
+    of the plans people write (``ranking.baseline_combinations``), and of the
+    ``STATE_VARIANTS`` fastest others measured with the state as the blocks compute it (so
+    that their number is known before: ``expected_state_variants``). Measuring every
     combination three times would triple the profile. A pruning: a split layout's gain differs
     by combination (more on tensor-parallel ones), and the order under the plain layout is
     within the timing noise, so a plan of combinations ranked lower can be missed."""
