@@ -101,7 +101,8 @@ def segment_op_count(rec, seg_type: int) -> int:
 class ProfileProgress:
     """The profile pass's ``on_result``: one progress line for the whole pass (combinations
     done of all window types, the current one, an ETA from the measured rate), redrawn in
-    place at least every ``interval_s`` on a terminal; elsewhere a line every ``interval_s``.
+    place at least every ``interval_s`` on a terminal; elsewhere a line every ``interval_s``
+    when the count or the window type moved, else one a minute.
     Each combination's result goes to the log (and to ``profile.csv``); ``verbose`` prints
     each window type's and the reshardings' lines too. ``close()`` when the pass ends."""
 
@@ -114,6 +115,7 @@ class ProfileProgress:
         self.where = "starting the worker"
         self.t0 = self.t_first = None
         self.last_line_s = 0.0
+        self.last_said = None  # (done, total, unit, where) of the last progress line
         self.interval_s = interval_s or (5.0 if self.tty else 10.0)
         self.lock = threading.Lock()
         self.stop = threading.Event()
@@ -210,9 +212,14 @@ class ProfileProgress:
                     continue
                 if self.tty:
                     self._bar()
-                else:
-                    self._line(f"[{self.n}/{self.total} {self.unit}] {self.where}, "
-                               f"{self._eta()}")
+                    continue
+                now = (self.n, self.total, self.unit, self.where)
+                if now == self.last_said and (time.perf_counter() - self.last_line_s
+                                              < 6 * self.interval_s):
+                    continue  # nothing new: a line a minute says it still runs
+                self.last_said = now
+                self._line(f"[{self.n}/{self.total} {self.unit}] {self.where}, "
+                           f"{self._eta()}")
 
 
 def profile_console(rec, model_space_log10: float, verbose: bool = False) -> None:
