@@ -309,3 +309,26 @@ def test_a_notebook_plans_the_step_of_its_cells(tmp_path):
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(planned, one)), (planned, one)
     assert planned[0] != planned[2]
     assert (tmp_path / "profiles" / "notebook" / "plan.json").exists()
+
+
+def test_shapes_for_example_arguments_make_the_inputs_and_say_so(capsys):
+    """``ShapeDtypeStruct``s for the example arguments: cfp makes inputs of their shapes (the
+    optimizer state zeros, as Adam starts), and says so; arrays are used as they are
+    (control: the check runs on the user's own values, and nothing is said)."""
+    import numpy as np
+    from cfp.api import _hand_in
+    from cfp.execute import example_inputs
+    from cfp.workloads import HandedStep
+    shapes, arrays = _inputs(as_shapes=True), _inputs()
+    assert "@" in _hand_in(train_step, shapes, {"mesh": "2x4"})
+    assert "hold shapes" in capsys.readouterr().out
+    made = HandedStep(train_step, shapes)()
+    params, batch = example_inputs(made)
+    assert jax.tree_util.tree_map(jnp.shape, params) == jax.tree_util.tree_map(
+        jnp.shape, arrays[0])
+    assert all(not np.any(x) for x in jax.tree_util.tree_leaves(made.init_opt_state(params))
+               if jnp.issubdtype(x.dtype, jnp.floating))
+    assert "@" in _hand_in(train_step, arrays, {"mesh": "2x4"})
+    assert "hold shapes" not in capsys.readouterr().out
+    own = example_inputs(HandedStep(train_step, arrays)())[0]
+    np.testing.assert_array_equal(own["w1"], arrays[0]["w1"])
