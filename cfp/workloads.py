@@ -329,7 +329,6 @@ def hand_in(handed, example_args: tuple, spec: WorkloadSpec) -> WorkloadSpec:
                            f"params, opt_state, batch, ...), or hand in a factory of a "
                            f"cfp.models.Workload")
     for_workers = factory.shapes_only() if isinstance(factory, HandedStep) else factory
-    _check_rebuildable(name, example_args)
     import cloudpickle
     try:
         sent = cloudpickle.dumps(for_workers)
@@ -339,6 +338,8 @@ def hand_in(handed, example_args: tuple, spec: WorkloadSpec) -> WorkloadSpec:
                        f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
                        f"; define what the step uses at the top level of a module, or hand in "
                        f"a package.module:factory") from None
+    if isinstance(for_workers, HandedStep):
+        _check_rebuilt(name, for_workers)
     draft = dataclasses.replace(spec, model=f"{name}@")
     _HANDED[draft.model] = (factory, sent)
     try:
@@ -362,31 +363,52 @@ def forget_arrays(model: str) -> None:
     execute.forget_reference_run()
 
 
-def _check_rebuildable(name: str, example_args: tuple) -> None:
-    """Refuse an Equinox module among the example arguments whose class the workers would
-    get by value (defined in ``__main__``, a notebook's cell or a function): cloudpickle
-    rebuilds such a class before its fields are set, and JAX then flattens its instances to
-    nothing."""
+_PATHS_THERE = """
+import json, sys, cloudpickle, jax
+args = cloudpickle.loads(sys.stdin.buffer.read()).args
+print(json.dumps([jax.tree_util.keystr(p) for p, _ in
+                  jax.tree_util.tree_flatten_with_path(args)[0]]))
+"""
+
+
+def _check_rebuilt(name: str, for_workers: "HandedStep") -> None:
+    """Where the example arguments hold pytree classes the workers get by value (defined in
+    ``__main__``, a notebook's cell or a function), check in a fresh process that they
+    rebuild to the same tree: cloudpickle rebuilds such a class before its fields are set,
+    so one that registers itself as a pytree as it is made (an Equinox module, a Flax
+    ``TrainState`` subclass) flattens to another tree there, and one registered by a call
+    after its definition is no pytree there at all."""
+    import json
+    import os
+    import subprocess
     import sys
+    import cloudpickle
     import jax
-    eqx = sys.modules.get("equinox")  # a user with Equinox modules has imported it
-    if eqx is None:
+    classes = set()
+
+    def visit(x):
+        cls = type(x)
+        if ((cls.__module__ == "__main__" or "<locals>" in cls.__qualname__)
+                and not hasattr(cls, "_fields")  # a namedtuple rebuilds as one
+                and not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))):
+            classes.add(cls.__qualname__)
+        return False
+    jax.tree_util.tree_leaves(for_workers.args, is_leaf=visit)
+    if not classes:
         return
-
-    def classes(tree, root=None):
-        for x in jax.tree_util.tree_leaves(
-                tree, is_leaf=lambda y: y is not root and isinstance(y, eqx.Module)):
-            if isinstance(x, eqx.Module):
-                yield type(x)
-                yield from classes(x, x)
-
-    for cls in classes(example_args):
-        if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
-            where = "a function" if "<locals>" in cls.__qualname__ else "__main__"
-            raise CfpError(f"{name}'s example arguments hold an Equinox module of the class "
-                           f"{cls.__qualname__}, defined in {where}: cfp's measurement workers "
-                           f"cannot rebuild it (cloudpickle rebuilds a class before its fields "
-                           f"are set); define it at the top level of an importable module")
+    here = [jax.tree_util.keystr(p)
+            for p, _ in jax.tree_util.tree_flatten_with_path(for_workers.args)[0]]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+               JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", _PATHS_THERE], env=env, timeout=300,
+                          input=cloudpickle.dumps(for_workers), capture_output=True)
+    there = json.loads(done.stdout) if done.returncode == 0 else None
+    if there != here:
+        raise CfpError(f"{name}'s example arguments hold {', '.join(sorted(classes))}, "
+                       f"defined in __main__ or a function, which cfp's measurement workers "
+                       f"cannot rebuild as the same pytree (cloudpickle makes such a class "
+                       f"before its fields): define {'it' if len(classes) == 1 else 'them'} "
+                       f"at the top level of an importable module")
 
 
 def handed_steps(model: str | None = None) -> dict[str, bytes]:

@@ -244,19 +244,20 @@ def test_an_equinox_step_handed_in_plans_and_runs_in_the_users_loop(tmp_path):
     assert got[0] != got[2]
 
 
-def test_an_equinox_module_of_a_local_class_is_refused_in_one_line(tmp_path):
-    """cloudpickle rebuilds a class it sends by value before its fields are set, so a
-    worker would flatten an Equinox module of a class defined in a function (or
-    ``__main__``) to nothing: refused before any work. Control: the same step on a module of
-    a top-level class hands in."""
+def test_a_pytree_class_the_workers_cannot_rebuild_is_refused_in_one_line(tmp_path):
+    """cloudpickle rebuilds a class it sends by value before its fields are set, so a worker
+    would flatten an Equinox module, or a Flax TrainState subclass, of a class defined in a
+    function (or ``__main__``) to another tree: refused before any work. Controls: the same
+    Equinox step on a module of a top-level class hands in, and so does an NNX model of a
+    class defined in a function (NNX flattens what the object holds)."""
     import equinox as eqx
     import users_models
     from equinox_models import Mlp
     tx = optax.adam(1e-3)
     x = jnp.ones((4, 32))
     local = users_models._equinox_model(1, 32, 4)(jax.random.key(0))
-    with pytest.raises(CfpError, match="class _equinox_model.<locals>.Model, defined in a "
-                                       "function") as e:
+    with pytest.raises(CfpError, match="_equinox_model.<locals>.Model, defined in __main__ "
+                                       "or a function") as e:
         cfp.autoshard(_equinox_step(tx), local, tx.init(eqx.filter(local, eqx.is_array)),
                       {"x": jnp.zeros((4, 16), jnp.int32), "y": x}, mesh="2x4",
                       workdir=tmp_path / "wd")
@@ -264,6 +265,36 @@ def test_an_equinox_module_of_a_local_class_is_refused_in_one_line(tmp_path):
     top = Mlp(32, 64, jax.random.key(0))
     assert "@" in _name(_equinox_step(tx), top, tx.init(eqx.filter(top, eqx.is_array)),
                         {"x": x, "y": x})
+
+    from typing import Any
+    from flax import nnx
+    from flax.training import train_state
+
+    class State(train_state.TrainState):
+        ema: Any = None
+
+    def state_step(state, batch):
+        loss, grads = jax.value_and_grad(_loss)(state.params, batch)
+        return state.apply_gradients(grads=grads), loss
+    params, _, batch = _inputs()
+    state = State.create(apply_fn=None, params=params, tx=tx, ema=params)
+    with pytest.raises(CfpError, match="test_a_pytree_class.*State, defined in"):
+        _name(state_step, state, batch)
+
+    class Linear(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(8, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return self.dense(x)
+
+    def nnx_step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(batch["x"]) - batch["y"]) ** 2))(
+            model)
+        optimizer.update(model, grads)
+        return loss
+    model = Linear(nnx.Rngs(0))
+    assert "@" in _name(nnx_step, model, nnx.Optimizer(model, tx, wrt=nnx.Param), batch)
 
 
 @pytest.mark.slow
