@@ -109,15 +109,8 @@ def state_of_blocks(analysis, storage, start: int, end: int) -> str:
     held = Counter(layouts[k] for k in held_state(analysis, Window(start, end, -1)))
     if len(held) <= 1:
         return next(iter(held), "")
+    from cfp.execute import layouts_text
     return layouts_text(held)
-
-
-def layouts_text(counts: dict[str, int]) -> str:
-    """State leaves counted per layout, in words: ``2 state leaves fsdp, 4 state leaves as
-    the blocks compute them`` (the ``plan`` layout last)."""
-    return ", ".join(f"{n} state {'leaf' if n == 1 else 'leaves'} "
-                     + ("as the blocks compute them" if z == "plan" else z)
-                     for z, n in sorted(counts.items(), key=lambda zn: (zn[0] == "plan", zn)))
 
 
 def _plain():

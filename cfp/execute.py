@@ -63,8 +63,15 @@ class Storage:
         counts = {}
         for _, z in self.leaves:
             counts[z] = counts.get(z, 0) + 1
-        from cfp.describe import layouts_text
         return layouts_text(counts)
+
+
+def layouts_text(counts: dict[str, int]) -> str:
+    """State leaves counted per layout, in words: ``2 state leaves fsdp, 4 state leaves as
+    the blocks compute them`` (the ``plan`` layout last)."""
+    return ", ".join(f"{n} state {'leaf' if n == 1 else 'leaves'} "
+                     + ("as the blocks compute them" if z == "plan" else z)
+                     for z, n in sorted(counts.items(), key=lambda zn: (zn[0] == "plan", zn)))
 
 
 def plan_specs(analysis, strategies: Sequence[int | Strategy] | None, axis_names,
