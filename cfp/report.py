@@ -238,8 +238,13 @@ def profile_console(rec, model_space_log10: float, verbose: bool = False) -> Non
             f"{len(rec.windows)} window instances of {len(rec.window_profiles)} types")
         phases_console("profile", rec.time_s, rec.phase_s)
     by_status = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+    split = sum(c[-1] != 0 for k, seg in rec.window_profiles.items() for c in seg.results
+                if len(c) > rec.windows[rec.representatives[k]].end
+                - rec.windows[rec.representatives[k]].start)
+    why = (f"; {split} with the state split, for the hand plans' and the fastest "
+           f"combinations, which can differ from run to run" if split else "")
     say(f"profile: {sum(counts.values())} combinations of {len(rec.window_profiles)} window "
-        f"types ({by_status}), {len(rec.reshard_s)} reshardings; compiled in this "
+        f"types ({by_status}{why}), {len(rec.reshard_s)} reshardings; compiled in this "
         f"run: {rec.compiled} ({rec.time_s:.1f} s)")
     busy = rec.busy_window_types()
     if busy:

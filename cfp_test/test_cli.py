@@ -176,8 +176,8 @@ def test_progress_total_is_known_from_its_first_line_and_nothing_is_said_twice(c
 @pytest.mark.slow  # the whole default job, about 100 s on 2 cores
 def test_the_default_job_answers_in_at_most_15_lines(tmp_path):
     """``python -m cfp --memory-budget 2`` in a fresh process: at most 15 lines besides the
-    progress lines, the answer among them, no line only benchmark drivers read, and every
-    progress line with the total of the first; the same job with -v (the control) prints its
+    progress lines, the answer among them, no line only benchmark drivers read, and no
+    progress total above the first; the same job with -v (the control) prints its
     blocks, segments and candidates too, well over 15."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("XLA_FLAGS", None)
@@ -190,9 +190,9 @@ def test_the_default_job_answers_in_at_most_15_lines(tmp_path):
     assert any(x.startswith("plan on mesh 8: ") for x in lines)
     assert not any(x.startswith(("searched ParallelBlock Strategies solution", "TFLOP_COUNT"))
                    for x in lines)
-    totals = {x.split("/")[1].split()[0] for x in proc.stdout.splitlines()
-              if x.startswith("[") and "combinations]" in x}
-    assert len(totals) == 1, proc.stdout
+    totals = [int(x.split("/")[1].split()[0]) for x in proc.stdout.splitlines()
+              if x.startswith("[") and "combinations]" in x]
+    assert totals == sorted(totals, reverse=True), proc.stdout  # never grows
     verbose = subprocess.run(argv + ["--mode", "search", "-v"], cwd=REPO, env=env,
                              capture_output=True, text=True, timeout=900)
     assert verbose.returncode == 0 and len(verbose.stdout.splitlines()) > 15

@@ -291,9 +291,9 @@ STATE_VARIANTS = 4  # per window type, the fastest combinations also measured wi
 
 def state_variants(analysis, window: Window, results: dict, windows) -> list[tuple[int, ...]]:
     """The combinations to measure under the split state layouts (``zero1``, ``fsdp``): those
-    of the plans people write (``ranking.baseline_combinations``), and of the
-    ``STATE_VARIANTS`` fastest others measured with the state as the blocks compute it (so
-    that their number is known before: ``expected_state_variants``). Measuring every
+    of the ``STATE_VARIANTS`` fastest measured with the state as the blocks compute it, and
+    those of the plans people write (``ranking.baseline_combinations``); how many, the
+    timings decide (``expected_state_variants`` counts the most). Measuring every
     combination three times would triple the profile. A pruning: a split layout's gain differs
     by combination (more on tensor-parallel ones), and the order under the plain layout is
     within the timing noise, so a plan of combinations ranked lower can be missed."""
@@ -301,19 +301,20 @@ def state_variants(analysis, window: Window, results: dict, windows) -> list[tup
     n = window.end - window.start
     if len(window_space(analysis, window)) == n:
         return []
-    picked = list(dict.fromkeys(ranking.baseline_combinations(analysis, window, windows)))
     plain = sorted((m.time_s, c[:n]) for c, m in results.items()
-                   if m.status == "ok" and c[n] == 0 and c[:n] not in picked)
-    picked += [c for _, c in plain[:STATE_VARIANTS]]
-    return [c for c in with_state_layouts(analysis, window, picked,
+                   if m.status == "ok" and c[n] == 0)
+    picked = [c for _, c in plain[:STATE_VARIANTS]]
+    picked += ranking.baseline_combinations(analysis, window, windows)
+    return [c for c in with_state_layouts(analysis, window, dict.fromkeys(picked),
                                           range(1, len(STATE_LAYOUTS)))
             if c not in results]
 
 
 def expected_state_variants(analysis, window: Window, results: dict, windows) -> int:
-    """How many combinations ``state_variants`` will give, known before any is measured:
-    every baseline's and ``STATE_VARIANTS`` others' under each split layout, less those
-    measured before (fewer where fewer than ``STATE_VARIANTS`` others fit the budget)."""
+    """The most combinations ``state_variants`` can give, known before any is measured (the
+    progress total counts them from its first line, and comes down where the fastest are
+    baselines' too): every baseline's and ``STATE_VARIANTS`` others' under each split
+    layout, less those measured before."""
     from cfp import ranking
     n = window.end - window.start
     if len(window_space(analysis, window)) == n:
