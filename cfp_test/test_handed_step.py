@@ -153,7 +153,7 @@ print("FINGERPRINTS", spec.model, *map_meshes(handed_fingerprint, (spec,), [0, 1
 """
 
 
-@pytest.mark.parametrize("how", ["file", "stdin"])
+@pytest.mark.parametrize("how", [pytest.param("file", marks=pytest.mark.slow), "stdin"])
 def test_a_pools_processes_get_the_step_by_value(tmp_path, how):
     """A script with no ``__main__`` guard, run from a file or from standard input, hands in
     a step defined in it: a pool's two processes trace it to its fingerprint, and the script
