@@ -168,14 +168,14 @@ def _setup_devices(opts: RunOptions) -> None:
 def _run_passes(opts: RunOptions, options: Options, own_process: bool
                 ) -> tuple[Path, dict | None]:
     if opts.reports and opts.workdir is not None:
-        check_workdir(opts.workdir)  # before any work: --mesh auto ranks meshes first
+        check_workdir(opts.workdir, opts.modes)  # before any work: --mesh auto ranks meshes first
     if opts.mesh_shape is None:
         chosen = _choose_mesh(opts, options)
         opts = dataclasses.replace(opts, mesh_shape=chosen[2].mesh_shape, chosen_mesh=chosen)
     if opts.workdir is None:
         opts = dataclasses.replace(opts, workdir=default_workdir(opts))
         if opts.reports:
-            check_workdir(opts.workdir)
+            check_workdir(opts.workdir, opts.modes)
     opts = dataclasses.replace(opts, spec=opts.spec.resolved())
     check_devices(opts, options)
     if own_process:
@@ -275,8 +275,10 @@ def _run_analysis(opts: RunOptions, options) -> None:
     if options.verbose:
         report.say("***********Analysis Pass****************")
     program, grouping, _ = opts.chosen_mesh or (None, None, None)
-    rec = run_analysis(opts.spec, opts.mesh_shape, program and program.graph(), grouping,
-                       axis_names=opts.mesh_axes, device_ids=opts.device_ids)
+    with report.ticking("analysis") as on_stage:
+        rec = run_analysis(opts.spec, opts.mesh_shape, program and program.graph(), grouping,
+                           axis_names=opts.mesh_axes, device_ids=opts.device_ids,
+                           on_stage=on_stage)
     _check_fits_host(opts, options, rec)
     report.analysis_console(rec, options.verbose)
     if not opts.reports:  # each process analyses for itself; process 0 keeps the record

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 
 from cfp.errors import CfpError
@@ -156,8 +157,21 @@ PRESETS = {
 }
 
 
+# What a cluster file holds, each number with the bounds a real cluster can have (the command
+# line's own, ``cfp.options.BOUNDS``): per key, its lowest and highest value.
+FIGURES = {"memory_per_device_GB": (2**-10, 2**20), "peak_TFLOPs": (1e-6, 1e6),
+           "memory_bandwidth_GBps": (1e-6, 1e7)}
+LEVEL_FIGURES = {"alpha_s": (0.0, 1.0), "bandwidth_GBps": (1e-9, 1e7)}
+KEYS, LEVEL_KEYS = {"name", "levels", "assumed", "gpu", *FIGURES}, {"name", "size",
+                                                                     *LEVEL_FIGURES}
+# A name that goes into a path (the default work dir) is one plain path component.
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
+
+
 def load_cluster(name_or_path: str) -> Cluster:
-    """A preset by name, or a cluster from a JSON file (see the module docstring)."""
+    """A preset by name, or a cluster from a JSON file (see the module docstring), every key
+    known and every value checked before anything uses it."""
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
     path = Path(name_or_path)
@@ -166,34 +180,72 @@ def load_cluster(name_or_path: str) -> Cluster:
                        f"({', '.join(PRESETS)}) or a .json file")
     try:
         d = json.loads(path.read_text())
-        levels = [(lv["name"], lv["size"], float(lv["alpha_s"]), float(lv["bandwidth_GBps"]))
-                  for lv in d["levels"]]
-        figures = {k: float(d[k]) for k in ("memory_per_device_GB", "peak_TFLOPs",
-                                            "memory_bandwidth_GBps")}
-        name, assumed = str(d.get("name", path.stem)), tuple(map(str, d.get("assumed", ())))
-        gpu = d.get("gpu")
     except FileNotFoundError:
         raise CfpError(f"no cluster file {path}") from None
     except OSError as e:  # a directory, or a file it may not read
         raise CfpError(f"cannot read the cluster file {path} ({e.strerror})") from None
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise CfpError(f"{path}: not a cluster description ({type(e).__name__}: {e}); "
-                       f"see cfp/cluster.py for the format") from None
-    if not levels or any(type(lv[1]) is not int or lv[1] < 1 for lv in levels):
-        raise CfpError(f"{path}: every level needs a whole size >= 1")
-    if math.prod(lv[1] for lv in levels) > MAX_DEVICES:
-        raise CfpError(f"{path}: {math.prod(lv[1] for lv in levels)} devices, over the "
-                       f"{MAX_DEVICES} cfp plans for")
-    for what, value, zero_ok in ([(f"{lv[0]} alpha_s", lv[2], True) for lv in levels]
-                                 + [(f"{lv[0]} bandwidth_GBps", lv[3], False) for lv in levels]
-                                 + [(k, v, False) for k, v in figures.items()]):
-        if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
-            raise CfpError(f"{path}: {what} must be a finite number "
-                           f"{'of zero or more' if zero_ok else 'over zero'}, got {value}")
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise CfpError(f"{path}: not a cluster description ({type(e).__name__}); see "
+                       f"cfp/cluster.py for the format") from None
+    return _checked(d, path)
+
+
+def _checked(d, path: Path) -> Cluster:
+    def refuse(what: str):
+        raise CfpError(f"{path}: {what}; see cfp/cluster.py for the format")
+
+    def known(obj, keys, where: str) -> None:
+        if not isinstance(obj, dict):
+            refuse(f"{where} must be an object of {', '.join(sorted(keys))}")
+        unknown = sorted(map(str, set(obj) - keys))
+        if unknown:
+            refuse(f"{where} has the unknown key {unknown[0]!r} (known: "
+                   f"{', '.join(sorted(keys))})")
+
+    def number(obj, key: str, bounds, what: str) -> float:
+        if key not in obj:
+            refuse(f"{what} is missing")
+        value, (low, high) = obj[key], bounds
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            refuse(f"{what} must be a number, got {value!r}")
+        if not (math.isfinite(value) and low <= value <= high):
+            refuse(f"{what} must be a finite number from {low:g} to {high:g}, got {value}")
+        return float(value)
+
+    def text(value, what: str, pattern=SAFE_NAME) -> str:
+        if not isinstance(value, str) or not pattern.fullmatch(value):
+            refuse(f"{what} must be a name of letters, digits, '.', '_' and '-' (at most 64, "
+                   f"not starting with '.' or '-'), got {value!r}")
+        return value
+
+    known(d, KEYS, "the cluster")
+    name = text(d.get("name", UNSAFE_CHARS.sub("_", path.stem).lstrip("._-")[:64] or
+                      "cluster"), "name")
+    raw_levels = d.get("levels")
+    if not isinstance(raw_levels, list) or not raw_levels:
+        refuse("levels must be a list of one level or more")
+    levels = []
+    for k, lv in enumerate(raw_levels):
+        known(lv, LEVEL_KEYS, f"level {k}")
+        lv_name = text(lv.get("name"), f"level {k}'s name")
+        size = lv.get("size")
+        if type(size) is not int or not 1 <= size <= MAX_DEVICES:
+            refuse(f"level {lv_name}'s size must be a whole number from 1 to {MAX_DEVICES}, "
+                   f"got {size!r}")
+        levels.append((lv_name, size, *(number(lv, key, bounds, f"{lv_name} {key}")
+                                        for key, bounds in LEVEL_FIGURES.items())))
+    num_devices = math.prod(lv[1] for lv in levels)
+    if num_devices > MAX_DEVICES:
+        refuse(f"{num_devices} devices, over the {MAX_DEVICES} cfp plans for")
+    figures = {key: number(d, key, bounds, key) for key, bounds in FIGURES.items()}
+    assumed = d.get("assumed", [])
+    if not isinstance(assumed, list):
+        refuse(f"assumed must be a list of the figures assumed, got {assumed!r}")
+    assumed = tuple(text(a, "each of assumed") for a in assumed)
+    gpu = d.get("gpu")
     from cfp.gpu_compile import GPUS
-    if gpu is not None and gpu not in GPUS:
-        raise CfpError(f"{path}: gpu {gpu!r} has no description: one of {', '.join(GPUS)}, or "
-                       f"leave it out")
+    if gpu is not None and (not isinstance(gpu, str) or gpu not in GPUS):
+        refuse(f"gpu {gpu!r} has no description: one of {', '.join(GPUS)}, or leave it out")
     return _cluster(name, levels, figures["memory_per_device_GB"], figures["peak_TFLOPs"],
                     figures["memory_bandwidth_GBps"], assumed, gpu)
 

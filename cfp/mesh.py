@@ -20,22 +20,32 @@ def parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """``--mesh`` text as ``(shape, axis names)``: ``"8"`` -> ``((8,), ("m0",))``, ``"2x4"`` ->
     axes m0, m1; ``"data=2,model=4"`` names the axes. A named axis of one device splits
     nothing and is left out, as in ``mesh_from``."""
+    if not isinstance(text, str):
+        raise CfpError(f"a mesh is text such as 8, 2x4 or data=2,model=4, or a "
+                       f"jax.sharding.Mesh, not a {type(text).__name__}")
     if "=" in text:
         return _named_mesh(text)
     parts = text.split("x")
-    shape = tuple(int(p) for p in parts if p.isdigit())  # digits only: no signs, spaces, 'X'
-    if len(shape) != len(parts) or len(shape) > len(AXIS_NAMES) or any(n < 1 for n in shape):
+    if not all(_is_size(p) for p in parts):
         raise CfpError(f"--mesh {text!r} is not a mesh shape: write N or NxM (e.g. 8 or 2x4), "
                        f"or name the axes (data=2,model=4)")
+    shape = tuple(int(p) for p in parts)
     if len(shape) > 1 and 1 in shape:
         raise CfpError(f"--mesh {text!r} has an axis of one device, which splits nothing: "
                        f"write {mesh_text(tuple(n for n in shape if n > 1) or (1,))}")
-    return shape, AXIS_NAMES[:len(shape)]
+    return _split_axes(shape, AXIS_NAMES[:len(shape)] if len(shape) <= len(AXIS_NAMES)
+                       else tuple(f"m{k}" for k in range(len(shape))), f"--mesh {text!r}")
+
+
+def _is_size(text: str) -> bool:
+    """An axis size: ASCII digits only (no signs, spaces or other scripts' digits), at least
+    one device, and short enough to read as a number."""
+    return text.isascii() and text.isdigit() and len(text) <= 9 and int(text) > 0
 
 
 def _named_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
     pairs = [part.partition("=") for part in text.split(",")]
-    if not all(name.isidentifier() and sep and size.isdigit() and int(size) > 0
+    if not all(name.isascii() and name.isidentifier() and sep and _is_size(size)
                for name, sep, size in pairs):
         raise CfpError(f"--mesh {text!r} is not a mesh: name each axis with its size, "
                        f"e.g. data=2,model=4")

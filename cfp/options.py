@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Literal
@@ -92,6 +93,33 @@ def _check_choices(options: Options) -> None:
         value = getattr(options, name)
         if allowed and value is not None and value not in allowed:
             raise CfpError(f"{_flag(name)} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+_KINDS = {bool: "true or false", int: "a whole number", float: "a number", str: "text",
+          Path: "a path"}
+
+
+def _check_types(options) -> None:
+    """Every field holds a value of its annotated type (an ``int`` is a ``float`` too, a
+    ``bool`` neither, a ``str`` a path): the API's arguments are not parsed as flags are."""
+    import typing
+    if not isinstance(options, Options):
+        raise CfpError(f"cfp.run takes cfp.Options, not a {type(options).__name__}")
+    for name, hint in typing.get_type_hints(Options).items():
+        value = getattr(options, name)
+        kinds = [k for k in (typing.get_args(hint) or (hint,)) if k in _KINDS]
+        if value is None or not kinds or "Literal" in str(hint):
+            continue  # None where allowed is checked with what needs it; choices apart
+        fits = any(isinstance(value, str if k is Path else k)
+                   and (k is bool or not isinstance(value, bool)) for k in kinds)
+        fits = fits or (float in kinds and isinstance(value, int) and not isinstance(
+            value, bool)) or (Path in kinds and isinstance(value, os.PathLike))
+        if not fits:
+            raise CfpError(f"{_flag(name)} must be {' or '.join(_KINDS[k] for k in kinds)}, "
+                           f"got {value!r}")
+    if options.model is None:
+        raise CfpError("--model must be a zoo key (mlp, gpt, llama, moe, bert) or "
+                       "package.module:factory, got None")
 
 
 def _check_mock(options: Options) -> None:
@@ -184,6 +212,7 @@ def check_options(options) -> RunOptions:
     """Every check that needs no device: sizes, mesh against device count, budgets."""
     from cfp.mesh import check_mesh, device_order, mesh_from, mesh_text, parse_mesh
     from cfp.workloads import WorkloadSpec
+    _check_types(options)
     device_ids = None
     if options.mesh is not None and not isinstance(options.mesh, str):  # the user's Mesh
         shape_and_names = mesh_from(options.mesh)
@@ -308,7 +337,8 @@ def default_workdir(opts: RunOptions) -> Path:
     label += f"-{mesh_text(opts.mesh_shape, opts.mesh_axes)}"
     if opts.device_ids is not None:  # another order is another run's
         label += f"-devices-{hashlib.sha1(repr(opts.device_ids).encode()).hexdigest()[:8]}"
-    return Path("profiles") / label
+    # one path component under profiles/, whatever the names that went into it
+    return Path("profiles") / re.sub(r"[^A-Za-z0-9._=,-]", "_", label).lstrip(".")
 
 
 def setup_devices(num_devices: int) -> None:
@@ -322,7 +352,12 @@ def setup_devices(num_devices: int) -> None:
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
-def check_workdir(workdir: Path) -> None:
+def check_workdir(workdir: Path, modes=MODES) -> None:
+    """The work dir can be written; a run that starts after the analysis (``modes``) finds
+    it there, and a refusal creates nothing."""
+    if "analysis" not in modes and "stages" not in modes and not workdir.is_dir():
+        raise CfpError(f"no work dir {workdir}: run python -m cfp --mode analysis with the same "
+                       f"flags first")
     try:
         workdir.mkdir(parents=True, exist_ok=True)
         probe = workdir / ".cfp-write-test"

@@ -161,7 +161,73 @@ def load_plan(path) -> dict:
     if plan.get("version") != PLAN_VERSION:
         raise CfpError(f"{path} is a version {plan.get('version')} plan, this cfp reads version "
                        f"{PLAN_VERSION}: run python -m cfp --mode search again")
+    wrong = _malformed(plan)
+    if wrong:
+        raise CfpError(f"{path} is not a plan cfp wrote: {wrong}")
     return plan
+
+
+def _malformed(plan: dict) -> str | None:
+    """What in ``plan`` (a ``plan.json`` of this format and version) is not of the type and
+    shape cfp writes, or None: every field a plan is used by is checked before it is."""
+    mesh = plan.get("mesh")
+    if not isinstance(mesh, dict):
+        return "its mesh is not an object"
+    shape, axes, devices = mesh.get("shape"), mesh.get("axes"), mesh.get("devices")
+    if not (_ints(shape, 1) and shape):
+        return f"its mesh shape {shape!r} is not a list of positive whole numbers"
+    if not (isinstance(axes, list) and len(axes) == len(shape) and len(set(axes)) == len(axes)
+            and all(isinstance(a, str) and a.isidentifier() for a in axes)):
+        return f"its mesh axes {axes!r} are not one distinct name per dimension"
+    if devices is not None and not (_ints(devices, 0) and len(devices) == math.prod(shape)
+                                    and len(set(devices)) == len(devices)):
+        return f"its mesh devices are not {math.prod(shape)} distinct device ids"
+    step = plan.get("step")
+    if not (isinstance(step, dict) and isinstance(step.get("fingerprint"), str)
+            and step.get("kind", "train") in ("train", "forward")
+            and isinstance(step.get("loss_takes_key", False), bool)):
+        return "its step is not a fingerprint, a kind (train or forward) and loss_takes_key"
+    names = set(axes)
+    parts = {part: plan.get(part) for part in step_parts(plan)}
+    if step.get("kind", "train") == "train":
+        outputs = plan.get("outputs")
+        if not isinstance(outputs, dict):
+            return "its outputs are not an object"
+        parts.update({f"outputs {k}": outputs.get(k) for k in ("params", "opt_state")})
+    for part, specs in parts.items():
+        if not (isinstance(specs, dict) and all(isinstance(k, str) and _spec(v, names)
+                                                for k, v in specs.items())):
+            return (f"its {part} is not an object of leaf paths and specs (per dim null, an "
+                    f"axis of {sorted(names)}, or a list of them)")
+    blocks = plan.get("blocks")
+    if not (isinstance(blocks, list) and all(
+            isinstance(b, dict) and _ints([b.get("block"), b.get("strategy_index")], 0)
+            and isinstance(b.get("strategy"), str) for b in blocks)):
+        return "its blocks are not a list of block, strategy_index and strategy"
+    constraints = plan.get("constraints")
+    if not (isinstance(constraints, dict) and all(
+            isinstance(op, str) and op.isascii() and op.isdigit() and isinstance(c, list)
+            and len(c) == 2 and all(isinstance(side, list) and all(
+                spec is None or _spec(spec, names) for spec in side) for side in c)
+            for op, c in constraints.items())):
+        return "its constraints are not an object of operator index -> [operand, result specs]"
+    description = plan.get("description", [])
+    if not (isinstance(description, list) and all(isinstance(d, str) for d in description)):
+        return "its description is not a list of lines"
+    return None
+
+
+def _ints(values, low: int) -> bool:
+    return isinstance(values, list) and all(
+        type(v) is int and low <= v < 2**31 for v in values)
+
+
+def _spec(spec, axes: set) -> bool:
+    """A spec as ``plan.json`` holds it: per dim None, an axis name, or a list of them."""
+    return isinstance(spec, list) and all(
+        e is None or (isinstance(e, str) and e in axes)
+        or (isinstance(e, list) and all(isinstance(a, str) and a in axes for a in e))
+        for e in spec)
 
 
 def mesh_of(plan: dict):

@@ -54,6 +54,7 @@ class _Eqn:
     stacks_layers: bool = False
     origin: int = -1  # the traced equation this is a copy of (one per scan iteration)
     in_scan: bool = False
+    effects: bool = False  # the equation has effects (a print, a callback): always kept
 
 
 @dataclasses.dataclass
@@ -92,7 +93,7 @@ class Program:
         live, kept = set(outputs), []
         for i in reversed(range(len(self.eqns))):
             eqn = self.eqns[i]
-            if getattr(eqn, "effects", None) or any(o in live for o in eqn.outputs):
+            if eqn.effects or any(o in live for o in eqn.outputs):
                 kept.append(i)
                 live.update(eqn.inputs)
         kept.reverse()
@@ -306,7 +307,7 @@ class _Builder:
             outs = [self.new_value(v.aval) for v in eqn.outvars]
             self.eqns.append(_Eqn(eqn.primitive, dict(eqn.params), ins, outs, self.stacking,
                                   self.origin(path + (id(eqn),)),
-                                  any(isinstance(p, tuple) for p in path)))
+                                  any(isinstance(p, tuple) for p in path), bool(eqn.effects)))
             env.update(zip(eqn.outvars, outs))
         return [read(v) for v in jaxpr.outvars]
 

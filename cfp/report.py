@@ -24,6 +24,28 @@ def say(line: str = "") -> None:
 
 
 @contextlib.contextmanager
+def ticking(pass_name: str, every_s: float = 15.0):
+    """While a long pass runs, a line every ``every_s`` seconds saying which stage it is in;
+    yields the function that names the stage (``run_analysis``'s ``on_stage``)."""
+    import threading
+    import time
+    state = {"stage": "starting", "t0": time.perf_counter()}
+    stop = threading.Event()
+
+    def tick():
+        while not stop.wait(every_s):
+            say(f"{pass_name}: {state['stage']} ({time.perf_counter() - state['t0']:.0f} s so "
+                f"far)")
+    thread = threading.Thread(target=tick, name=f"cfp {pass_name} progress", daemon=True)
+    thread.start()
+    try:
+        yield lambda stage: state.__setitem__("stage", stage)
+    finally:
+        stop.set()
+        thread.join()
+
+
+@contextlib.contextmanager
 def silenced(silent: bool = True):
     """Print nothing inside (``silent``: a process other than 0 of several, where process 0
     reports); what the caller prints is left alone."""
@@ -150,8 +172,10 @@ class ProfileProgress:
             elif event == "not_measured":
                 what = ("reshardings" if f["k"] is None
                         else f"combinations of window type {f['k']}")
+                pace = (f"about {f['count'] * self._pass_pace_s():.0f} s more at this "
+                        f"run's pace: raise --profile-budget, or " if self.n else "")
                 self._line(f"profile budget spent: {f['count']} {what} not measured "
-                           f"(profile again to measure them)")
+                           f"({pace}profile again to measure them)")
             elif event == "ranked":
                 self._detail(f"window type {f['k']}: {f['space']} combinations; measuring "
                              f"the {f['cheapest']} cheapest by the additive analytic price"
@@ -183,12 +207,20 @@ class ProfileProgress:
         if self.tty and self.total:
             _print(flush=True)
 
-    def _eta(self) -> str:
+    def _pace_s(self) -> float:
+        """Seconds per result since the first (two results at least)."""
         import time
+        return max(1e-9, time.perf_counter() - self.t_first) / (self.n - 1)
+
+    def _pass_pace_s(self) -> float:
+        """Seconds per result since the pass started, its worker's start included."""
+        import time
+        return (time.perf_counter() - self.t0) / max(1, self.n)
+
+    def _eta(self) -> str:
         if self.t_first is None or self.n < 2:
             return "ETA --"
-        rate = (self.n - 1) / max(1e-9, time.perf_counter() - self.t_first)
-        return f"ETA {(self.total - self.n) / rate:.0f} s"
+        return f"ETA {(self.total - self.n) * self._pace_s():.0f} s"
 
     def _bar(self) -> None:
         import time
@@ -243,9 +275,11 @@ def profile_console(rec, model_space_log10: float, verbose: bool = False) -> Non
                 - rec.windows[rec.representatives[k]].start)
     why = (f"; {split} with the state split, for the hand plans' and the fastest "
            f"combinations, which can differ from run to run" if split else "")
+    resumed = sum(counts.values()) - counts["not_measured"] - rec.compiled
     say(f"profile: {sum(counts.values())} combinations of {len(rec.window_profiles)} window "
         f"types ({by_status}{why}), {len(rec.reshard_s)} reshardings; compiled in this "
-        f"run: {rec.compiled} ({rec.time_s:.1f} s)")
+        f"run: {rec.compiled}" + (f", {resumed} resumed from the work dir" if resumed > 0
+                                  else "") + f" ({rec.time_s:.1f} s)")
     busy = rec.busy_window_types()
     if busy:
         marked = [m for seg in rec.window_profiles.values() for m in seg.results.values()

@@ -4,7 +4,9 @@ of the machine's cores that other processes took meanwhile (``CpuShare``); and w
 program is measurably slower than another."""
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import statistics
 import time
 from typing import Sequence
@@ -16,6 +18,10 @@ import numpy as np
 # one other JAX process on 8 virtual devices takes about half of 2 cores and slows a program
 # 1.5x; an idle machine leaves a few percent to daemons.
 BUSY_SHARE = 0.15
+
+# Where a timed run's prints go: a step's effects (``jax.debug.print``) are kept in every
+# program cfp runs, and the thousands of steps it times are no part of the user's training.
+_NOWHERE = open(os.devnull, "w")
 
 
 class CpuShare:
@@ -93,9 +99,11 @@ def run_once_s(fn, args) -> float:
     import jax
     from cfp.multihost import slowest
     args = inputs(args)
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    return slowest(time.perf_counter() - t0)
+    with contextlib.redirect_stdout(_NOWHERE):  # the step's prints, once per timed run
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        elapsed_s = time.perf_counter() - t0
+    return slowest(elapsed_s)
 
 
 def time_runs(fn, args, *, best_s: float | None, warmup: int = 1, min_runs: int = 3,

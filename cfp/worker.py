@@ -289,6 +289,9 @@ def _device_count_flag(analysis, runtime) -> dict[str, str]:
 def _main(conn, generation: int = 0, parent_pid: int | None = None):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     _exit_with_parent(parent_pid or os.getppid())
+    # The programs measured here keep the step's effects (a jax.debug.print runs in each of
+    # their thousands of steps): what they print is no line of the user's training.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     analysis, options, handed = conn.recv()
     phases = Phases()
     if options.cost == "mock":  # before JAX's backends start

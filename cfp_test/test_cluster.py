@@ -40,7 +40,7 @@ def test_cluster_files_and_presets(tmp_path):
     assert c.mesh_shape == (2, 4) and c.memory_per_device_bytes == 16 * 2**30
     assert set(PRESETS) >= {"a100-8", "h100-8", "alpa-50x4"}
     path.write_text('{"name": "broken"}')
-    with pytest.raises(CfpError, match="not a cluster description"):
+    with pytest.raises(CfpError, match="levels must be a list of one level or more"):
         load_cluster(str(path))
     with pytest.raises(CfpError, match="unknown cluster"):
         load_cluster("tpu-9000")

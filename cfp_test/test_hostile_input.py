@@ -110,6 +110,12 @@ NUMBERS = [([f"{flag}={value}"], f"{flag} must be positive") for flag, value in 
     (["--mesh", "2X4"], "is not a mesh shape"),
     (["--mesh", "2x-4"], "is not a mesh shape"),
     (["--mesh", " 8"], "is not a mesh shape"),
+    (["--mesh", "2x\u00b2"], "is not a mesh shape"),  # a digit to isdigit(), not to int()
+    (["--mesh", "data=2,model=\u00b2"], "is not a mesh: name each axis with its size"),
+    (["--mesh", "\uff18"], "is not a mesh shape"),  # a full-width 8
+    (["--mesh", "1x1x1x8"], "has an axis of one device, which splits nothing: write 8"),
+    (["--mesh", "2x2x2x2"], "splits over 4 axes; cfp plans for at most 3"),
+    (["--mesh", "9" * 5000], "is not a mesh shape"),  # past int()'s digit limit
 ]
 
 
@@ -145,20 +151,42 @@ GOOD_CLUSTER = {"name": "c", "memory_per_device_GB": 80, "peak_TFLOPs": 312,
                 "levels": [{"name": "node", "size": 2, "alpha_s": 1e-5, "bandwidth_GBps": 25},
                            {"name": "gpu", "size": 4, "alpha_s": 5e-6, "bandwidth_GBps": 150}]}
 BAD_CLUSTERS = [
-    ({"memory_per_device_GB": -80}, "memory_per_device_GB must be a finite number over zero"),
-    ({"memory_per_device_GB": 0}, "memory_per_device_GB must be a finite number over zero"),
-    ({"peak_TFLOPs": 0}, "peak_TFLOPs must be a finite number over zero"),
-    ({"peak_TFLOPs": float("nan")}, "peak_TFLOPs must be a finite number over zero, got nan"),
+    ({"memory_per_device_GB": -80}, "memory_per_device_GB must be a finite number from"),
+    ({"memory_per_device_GB": 0}, "memory_per_device_GB must be a finite number from"),
+    ({"peak_TFLOPs": 0}, "peak_TFLOPs must be a finite number from 1e-06"),
+    ({"peak_TFLOPs": float("nan")}, "peak_TFLOPs must be a finite number from 1e-06 to 1e+06, "
+                                    "got nan"),
     ({"memory_bandwidth_GBps": float("inf")}, "memory_bandwidth_GBps must be a finite"),
     ({"levels": [{"name": "gpu", "size": 8, "alpha_s": -1, "bandwidth_GBps": 150}]},
-     "gpu alpha_s must be a finite number of zero or more"),
+     "gpu alpha_s must be a finite number from 0 to 1, got -1"),
     ({"levels": [{"name": "gpu", "size": 8, "alpha_s": 0, "bandwidth_GBps": float("nan")}]},
-     "gpu bandwidth_GBps must be a finite number over zero"),
+     "gpu bandwidth_GBps must be a finite number from 1e-09"),
     ({"levels": [{"name": "gpu", "size": 2.5, "alpha_s": 0, "bandwidth_GBps": 1}]},
-     "every level needs a whole size >= 1"),
+     "level gpu's size must be a whole number from 1 to 65536, got 2.5"),
     ({"levels": [{"name": "gpu", "size": 2**17, "alpha_s": 0, "bandwidth_GBps": 1}]},
+     "level gpu's size must be a whole number from 1 to 65536, got 131072"),
+    ({"levels": [{"name": "node", "size": 2**9, "alpha_s": 0, "bandwidth_GBps": 1},
+                 {"name": "gpu", "size": 2**8, "alpha_s": 0, "bandwidth_GBps": 1}]},
      "131072 devices, over the 65536"),
     ("directory", "cannot read the cluster file"),
+    ({"memory_per_device_GB": 1e300}, "memory_per_device_GB must be a finite number from "
+                                      "0.000976562 to 1.04858e+06, got 1e+300"),
+    ({"levels": [{"name": "gpu", "size": 8, "alpha_s": 0, "bandwidth_GBps": 1e-320}]},
+     "gpu bandwidth_GBps must be a finite number from 1e-09"),
+    ({"memory_bandwidth_GBps": 1e300}, "memory_bandwidth_GBps must be a finite number"),
+    ({"peak_TFLOPs": 1e300}, "peak_TFLOPs must be a finite number from 1e-06 to 1e+06"),
+    ({"peak_TFLOPs": "312"}, "peak_TFLOPs must be a number, got '312'"),
+    ({"peak_TFLOPs": True}, "peak_TFLOPs must be a number, got True"),
+    ({"memroy_per_device_GB": 80}, "the cluster has the unknown key 'memroy_per_device_GB'"),
+    ({"levels": [{"name": "gpu", "size": 8, "alpha_s": 0, "bandwidth_GBps": 1, "nic": 2}]},
+     "level 0 has the unknown key 'nic'"),
+    ({"name": "x/../../../escaped"}, "name must be a name of letters, digits"),
+    ({"name": ".."}, "name must be a name of letters, digits"),
+    ({"levels": [{"name": "g/../pu", "size": 8, "alpha_s": 0, "bandwidth_GBps": 1}]},
+     "level 0's name must be a name"),
+    ({"levels": "gpu"}, "levels must be a list of one level or more"),
+    ({"gpu": ["a100"]}, "gpu ['a100'] has no description"),
+    ({"assumed": "alpha_s"}, "assumed must be a list of the figures assumed"),
 ]
 
 
@@ -175,6 +203,29 @@ def test_a_bad_cluster_file_is_one_line_before_any_work(tmp_path, capsys, compil
     assert main(["--cluster", str(path), "--workdir", str(tmp_path / "w")]) == 2
     assert expected in _one_line(capsys)
     assert compiles == [] and not (tmp_path / "w" / "analysis.pkl").exists()
+
+
+def test_a_cluster_s_name_writes_nothing_outside_profiles(tmp_path, monkeypatch, capsys):
+    """A cluster file naming itself ``x/../../../escaped``, run with the default work dir, is
+    refused in one line and writes nothing anywhere; the default work dir of any name is one
+    folder under ``profiles/``. Control: the same file under a plain name gets the default
+    work dir ``profiles/<model>-...-<name>-<mesh>``."""
+    import json
+    from cfp.cli import parse
+    from cfp.options import check_options, default_workdir
+    work = tmp_path / "a" / "b" / "c"
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)
+    path = work / "evil.json"
+    path.write_text(json.dumps({**GOOD_CLUSTER, "name": "x/../../../escaped"}))
+    assert main(["--model", "mlp", "--cluster", str(path)]) == 2
+    assert "name must be a name of letters" in _one_line(capsys)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a", "b", "c", "evil.json"]
+    path.write_text(json.dumps({**GOOD_CLUSTER, "name": "mine"}))
+    assert default_workdir(check_options(parse(["--model", "mlp", "--cluster", str(path)]))
+                           ).parts == ("profiles", "mlp-tiny-mine-2x4")
+    opts = check_options(parse(["--model", "/abs/../pkg:make", "--mesh", "4"]))
+    assert default_workdir(opts).parts[0] == "profiles" and len(default_workdir(opts).parts) == 2
 
 
 def test_a_good_cluster_file_and_the_readme_cluster_cases_pass_the_checks(tmp_path):
@@ -229,9 +280,13 @@ def test_arrays_must_fit_the_host_only_where_the_step_runs_here(tmp_path, capsys
 API_REFUSALS = [
     ({"dtype": "float16"}, "--dtype must be one of float32, bfloat16, got 'float16'"),
     ({"frobnicate": True}, "autoshard() takes no option 'frobnicate'"),
-    ({"max_combinations": "32"}, "--max-combinations must be a number, got '32'"),
+    ({"max_combinations": "32"}, "--max-combinations must be a whole number, got '32'"),
     ({"mesh": "1x4"}, "has an axis of one device"),
     ({"memory_budget_gb": float("nan")}, "--memory-budget must be positive"),
+    ({"workdir": 123}, "--workdir must be text or a path, got 123"),
+    ({"batch_size": 2.5}, "--batch-size must be a whole number, got 2.5"),
+    ({"verbose": "yes"}, "--verbose must be true or false, got 'yes'"),
+    ({"mesh": 8}, "a mesh is a jax.sharding.Mesh or text"),
 ]
 
 
@@ -244,6 +299,23 @@ def test_the_api_raises_cfp_error_with_the_reason(tmp_path, capsys, kwargs, expe
         autoshard("zoo_extra:convnet", **{"mesh": "4", "workdir": tmp_path, **kwargs})
     assert expected in str(e.value) and "\n" not in str(e.value)
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("call,expected", [
+    (lambda cfp: cfp.run(cfp.Options(model=None)), "--model must be a zoo key"),
+    (lambda cfp: cfp.run(cfp.Options(workdir=123)), "--workdir must be text or a path"),
+    (lambda cfp: cfp.run("gpt"), "cfp.run takes cfp.Options, not a str"),
+], ids=["model None", "workdir 123", "run text"])
+def test_the_api_checks_its_arguments_types(tmp_path, monkeypatch, call, expected):
+    """Values of the wrong type are one ``CfpError`` line, not a ``TypeError``, and nothing is
+    written. Control: a ``cfp.Options`` of the right types runs (its analysis)."""
+    import cfp
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CfpError) as e:
+        call(cfp)
+    assert expected in str(e.value) and "\n" not in str(e.value)
+    assert list(tmp_path.iterdir()) == []
+    assert cfp.run(cfp.Options(model="mlp", mesh="4", mode="analysis", workdir=tmp_path / "w"))
 
 
 def test_the_api_without_a_workdir_uses_the_default_one(tmp_path, monkeypatch):
@@ -865,3 +937,92 @@ def test_the_processes_of_one_run_share_its_lock(tmp_path, capsys):
     finally:
         holder.kill()
         holder.wait()
+
+
+def _plan_json() -> dict:
+    """A plan.json of the shape cfp writes: a 4-device mesh, one weight and its Adam state."""
+    return {"format": "cfp-plan", "version": 3, "mesh": {"shape": [4], "axes": ["m0"]},
+            "source": "predicted",
+            "step": {"fingerprint": "0123456789abcdef", "kind": "train",
+                     "loss_takes_key": False},
+            "params": {"['w']": ["m0", None]}, "opt_state": {"[0].mu['w']": ["m0", None]},
+            "batch": {"['x']": [None, ["m0"]]},
+            "outputs": {"params": {"['w']": ["m0", None]},
+                        "opt_state": {"[0].mu['w']": ["m0", None]}},
+            "blocks": [{"block": 0, "strategy_index": 1, "strategy": "S0", "seed": "dot"}],
+            "constraints": {"3": [[["m0", None], None], [[None]]]},
+            "description": ["every segment: m0 splits the batch"]}
+
+
+@pytest.mark.parametrize("change,expected", [
+    ({"mesh": {"shape": [-8], "axes": ["m0"]}}, "mesh shape [-8] is not a list of positive"),
+    ({"mesh": {"shape": [4], "axes": ["m0", "m1"]}}, "mesh axes ['m0', 'm1'] are not one"),
+    ({"mesh": {"shape": [4], "axes": ["m0"], "devices": [0, 1, 1, 2]}}, "4 distinct device ids"),
+    ({"params": {"['w']": 5}}, "its params is not an object of leaf paths and specs"),
+    ({"params": {"['w']": ["model", None]}}, "its params is not an object of leaf paths"),
+    ({"blocks": "x"}, "its blocks are not a list of block, strategy_index and strategy"),
+    ({"constraints": {"op": [[], []]}}, "its constraints are not an object of operator index"),
+    ({"step": {"fingerprint": 7}}, "its step is not a fingerprint"),
+    ({"outputs": None}, "its outputs are not an object"),
+], ids=lambda v: str(v)[:40])
+def test_a_plan_file_is_checked_field_by_field(tmp_path, change, expected):
+    """Each field of plan.json of the wrong type or shape is one ``CfpError`` naming it, from
+    ``Plan.load``, before the plan is used. Control: the plan as cfp writes it loads, and its
+    mesh is the 4 devices it names."""
+    import json
+    import cfp
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({**_plan_json(), **change}))
+    with pytest.raises(CfpError, match="is not a plan cfp wrote") as e:
+        cfp.Plan.load(path)
+    assert expected in str(e.value) and "\n" not in str(e.value)
+    path.write_text(json.dumps(_plan_json()))
+    assert dict(cfp.Plan.load(path).mesh.shape) == {"m0": 4}
+
+
+def test_a_tiny_profile_budget_goes_on_run_by_run_and_says_what_it_resumed(tmp_path, capsys):
+    """Under a budget spent before the first measurement, a run still measures one batch and
+    says how long the rest would take; the next run resumes from it and says so. Control: the
+    first run resumed nothing."""
+    argv = ["--mode", "profile", "--model", "mlp", "--mesh", "4", "--memory-budget", "1",
+            "--profile-budget", "1e-9", "--workdir", str(tmp_path)]
+    assert main(["--mode", "analysis"] + argv[2:]) == 0
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    assert "s more at this run's pace: raise --profile-budget" in first
+    assert "resumed" not in first and "compiled in this run: 0" not in first
+    assert main(argv) == 0
+    second = capsys.readouterr().out
+    assert "resumed from the work dir" in second and "compiled in this run: 0" not in second
+
+
+def test_a_refused_run_creates_no_work_dir(tmp_path, capsys):
+    """``--mode search`` (or profile) on a work dir that does not exist is refused and leaves
+    none behind. Control: ``--mode analysis`` creates it."""
+    for mode in ("search", "profile"):
+        assert main(["--mode", mode, "--model", "mlp", "--mesh", "4", "--memory-budget", "1",
+                     "--workdir", str(tmp_path / "w")]) == 2
+        assert "no work dir" in _one_line(capsys)
+        assert not (tmp_path / "w").exists()
+    assert main(["--mode", "analysis", "--model", "mlp", "--mesh", "4",
+                 "--workdir", str(tmp_path / "w")]) == 0
+    assert (tmp_path / "w" / "analysis.pkl").exists()
+
+
+def test_a_long_analysis_says_which_stage_it_is_in(capsys):
+    """The analysis names each stage as it starts, and while a stage runs long a line says
+    which it is. Control: a stage shorter than the interval prints nothing."""
+    import time
+    from cfp import report
+    from cfp.passes.analysis import run_analysis
+    stages = []
+    run_analysis(WorkloadSpec("mlp", "tiny", None, "float32", ()).resolved(), (4,),
+                 on_stage=stages.append)
+    assert [s.split()[0] for s in stages] == ["tracing", "grouping", "finding"]
+    with report.ticking("analysis", every_s=0.05) as on_stage:
+        on_stage("grouping 7 operators into ParallelBlocks")
+        time.sleep(0.3)
+    assert "analysis: grouping 7 operators into ParallelBlocks (0 s so far)" in capsys.readouterr().out
+    with report.ticking("analysis", every_s=10):
+        time.sleep(0.1)
+    assert capsys.readouterr().out == ""

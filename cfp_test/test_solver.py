@@ -1,3 +1,4 @@
+import dataclasses
 import random
 
 import numpy as np
@@ -216,9 +217,14 @@ def test_least_memory_bounds_every_plan_from_below(seed):
     p = _random_chain(random.Random(500 + seed), groups=3, blocks_per=1, held=True,
                       waiting=seed >= 2)
     p.waiting_cap = 10 if seed == 3 else None
-    peaks = [evaluate(p, c)[1] for c in itertools.product(*[range(len(g.options))
-                                                            for g in p.groups])]
+    plans = list(itertools.product(*[range(len(g.options)) for g in p.groups]))
+    peaks = [evaluate(p, c)[1] for c in plans]
     assert least_memory(p) <= min(peaks)
+    for c, peak in zip(plans, peaks):  # with no choice left, the bound is the plan's peak
+        only = dataclasses.replace(p, groups=[dataclasses.replace(g, options=[g.options[i]])
+                                              for g, i in zip(p.groups, c)])
+        only.waiting_cap = p.waiting_cap
+        assert least_memory(only) == peak
 
 
 def test_alike_layers_keep_each_windows_memory_where_their_transients_differ():

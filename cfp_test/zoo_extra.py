@@ -189,3 +189,45 @@ def per_example_loss(batch_size: int = 8, dtype: str = "float32", **_) -> Worklo
         h = jnp.einsum("bij,ijr->br", b["x"], p["u"])
         return jnp.sum(h * h, axis=-1)
     return dataclasses.replace(base, loss_fn=loss)
+
+
+EFFECT_CALLS: list[float] = []  # what ``effects_step``'s callback saw, in this process
+
+
+def _seen(loss):
+    import numpy as np
+    EFFECT_CALLS.append(float(loss))
+    return np.float32(loss)
+
+
+def _effects_loss(p, b):
+    return jnp.mean((jax.nn.relu(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2)
+
+
+def effects_train_step(params, opt_state, batch):
+    """A plain-JAX Adam step that prints its loss (``jax.debug.print``) and hands it to the
+    host (``io_callback``): effects, which no output of the step needs."""
+    from jax.experimental import io_callback
+    import optax
+    loss, grads = jax.value_and_grad(_effects_loss)(params, batch)
+    jax.debug.print("step loss {}", loss)
+    io_callback(_seen, jax.ShapeDtypeStruct((), jnp.float32), loss, ordered=True)
+    updates, opt_state = optax.adam(1e-3).update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+def effects_step(batch_size: int = 16, dtype: str = "float32", **_) -> Workload:
+    import optax
+    from cfp.models import user_workload
+
+    def init_state(key):
+        k1, k2 = jax.random.split(key)
+        params = {"w1": jax.random.normal(k1, (32, 64)) * 0.1,
+                  "w2": jax.random.normal(k2, (64, 32)) * 0.1}
+        return params, optax.adam(1e-3).init(params)
+
+    def make_batch(key):
+        x = jax.random.normal(key, (batch_size, 32))
+        return {"x": x, "y": jnp.tanh(x)}
+    return user_workload(train_step=effects_train_step, init_state=init_state,
+                         make_batch=make_batch, name="effects")

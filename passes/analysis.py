@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from typing import Callable
 
 from cfp.blocks import BlockAnalysis, with_strategies
 from cfp.errors import CfpError
@@ -65,16 +66,20 @@ class AnalysisRecord:
 def run_analysis(spec: WorkloadSpec, mesh_shape: tuple[int, ...], graph: Graph | None = None,
                  grouping: BlockAnalysis | None = None, *,
                  axis_names: tuple[str, ...] | None = None,
-                 device_ids: tuple[int, ...] | None = None) -> AnalysisRecord:
+                 device_ids: tuple[int, ...] | None = None,
+                 on_stage: Callable[[str], None] = lambda stage: None) -> AnalysisRecord:
     """Analyse ``spec``'s training step for a mesh of ``mesh_shape``. ``graph`` and
     ``grouping``: the step's graph and blocks found earlier (for another mesh: comparing
     meshes), so only the strategies and segments are found again. ``axis_names``: the
     user's names of the mesh axes, which the plan speaks (None: m0, m1, ...); cfp itself
     measures on axes m0, m1, ... of the same shape. ``device_ids``: the user's mesh's devices
-    in its order (``cfp.mesh.device_order``), which the later passes measure on."""
+    in its order (``cfp.mesh.device_order``), which the later passes measure on.
+    ``on_stage(text)`` is told each stage as it starts (a long analysis's progress)."""
     start = time.perf_counter()
+    on_stage("tracing the step")
     workload = spec.build()
     graph = graph or trace_step(workload).graph()
+    on_stage(f"grouping {len(graph.ops)} operators into ParallelBlocks")
     blocks = (with_strategies(grouping, graph, mesh_shape) if grouping is not None
               else build_blocks(graph, mesh_shape))
     if math.prod(mesh_shape) > 1 and all(
@@ -82,6 +87,7 @@ def run_analysis(spec: WorkloadSpec, mesh_shape: tuple[int, ...], graph: Graph |
         raise CfpError(f"no contraction of the step has a dim that mesh "
                        f"{'x'.join(map(str, mesh_shape))} divides, so every block would stay "
                        f"replicated: choose mesh axes that divide the batch or model sizes")
+    on_stage(f"finding the repeated layers among {len(blocks.blocks)} ParallelBlocks")
     segments = find_segments(graph, blocks)
     total = sum(op.flops for op in graph.ops)
     inside = sum(graph.ops[i].flops for i in blocks.owner)

@@ -179,7 +179,8 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
         for k, rep in enumerate(reps):
             window_profiles[k], n = _profile_window(k, windows[rep], *known[k],
                                                     worker, options, checkpoint, start, notify,
-                                                    analysis, windows, expected[k])
+                                                    analysis, windows, compiled,
+                                                    expected[k])
             compiled += n
         bounds = boundaries(analysis, windows)
         timed = _profile_reshards(analysis, bounds, worker, checkpoint, options, start,
@@ -326,8 +327,12 @@ def expected_state_variants(analysis, window: Window, results: dict, windows) ->
 
 def _profile_window(k, window: Window, space, results, todo, worker: Worker,
                     options, checkpoint, start, notify, analysis=None, windows=(),
-                    expected_variants: int = 0) -> tuple[WindowProfile, int]:
-    """Measure ``todo`` of window type ``k``, then its state variants (``state_variants``)."""
+                    measured_in_run: int = 0, expected_variants: int = 0
+                    ) -> tuple[WindowProfile, int]:
+    """Measure ``todo`` of window type ``k``, then its state variants (``state_variants``).
+    A run measures one batch at least, however small ``--profile-budget``: the next run
+    then goes on from there (``measured_in_run``: what this run measured before).
+    ``expected_variants``: the state variants the progress total counted."""
     blocks = tuple(range(window.start, window.end))
     notify("window", k=k, window=window, space=space, todo=len(todo), known=len(results))
     log.info("window type %d (blocks %d..%d): %d combinations to measure, %d known", k,
@@ -342,7 +347,7 @@ def _profile_window(k, window: Window, space, results, todo, worker: Worker,
             if not todo:
                 break
         for i, batch in even_batches(todo, options.batch):
-            if worker.share(_spent(options, start)):
+            if measured_in_run + done and worker.share(_spent(options, start)):
                 for c in todo[i:]:
                     results[c] = Measurement("not_measured", note="--profile-budget spent")
                 notify("not_measured", k=k, count=len(todo) - i)
