@@ -35,7 +35,7 @@ def _llama():
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state,
-                {"loss": loss, "grad_norm": optax.global_norm(grads)})
+                {"loss": loss, "grad_norm": optax.tree.norm(grads)})
 
     ids = jax.random.randint(jax.random.key(1), (8, 33), 0, 256)
     params = model.params
