@@ -1,15 +1,17 @@
 """The Python API: a training step through the three passes, and the plan they find.
 
     >>> import cfp  # doctest: +SKIP
-    >>> plan = cfp.autoshard("mypkg.train:make_workload", mesh="2x4",
+    >>> plan = cfp.autoshard(train_step, params, opt_state, batch, mesh="2x4",
     ...                      memory_budget_gb=4, workdir="profiles/mine")  # doctest: +SKIP
     >>> step = plan.jit(train_step, params, opt_state, batch)  # doctest: +SKIP
 
-``make_workload`` returns a ``cfp.models.Workload``, most simply through
-``cfp.models.user_workload(loss_fn, init_params, make_batch, optimizer=tx)``; it gets only the
-keyword arguments it declares (``batch_size``, ``dtype``, size overrides). It is named by import
-path because measurement runs in worker processes that build it afresh; ``"gpt"``, ``"moe"``
-and the other zoo models are named by their key.
+The step is handed in as the function with example arguments (``cfp.workloads.hand_in``),
+from a script with or without a main guard, standard input or a notebook: the measurement
+workers get it by value over their pipe and never run the caller's script again. A factory
+of a ``cfp.models.Workload`` (``cfp.models.user_workload(...)``), a ``Workload``, or by name
+``"package.module:factory"`` (the command line's form: the factory gets only the keyword
+arguments it declares, ``batch_size``, ``dtype``, size overrides) and the zoo's ``"gpt"``,
+``"moe"``... are taken too.
 
 ``run(Options(...))`` runs the passes ``Options.mode`` asks for and returns the work dir; the
 command line (``cfp.cli``) only parses its flags into ``Options`` and calls it.
@@ -90,21 +92,53 @@ class Plan:
                 f"{len(self.data.get('blocks', ()))} blocks, {self.data.get('source', '')!r})")
 
 
-def autoshard(model: str, *, mesh: str | None = None, memory_budget_gb: float | None = None,
-              workdir: str | Path | None = None, **options) -> Plan:
-    """Analyse, profile and search ``model``'s step on ``mesh``; the plan kept.
+def autoshard(model, *example_args, mesh: str | None = None,
+              memory_budget_gb: float | None = None, workdir: str | Path | None = None,
+              **options) -> Plan:
+    """Analyse, profile and search a step on ``mesh``; the plan kept.
 
-    ``options`` are further ``Options`` fields (``batch_size``, ``max_combinations``,
-    ``validate_top``, ``iters``, ...). ``workdir`` None: ``profiles/<model>-<config>-<mesh>/``
+    ``model`` is the step itself with its example arguments (arrays, or
+    ``jax.ShapeDtypeStruct``s: cfp then makes the inputs it checks the step on), in one of
+    the forms ``cfp.workloads.STEP_FORMS`` lists; or a factory of a ``cfp.models.Workload``,
+    a ``Workload``, or by name, a zoo model (``"gpt"``) or ``"package.module:factory"``. A
+    step handed in is named by the fingerprint of its traced program: a second call on the
+    same step, shapes and mesh finds the work dir's profile. ``options`` are further
+    ``Options`` fields (``step="forward"``, ``batch_size``, ``max_combinations``,
+    ``validate_top``, ``iters``, ...). ``workdir`` None: ``profiles/<name>-<mesh>/``
     (``cfp.options.default_workdir``)."""
     unknown = sorted(set(options) - {f.name for f in dataclasses.fields(Options)})
     if unknown:
         raise CfpError(f"autoshard() takes no option {unknown[0]!r} (see cfp.Options for "
                        f"the ones it takes)")
-    workdir, plan = _run(Options(model=model, mesh=mesh, memory_budget_gb=memory_budget_gb,
-                                 workdir=workdir, **options))
+    handed = not isinstance(model, str)
+    if handed:
+        model = _hand_in(model, example_args, dict(options, mesh=mesh, workdir=workdir))
+    elif example_args:
+        raise CfpError(f"{model!r} names a model, which makes its own inputs: hand in the step "
+                       f"function itself with example arguments")
+    try:
+        workdir, plan = _run(Options(model=model, mesh=mesh, memory_budget_gb=memory_budget_gb,
+                                     workdir=workdir, **options))
+    finally:
+        if handed:  # the user's loop donates them: cfp keeps no reference to the arrays
+            from cfp.workloads import forget_arrays
+            forget_arrays(model)
     # Process 0 wrote the plan; another process of several has it from its own search.
     return Plan(plan) if plan is not None else Plan.load(Path(workdir) / "plan.json")
+
+
+def _hand_in(handed, example_args: tuple, options: dict) -> str:
+    """The model name of a step handed in (``cfp.workloads.hand_in``), the options it is
+    built with checked first."""
+    from cfp.workloads import hand_in
+    opts = check_options(Options(**dict(options, model="step@")))
+    _setup_devices(opts)  # before the step's trace can start JAX's backends
+    from cfp import report
+    from cfp.workloads import has_shapes
+    model = hand_in(handed, example_args, opts.spec).model
+    if has_shapes(example_args):
+        report.made_inputs_console()
+    return model
 
 
 def run(options: Options, *, own_process: bool = False) -> Path:
@@ -118,13 +152,17 @@ def _run(options: Options, *, own_process: bool = False) -> tuple[Path, dict | N
     """``run``'s work dir, and the plan on a process of several that writes none (None
     elsewhere: the plan is in the work dir)."""
     opts = check_options(options)
-    # A described cluster is compiled for here only up to 64 devices (cluster_pricing).
-    setup_devices(opts.num_devices // opts.runtime.num_processes if opts.runtime
-                   else opts.num_devices if opts.cluster is None or opts.num_devices <= 64
-                   else 8)
+    _setup_devices(opts)
     from cfp import report
     with report.silenced(not opts.reports):
         return _run_passes(opts, options, own_process)
+
+
+def _setup_devices(opts: RunOptions) -> None:
+    # A described cluster is compiled for here only up to 64 devices (cluster_pricing).
+    setup_devices(opts.num_devices // opts.runtime.num_processes if opts.runtime
+                  else opts.num_devices if opts.cluster is None or opts.num_devices <= 64
+                  else 8)
 
 
 def _run_passes(opts: RunOptions, options: Options, own_process: bool
@@ -150,6 +188,12 @@ def _run_passes(opts: RunOptions, options: Options, own_process: bool
     try:
         with (locked(opts.workdir) if opts.reports else contextlib.nullcontext(),
               CtrlC() as ctrl_c):
+            if opts.reports and "@" in opts.spec.model and "analysis" in opts.modes:
+                from cfp import report
+                from cfp.workdir import clear_other_handed_step
+                if clear_other_handed_step(opts.workdir, opts.spec.model):
+                    report.say(f"the step differs from the one {opts.workdir} was profiled "
+                               f"for: profiled again")
             plan = None
             for mode in opts.modes:
                 plan = _RUNNERS[mode](opts, options)
@@ -382,17 +426,45 @@ def _run_search(opts: RunOptions, options) -> dict | None:
                                    runtime=opts.runtime, compilation_cache=_cache_dir(options))
     if options.verbose:
         report.say("***********Search Pass****************")
+    before = _search_found_before(opts, wd, search_options, profile)
+    if before is not None:  # a handed step called again: its plan is the work dir's
+        report.search_console(before, analysis, opts.num_devices, budget, options.verbose,
+                              options.driver_lines, found_before=True)
+        report.usage_console(wd.path, analysis.spec.step, _holds_state(analysis))
+        return None
     rec = run_search(analysis, profile, search_options)
     if not opts.reports:  # process 0 writes the plan; this process has it all the same
         import json
         return json.loads(json.dumps(dumps.plan_of(analysis, rec)))
-    wd.write_search(rec)
-    report.search_console(rec, analysis, opts.num_devices, budget, options.verbose)
+    from cfp.workdir import search_inputs
+    wd.write_search(dataclasses.replace(rec, inputs=search_inputs(search_options, profile)))
+    report.search_console(rec, analysis, opts.num_devices, budget, options.verbose,
+                          options.driver_lines)
     dumps.write_search_dumps(wd.path, analysis, profile, rec)
     _write_logical_rules(wd.path, analysis, options.verbose)
+    report.usage_console(wd.path, analysis.spec.step, _holds_state(analysis))
+
+
+def _holds_state(analysis) -> bool:
+    """Whether the step carries one state (a TrainState, NNX's model and optimizer) that the
+    user splits to use the plan."""
     layout_of = getattr(analysis.spec.build().state_step, "layout_of", None)
-    report.usage_console(wd.path, analysis.spec.step,
-                         layout_of is not None and not layout_of().plain)
+    return layout_of is not None and not layout_of().plain
+
+
+def _search_found_before(opts: RunOptions, wd, search_options, profile):
+    """For a step handed to ``cfp.autoshard``: the work dir's search record where it was
+    searched from the same profile and options (``cfp.workdir.search_inputs``) and its plan
+    is there; else None."""
+    from cfp.workdir import search_inputs
+    if not (opts.reports and "@" in opts.spec.model and (wd.path / "plan.json").exists()
+            and (wd.path / "search.pkl").exists()):
+        return None
+    try:
+        before = wd.read_search()
+    except CfpError:
+        return None
+    return before if before.inputs == search_inputs(search_options, profile) else None
 
 
 def _write_logical_rules(workdir: Path, analysis, verbose: bool) -> None:
@@ -443,7 +515,7 @@ def _predict(opts: RunOptions, options, wd, analysis) -> None:
     rec = predict_plan(analysis, profile, memory_budget_bytes(options, opts), options.time_limit,
                        ranked=opts.chosen_mesh[2].prediction if opts.chosen_mesh else None,
                        compile_for=gpus)
-    report.prediction_console(rec, opts.cluster)
+    report.prediction_console(rec, opts.cluster, options.driver_lines)
     path = wd.path / "plan.json"
     plan = make_plan(analysis, rec.strategies, storage=rec.storage,
                      source=f"predicted for {opts.cluster.name} ({rec.pricing})")

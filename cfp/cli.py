@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true",
                    help="print the blocks, segments and candidates too, and log the "
                         "library's progress")
+    p.add_argument("--driver-lines", action="store_true",
+                   help="print the lines benchmark drivers read: the searched strategies "
+                        "(searched ParallelBlock Strategies solution), the measured step "
+                        "times and TFLOP_COUNT")
     w = p.add_argument_group(
         "workload", "a step run here (not priced with --cost model, nor planned with --cluster) "
         "may have no array of more than 2^31 elements, nor one larger than the host's memory")

@@ -74,9 +74,14 @@ def _segment_text(splits: list[dict[str, list[str]]], axis_names) -> str:
     """The roles each axis splits over a range of blocks, in ``ROLES`` order."""
     parts = []
     for name in axis_names:
-        seen = {r for s in splits for r in s.get(name, ())}
-        if seen:
-            parts.append(f"{name} splits {', '.join(r for r in ROLES if r in seen)}")
+        seen = [r for r in ROLES if any(r in s.get(name, ()) for s in splits)]
+        if len(seen) == 1:
+            parts.append(f"{name} splits {seen[0]}")
+        elif len(seen) == 2:  # each block splits one: say so, not both of one weight
+            parts.append(f"{name} splits {seen[0]} in some blocks, {seen[1]} in others")
+        elif seen:
+            parts.append(f"{name} splits {', '.join(seen[:-1])} or {seen[-1]}, one per "
+                         f"block")
         else:
             parts.append(f"{name} splits nothing")
     return "; ".join(parts)
@@ -97,14 +102,15 @@ def state_layout_of(analysis, storage) -> str | None:
 def state_of_blocks(analysis, storage, start: int, end: int) -> str:
     """Where ``storage`` keeps the state that blocks ``[start, end)`` read first and update
     (``cfp.windows.held_state``'s rule): its one layout (``zero1``), the count of leaves per
-    layout where they differ (``2 leaves fsdp, 4 leaves plan``), or "" where they hold none."""
+    layout where they differ (``layouts_text``), or "" where they hold none."""
     from collections import Counter
     from cfp.windows import Window, held_state
     layouts = (storage or _plain()).layouts(len(analysis.graph.state_pairs()))
     held = Counter(layouts[k] for k in held_state(analysis, Window(start, end, -1)))
     if len(held) <= 1:
         return next(iter(held), "")
-    return ", ".join(f"{n} leaves {z}" for z, n in sorted(held.items()))
+    from cfp.execute import layouts_text
+    return layouts_text(held)
 
 
 def _plain():

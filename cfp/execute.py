@@ -8,6 +8,7 @@ the first block that reads each wants), the new state as output shardings, and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from typing import Sequence
@@ -62,7 +63,15 @@ class Storage:
         counts = {}
         for _, z in self.leaves:
             counts[z] = counts.get(z, 0) + 1
-        return ", ".join(f"{n} leaves {z}" for z, n in sorted(counts.items()))
+        return layouts_text(counts)
+
+
+def layouts_text(counts: dict[str, int]) -> str:
+    """State leaves counted per layout, in words: ``2 state leaves fsdp, 4 state leaves as
+    the blocks compute them`` (the ``plan`` layout last)."""
+    return ", ".join(f"{n} state {'leaf' if n == 1 else 'leaves'} "
+                     + ("as the blocks compute them" if z == "plan" else z)
+                     for z, n in sorted(counts.items(), key=lambda zn: (zn[0] == "plan", zn)))
 
 
 def plan_specs(analysis, strategies: Sequence[int | Strategy] | None, axis_names,
@@ -298,6 +307,20 @@ def tolerance(dtype: str) -> float:
     return max(2e-3, 16 * _eps(dtype))
 
 
+def lowest_precision(g) -> dict[int, str]:
+    """Per value of graph ``g``, the floating dtype of least precision among it and every
+    value it is computed from: a float32 gradient summed from bfloat16 activations (a norm
+    scale's, under bfloat16 compute over float32 parameters) carries bfloat16's rounding,
+    in whatever order a plan sums it."""
+    low: dict[int, str] = {}
+    for op in g.ops:  # in the order they were traced: each op's inputs come first
+        found = [low.get(v, g.values[v].dtype) for v in op.inputs]
+        for v in op.outputs:
+            low[v] = max(found + [g.values[v].dtype], key=_eps)
+    return low
+
+
+@functools.cache
 def _eps(dtype: str) -> float:
     """The resolution of a floating dtype (0 for other dtypes)."""
     import jax.numpy as jnp
@@ -400,6 +423,12 @@ def reference_run(workload, analysis, program=None) -> tuple[list, list, list | 
     return _LAST[key]
 
 
+def forget_reference_run() -> None:
+    """Drop the inputs and values ``reference_run`` keeps (a step handed to
+    ``cfp.autoshard`` is done with them once it returns)."""
+    _LAST.clear()
+
+
 def compare_numerics(workload, analysis, strategies, mesh, storage=None, *,
                      program=None) -> Numerics:
     """The step's checked values (``checked_values``) under the plan against one device's."""
@@ -419,10 +448,12 @@ NOISE_MARGIN = 4  # a plan's value may differ from one device's by this many tim
 def numerics_of(g, checked: list[tuple[int, str]], got: list, want: list,
                 noise: list | None = None) -> Numerics:
     """``got`` against ``want``, the ``checked`` values (``checked_values``) of graph ``g``,
-    each within the tolerance of the dtype it is computed in (``tolerance``) plus
+    each within the tolerance of the least precise dtype it is computed from
+    (``tolerance``, ``lowest_precision``) plus
     ``NOISE_MARGIN`` times ``noise``, how far one device differs from itself
     (``reference_run``; None: not at all)."""
-    loss_tol = max([1e-4] + [_eps(g.values[v].dtype) for v, _ in checked])
+    low = lowest_precision(g)
+    loss_tol = max([1e-4] + [_eps(low.get(v, g.values[v].dtype)) for v, _ in checked])
     loss_err, worst, worst_name = 0.0, 0.0, ""
     rms = [float(np.sqrt(np.mean(np.square(np.asarray(b, np.float64))))) if np.size(b) else 0.0
            for b in want]
@@ -437,7 +468,7 @@ def numerics_of(g, checked: list[tuple[int, str]], got: list, want: list,
             loss_err = max(0.0, abs(float(a) - float(b)) - float(spread)) / max(
                 abs(float(b)), 1e-12)
             continue
-        rtol = tolerance(g.values[v].dtype)
+        rtol = tolerance(low.get(v, g.values[v].dtype))
         atol = rtol * max(b_rms, floor)
         excess = float((np.abs(a - b) - (atol + rtol * np.abs(b)) - spread).max(initial=0.0))
         if excess > worst:

@@ -33,6 +33,9 @@ class Options:
 
     mode: Literal["analysis", "profile", "search", "stages"] | None = None  # None: all three
     verbose: bool = False  # print blocks, segments and candidates too
+    # print the lines benchmark drivers read (searched ParallelBlock Strategies solution,
+    # searched training cost, TFLOP_COUNT)
+    driver_lines: bool = False
     # workload
     model: str = "gpt"  # a zoo key (mlp, gpt, llama, moe, bert) or package.module:factory
     config: str | None = None  # size preset; None: tiny
@@ -223,7 +226,8 @@ def check_options(options) -> RunOptions:
     for k in BOUNDS:
         if k not in _PER_AXIS and getattr(options, k) is not None:
             _check_number(k, getattr(options, k))
-    if ":" in options.model and options.config is not None:
+    from cfp.tracing import users_step
+    if users_step(options.model) and options.config is not None:
         raise CfpError(f"--config picks a size preset of cfp's own models; {options.model} "
                        f"takes its sizes as the keywords its factory declares (--num-layers, "
                        f"--hidden-size, ...)")
@@ -322,7 +326,8 @@ def default_workdir(opts: RunOptions) -> Path:
     import hashlib
     from cfp.mesh import mesh_text
     spec = opts.spec
-    if spec.config is None and ":" not in spec.model:
+    from cfp.tracing import users_step
+    if spec.config is None and not users_step(spec.model):
         spec = dataclasses.replace(spec, config="tiny")
     label = spec.label
     if spec.batch_size is not None:

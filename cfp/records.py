@@ -77,6 +77,17 @@ def write_record(path: Path, fmt: str, fingerprint: tuple, record: Any) -> None:
         raise
 
 
+def read_fingerprint(path: Path) -> dict:
+    """The fingerprint a record file's header carries, as a dict; empty for a file that is
+    missing or not cfp's."""
+    try:
+        header = _RestrictedUnpickler(io.BytesIO(Path(path).read_bytes())).load()
+    except Exception:  # noqa: BLE001 - missing, truncated or foreign: it names no run
+        return {}
+    return dict(p for p in header.fingerprint if isinstance(p, tuple) and len(p) == 2) \
+        if isinstance(header, FileHeader) and isinstance(header.fingerprint, tuple) else {}
+
+
 def read_record(path: Path, fmt: str, fingerprint: tuple | None, *, hint: str) -> Any:
     """Read a record written by ``write_record``, checking format, version and fingerprint.
 
@@ -99,6 +110,12 @@ def read_record(path: Path, fmt: str, fingerprint: tuple | None, *, hint: str) -
                            f"{SCHEMA_VERSION}: {hint}")
         if fingerprint is not None and header.fingerprint != fingerprint:
             mine, theirs = dict(fingerprint), dict(header.fingerprint)
+            handed = str(theirs.get("model", ""))
+            if "@" in handed and mine.get("model") != handed:
+                raise CfpError(f"{path} was made by cfp.autoshard for the step "
+                               f"{handed.partition('@')[0]!r} handed to it in its process; a "
+                               f"work dir keeps that step's fingerprint, not the step: call "
+                               f"cfp.autoshard with it again")
             diff = [k for k in dict.fromkeys([*mine, *theirs]) if mine.get(k) != theirs.get(k)]
             raise CfpError(f"{path} was made for another run ({', '.join(diff)} differ: "
                            f"{', '.join(f'{k}={theirs.get(k)}' for k in diff)}): {hint}")

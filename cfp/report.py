@@ -62,6 +62,12 @@ def _print(*args, **kwargs) -> None:
         print(*args, **kwargs)
 
 
+def made_inputs_console() -> None:
+    """A step handed in with ``ShapeDtypeStruct``s among its example arguments."""
+    say("the example arguments hold shapes: cfp checks the step against one device on inputs "
+        "it makes (floats from N(0, 0.1^2), integers 0, the optimizer state 0)")
+
+
 # ---------------------------------------------------------------------------------------------
 # analysis
 
@@ -117,7 +123,8 @@ def segment_op_count(rec, seg_type: int) -> int:
 class ProfileProgress:
     """The profile pass's ``on_result``: one progress line for the whole pass (combinations
     done of all window types, the current one, an ETA from the measured rate), redrawn in
-    place at least every ``interval_s`` on a terminal; elsewhere a line every ``interval_s``.
+    place at least every ``interval_s`` on a terminal; elsewhere a line every ``interval_s``
+    when the count or the window type moved, else one a minute.
     Each combination's result goes to the log (and to ``profile.csv``); ``verbose`` prints
     each window type's and the reshardings' lines too. ``close()`` when the pass ends."""
 
@@ -130,6 +137,7 @@ class ProfileProgress:
         self.where = "starting the worker"
         self.t0 = self.t_first = None
         self.last_line_s = 0.0
+        self.last_said = None  # (done, total, unit, where) of the last progress line
         self.interval_s = interval_s or (5.0 if self.tty else 10.0)
         self.lock = threading.Lock()
         self.stop = threading.Event()
@@ -149,8 +157,8 @@ class ProfileProgress:
                 self._detail(f"window type {f['k']} (blocks {w.start}..{w.end - 1}): search "
                              f"space {list(f['space'])}, {f['todo']} to measure"
                              + (f", {f['known']} measured before" if f["known"] else ""))
-            elif event == "state_variants":
-                self.total += f["count"]
+            elif event == "state_variants":  # fewer (or more) than the total counted on
+                self.total += f["count"] - f["expected"]
             elif event == "result":
                 self.n += 1
                 if self.t_first is None:
@@ -236,9 +244,14 @@ class ProfileProgress:
                     continue
                 if self.tty:
                     self._bar()
-                else:
-                    self._line(f"[{self.n}/{self.total} {self.unit}] {self.where}, "
-                               f"{self._eta()}")
+                    continue
+                now = (self.n, self.total, self.unit, self.where)
+                if now == self.last_said and (time.perf_counter() - self.last_line_s
+                                              < 6 * self.interval_s):
+                    continue  # nothing new: a line a minute says it still runs
+                self.last_said = now
+                self._line(f"[{self.n}/{self.total} {self.unit}] {self.where}, "
+                           f"{self._eta()}")
 
 
 def profile_console(rec, model_space_log10: float, verbose: bool = False) -> None:
@@ -257,10 +270,15 @@ def profile_console(rec, model_space_log10: float, verbose: bool = False) -> Non
             f"{len(rec.windows)} window instances of {len(rec.window_profiles)} types")
         phases_console("profile", rec.time_s, rec.phase_s)
     by_status = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+    split = sum(c[-1] != 0 for k, seg in rec.window_profiles.items() for c in seg.results
+                if len(c) > rec.windows[rec.representatives[k]].end
+                - rec.windows[rec.representatives[k]].start)
+    why = (f"; {split} with the state split, for the hand plans' and the fastest "
+           f"combinations, which can differ from run to run" if split else "")
     resumed = (sum(counts.values()) - counts["not_measured"] - rec.compiled
                if rec.cost != "analytic" else 0)  # priced anew each run
     say(f"profile: {sum(counts.values())} combinations of {len(rec.window_profiles)} window "
-        f"types ({by_status}), {len(rec.reshard_s)} reshardings; compiled in this "
+        f"types ({by_status}{why}), {len(rec.reshard_s)} reshardings; compiled in this "
         f"run: {rec.compiled}" + (f", {resumed} resumed from the work dir" if resumed > 0
                                   else "") + f" ({rec.time_s:.1f} s)")
     busy = rec.busy_window_types()
@@ -314,10 +332,11 @@ def hand_plan_times(analysis, rec, memory_budget_bytes: int | None = None
 
 
 def search_console(rec, analysis, devices: int, memory_budget_bytes: int | None,
-                   verbose: bool = False) -> None:
+                   verbose: bool = False, driver_lines: bool = False,
+                   found_before: bool = False) -> None:
     """The answer: the plan in words, its step time against the best hand plan run, its
-    memory and the numerical check; then the lines drivers read
-    (``searched ParallelBlock Strategies solution``, ``searched training cost``,
+    memory and the numerical check; with ``driver_lines``, then the lines benchmark drivers
+    read (``searched ParallelBlock Strategies solution``, ``searched training cost``,
     ``TFLOP_COUNT``). ``verbose``: every candidate and the phases first."""
     from cfp.describe import plan_words
     plan = rec.plan
@@ -328,8 +347,12 @@ def search_console(rec, analysis, devices: int, memory_budget_bytes: int | None,
                 f"{ms_text(c.median_s)}; memory {gb_text(c.composed_memory_bytes)} composed, "
                 f"{gb_text(c.compiled_peak_bytes)} compiled" + ("  <- kept" if i == rec.kept else ""))
         phases_console("search", rec.time_s, rec.phase_s)
-    say(f"search: {len(rec.candidates)} candidate plans run end to end; solver "
-        f"{rec.solver_status} in {rec.solve_s:.1f} s ({rec.time_s:.1f} s)")
+    if found_before:
+        say("search: the plan found before for this step, from the same profile and options "
+            "(nothing run again)")
+    else:
+        say(f"search: {len(rec.candidates)} candidate plans run end to end; solver "
+            f"{rec.solver_status} in {rec.solve_s:.1f} s ({rec.time_s:.1f} s)")
     own = plan.source.startswith("predicted")  # "predicted" or "predicted without reshardings"
     source = ("cfp's own prediction" + plan.source.removeprefix("predicted") if own
               else f"the {plan.source.split()[-1]} baseline")
@@ -338,10 +361,13 @@ def search_console(rec, analysis, devices: int, memory_budget_bytes: int | None,
     same = [n for n in (words.pop(0).removeprefix("same program as ").split(" and ")
                         if words[0].startswith("same program as") else [])
             if own or n != plan.source.split()[-1]]
-    kept = source if own else f"the {plan.source.split()[-1]} hand plan"
+    kept = (("cfp's own plan" + (" (the fastest predicted with no resharding between "
+                                 "blocks)" if "without reshardings" in plan.source else ""))
+            if own else f"the {plan.source.split()[-1]} hand plan")
     say(f"plan on mesh {mesh}: {kept}"
-        + (f", the same program as {' and '.join(same)}" if same
-           else ", no hand plan's program" if own else ""))
+        + (f", which compiles to the same program as the {' and '.join(same)} hand plan"
+           f"{'s' if len(same) > 1 else ''}" if same
+           else ", unlike every hand plan" if own else ""))
     shown = words if len(words) <= 3 else words[:2] + [
         f"and {len(words) - 2} more groups of segments (debug_search/plan.png draws them all)"]
     for line in shown:
@@ -363,6 +389,8 @@ def search_console(rec, analysis, devices: int, memory_budget_bytes: int | None,
         say("scans run as lax.scan: one strategy per scan body")
     elif rec.scans == "unrolled":
         say("scans run unrolled: this plan gives a scan's iterations different strategies")
+    if not driver_lines:
+        return
     say(f"searched ParallelBlock Strategies solution ({source}): {list(plan.strategies)}")
     say(f"searched training cost (s per step, one per round): "
         f"{[round(t, 6) for t in plan.measured_s]}, memory_cost (GiB per device): "
@@ -418,7 +446,7 @@ def usage_console(workdir: Path, step: str = "train", whole_state: bool = False)
         f"{Path(workdir) / 'debug_search' / 'plan.png'}")
 
 
-def prediction_console(rec, cluster) -> None:
+def prediction_console(rec, cluster, driver_lines: bool = False) -> None:
     """A plan predicted for a described cluster: nothing of it ran."""
     how = {"model": "compile-only programs priced by the cost model",
            "analytic": "priced from the analysis, no window compiled",
@@ -427,7 +455,8 @@ def prediction_console(rec, cluster) -> None:
     say(f"cluster {cluster.describe()}")
     say(f"mesh {'x'.join(map(str, rec.mesh_shape))}; profile {how}")
     say(f"solver: {rec.solver_status} in {rec.solve_s:.2f} s")
-    say(f"searched ParallelBlock Strategies solution (predicted): {list(rec.strategies)}")
+    if driver_lines:
+        say(f"searched ParallelBlock Strategies solution (predicted): {list(rec.strategies)}")
     say(f"predicted step time: {rec.predicted_s * 1e3:.3f} ms; "
         f"{rec.step_flops / rec.predicted_s / math.prod(rec.mesh_shape) / 1e12:.4g} TFLOP/s "
         f"per device")

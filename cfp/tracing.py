@@ -1,6 +1,7 @@
 """Tracing the step a workload plans, and telling the user's errors from cfp's.
 
-A user's own step (``--model package.module:factory``) runs inside ``user_code``: what it
+A user's own step (``--model package.module:factory``, or a step handed to ``cfp.autoshard``)
+runs inside ``user_code``: what it
 raises becomes one ``CfpError`` naming the factory, while an exception raised in cfp's own
 frames stays a bug, with its traceback.
 """
@@ -58,6 +59,12 @@ def _check_loss(model: str, shape) -> None:
         raise CfpError(f"the loss of {model} returns {shape}, not a scalar")
 
 
+def users_step(model: str) -> bool:
+    """Whether ``model`` names a user's step (``package.module:factory``, or a step handed to
+    ``cfp.autoshard``, ``<name>@<fingerprint>``) rather than a model of cfp's zoo."""
+    return ":" in model or "@" in model
+
+
 @contextlib.contextmanager
 def user_code(model: str):
     """Around code that runs a user's step (``model`` is ``package.module:factory``): an
@@ -69,7 +76,7 @@ def user_code(model: str):
     except (CfpError, KeyboardInterrupt):
         raise
     except (Exception, SystemExit) as e:  # user code may call sys.exit
-        if ":" not in model or not _raised_outside_cfp(e):
+        if not users_step(model) or not _raised_outside_cfp(e):
             raise
         raise _user_error(model, e) from None
 
@@ -82,6 +89,7 @@ def _user_error(model: str, e: BaseException, doing: str = "") -> CfpError:
     log.info("%s raised%s, in its own code:\n%s", model, f" {doing}" if doing else "",
              where.rstrip())
     what = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    model = model.partition("@")[0]  # a step handed in: its name, not its fingerprint
     return CfpError(f"{model}{': ' + doing if doing else ''} raised {type(e).__name__}"
                     f"{': ' + what if what else ''}")
 

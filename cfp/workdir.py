@@ -105,6 +105,17 @@ class WorkDir:
                            hint="run python -m cfp --mode search with the same flags first")
 
 
+def search_inputs(search_options, profile) -> str:
+    """A digest of what a search is run from: its options (the memory budget, the solver's
+    time limit, what it validates and how long) and the profile's measurements."""
+    o = search_options
+    windows = [(k, sorted(wp.results.items(), key=repr))
+               for k, wp in sorted(profile.window_profiles.items())]
+    return _digest((o.memory_budget_bytes, o.time_limit_s, o.validate_top,
+                    o.validate_baselines, o.iters, o.rounds, o.min_rounds, windows,
+                    sorted(profile.reshard_s.items(), key=repr)))
+
+
 def _digest(obj) -> str:
     import hashlib
     return hashlib.sha1(repr(obj).encode()).hexdigest()[:16]
@@ -260,6 +271,21 @@ def _stale(holder: str, path: Path) -> bool:
 
 
 PRICED_COSTS = ("model", "analytic", "mock")  # profiles kept in <workdir>/<cost>/
+
+
+def clear_other_handed_step(workdir: Path, model: str) -> bool:
+    """Before a step handed to ``cfp.autoshard`` (``model``, ``<name>@<fingerprint>``) is
+    analysed in ``workdir``: the records of another handed step there (an earlier version of
+    it, whose traced program differed) are deleted, so that the changed step is profiled
+    afresh. Records of a run of the command line are left, and refuse the run as before.
+    Returns whether any were deleted."""
+    from cfp.records import read_fingerprint
+    theirs = str(read_fingerprint(Path(workdir) / "analysis.pkl").get("model", ""))
+    if "@" not in theirs or theirs == model:
+        return False
+    for path in record_files(workdir):
+        path.unlink()
+    return True
 
 
 def record_files(workdir: Path) -> list[Path]:

@@ -39,6 +39,8 @@ from cfp import host_memory, multihost
 from cfp.errors import CfpError
 from cfp.measure import Measurement
 from cfp.phases import Phases
+from cfp.pool import main_left_out
+from cfp.workloads import handed_steps, receive_handed
 from cfp.worker_jobs import measure_reshards, measure_window, setup
 
 log = logging.getLogger(__name__)
@@ -89,15 +91,17 @@ class Worker:
         self.conn, child = ctx.Pipe()
         runtime = self.options.runtime
         generation = multihost.next_generation() if runtime is not None else 0
-        # The step's records go through the pipe, not the spawn: a spawned process that dies
-        # importing the user's script again leaves a large spawn payload half written, and
-        # the parent waiting on it.
+        # The step's records go through the pipe, not the spawn, and the user's script is
+        # not run again in the worker (``main_left_out``): a step handed in reaches it by
+        # value (``cfp.workloads.handed_steps``).
         self.proc = ctx.Process(target=_main, args=(child, generation, os.getpid()),
                                 daemon=True)
-        before = {k: os.environ.get(k) for k in host_memory.POOLED}
-        os.environ.update(host_memory.POOLED)  # the worker's heap keeps its blocks
+        env = dict(host_memory.POOLED, **_device_count_flag(self.args[0], runtime))
+        before = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # the worker's heap keeps its blocks
         try:
-            self.proc.start()
+            with main_left_out():
+                self.proc.start()
         finally:
             for k, v in before.items():
                 if v is None:
@@ -106,7 +110,7 @@ class Worker:
                     os.environ[k] = v
         child.close()
         try:
-            self.conn.send(self.args)
+            self.conn.send(self.args + (handed_steps(self.args[0].spec.model),))
         except OSError:
             pass  # it died before taking them: its end of the pipe reads as closed below
         kind, payload = self._recv()
@@ -127,9 +131,7 @@ class Worker:
         if kind != "ready":
             self.proc.join(timeout=5)
             raise CfpError(f"the measurement worker died while starting (exit code "
-                           f"{self.proc.exitcode}); a script that runs cfp must do so under "
-                           f"`if __name__ == '__main__':`, since workers are spawned processes "
-                           f"that import it again")
+                           f"{self.proc.exitcode})")
         self.overhead_s, self.device_ids, self.platform, setup_phases = payload
         log.info("worker %d ready in %.1f s; launch overhead %.3f ms", self.proc.pid,
                  time.perf_counter() - t0, self.overhead_s * 1e3)
@@ -273,13 +275,24 @@ class Worker:
         return known
 
 
+def _device_count_flag(analysis, runtime) -> dict[str, str]:
+    """``XLA_FLAGS`` for a worker when the caller's own say nothing of the number of CPU
+    devices (JAX started by the user, its devices set with ``jax_num_cpu_devices``): the
+    mesh's devices (this process's share of them)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_force_host_platform_device_count" in flags:
+        return {}
+    count = math.prod(analysis.mesh_shape) // (runtime.num_processes if runtime else 1)
+    return {"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={count}".strip()}
+
+
 def _main(conn, generation: int = 0, parent_pid: int | None = None):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     _exit_with_parent(parent_pid or os.getppid())
     # The programs measured here keep the step's effects (a jax.debug.print runs in each of
     # their thousands of steps): what they print is no line of the user's training.
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    analysis, options = conn.recv()
+    analysis, options, handed = conn.recv()
     phases = Phases()
     if options.cost == "mock":  # before JAX's backends start
         from cfp.jax_compat import mock_gpus
@@ -288,6 +301,7 @@ def _main(conn, generation: int = 0, parent_pid: int | None = None):
         if options.runtime is not None:
             conn.send(("joining", _quiet_log(options.runtime, generation)))
             multihost.join(options.runtime, generation)
+        receive_handed(handed)
         from cfp.jax_compat import enable_compilation_cache
         if options.compile_for is None and options.cost != "mock":  # a program compiled
             enable_compilation_cache(options.compilation_cache)  # for absent GPUs cannot

@@ -125,3 +125,10 @@ def composed_bytes(analysis, window_terms) -> int:
               for w, combo, terms in window_terms]
     return evaluate(Problem(groups, [len(b.strategies) for b in analysis.blocks.blocks],
                             waiting_cap=COMBINED_REDUCTION_BYTES), [0] * len(groups))[1]
+
+
+def handed_fingerprint(spec, _item) -> str:
+    """In a pool's process (``cfp.pool.map_meshes``): the fingerprint of the step ``spec``
+    names, traced there."""
+    from cfp.tracing import trace_step
+    return trace_step(spec.build()).graph().fingerprint()

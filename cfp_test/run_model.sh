@@ -25,4 +25,4 @@ case " ${args[*]} " in
   *) if [ "$(python -c 'import jax; print(jax.default_backend())' 2>/dev/null)" = cpu ]; then
        args+=(--memory-budget 2); fi ;;
 esac
-exec python -m cfp --num-devices "$device_num" "${args[@]}"
+exec python -m cfp --num-devices "$device_num" --driver-lines "${args[@]}"

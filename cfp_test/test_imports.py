@@ -119,3 +119,26 @@ def test_the_names_users_import_are_where_they_were(module, names):
     m = importlib.import_module(module)
     missing = [n for n in names if not hasattr(m, n)]
     assert not missing, f"{module} lacks {missing}"
+
+
+def _cuda_lines(code: str) -> int:
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # as a user runs it
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stderr.count("cuda drivers")
+
+
+def test_the_cuda_plugins_lines_are_silenced_when_cfp_comes_first():
+    """With JAX's CUDA plugin installed and no NVIDIA driver (the dev extra on a CPU machine),
+    ``import cfp, jax`` prints no "Could not find cuda drivers" line: cfp loads the plugin
+    quietly before JAX's first import. Control: ``import jax`` alone prints them."""
+    import os
+    from cfp.gpu_compile import cuda_plugin
+    if cuda_plugin() is None or os.path.exists("/proc/driver/nvidia/version"):
+        pytest.skip("needs JAX's CUDA plugin on a machine without an NVIDIA driver")
+    assert _cuda_lines("import cfp, jax; jax.devices()") == 0
+    assert _cuda_lines("import jax; jax.devices()") > 0

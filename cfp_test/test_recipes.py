@@ -318,3 +318,57 @@ def test_a_weight_cast_held_for_the_backward_pass_counts_once():
                      .compile())["peak_bytes"]
     assert abs(composed(True) / peak - 1) < 0.10, (composed(True), peak)
     assert composed(False) / peak - 1 > 0.15, (composed(False), peak)
+
+
+def test_a_float32_gradient_summed_from_bfloat16_is_held_to_bfloat16():
+    """A float32 norm scale over bfloat16 activations: its gradient is float32 but summed
+    from bfloat16 values, so its tolerance is bfloat16's (``lowest_precision``). The
+    data-parallel plan's figures pass; one 1% off (a reordered bfloat16 sum's size) passes.
+    Controls: held to the gradient's own dtype, the 1% fails; a gradient 1.5 times too large
+    still fails, naming the scale."""
+    import dataclasses
+    import jax.numpy as jnp
+    import optax
+    from cfp.baselines import baseline_plan, load_rules
+    from cfp.execute import checked_values, numerics_of, step_values
+    from cfp.passes.analysis import run_analysis
+    from cfp.workloads import hand_in
+    bf16, tx = jnp.bfloat16, optax.adam(1e-3)
+
+    def loss_fn(params, batch):
+        h = (batch["x"].astype(bf16) @ params["w1"].astype(bf16)).astype(jnp.float32)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6) * params["scale"]
+        out = (h.astype(bf16) @ params["w2"].astype(bf16)).astype(jnp.float32)
+        return jnp.mean((out - batch["y"]) ** 2)
+
+    def train_step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    k = jax.random.split(jax.random.key(0), 4)
+    params = {"w1": jax.random.normal(k[0], (32, 64)) * 0.2, "scale": jnp.ones(64),
+              "w2": jax.random.normal(k[1], (64, 32)) * 0.2}
+    batch = {"x": jax.random.normal(k[2], (64, 32)), "y": jax.random.normal(k[3], (64, 32))}
+    spec = hand_in(train_step, (params, tx.init(params), batch), WorkloadSpec(""))
+    a = run_analysis(spec, (8,))
+    w = spec.build()
+    checked = checked_values(a)
+    values = [v for v, _ in checked]
+    k_scale = next(i for i, (_, name) in enumerate(checked) if "['scale']" in name)
+    assert a.graph.values[values[k_scale]].dtype == "float32"
+    dp = baseline_plan(load_rules()["dp"], a)
+    got = step_values(w, a, dp.strategies, make_mesh((8,)), dp.storage, values)
+    want = step_values(w, a, None, None, values=values)
+    assert numerics_of(a.graph, checked, got, want).ok
+
+    def off_by(factor):
+        return [x * factor if i == k_scale else x for i, x in enumerate(want)]
+    assert numerics_of(a.graph, checked, off_by(1.01), want).ok
+    own = dataclasses.replace(a.graph, values={
+        v: dataclasses.replace(val, dtype="float32") if val.dtype == "bfloat16" else val
+        for v, val in a.graph.values.items()})
+    strict = numerics_of(own, checked, off_by(1.01), want)
+    assert not strict.ok and "['scale']" in strict.worst
+    wrong = numerics_of(a.graph, checked, off_by(1.5), want)
+    assert not wrong.ok and "['scale']" in wrong.worst

@@ -91,22 +91,26 @@ def test_one_device_is_run_twice_where_it_may_not_repeat(monkeypatch):
 
 
 def test_three_passes_plan_json_and_user_jit(tmp_path, capsys):
-    """The whole job: its console is at most 15 lines besides the progress lines (one per
+    """The whole job: its console is at most 12 lines besides the progress lines (one per
     pass, the plan in words, step time against the hand plans, memory, the numerical check,
-    the lines drivers read, how to use plan.json); the candidates are in report.json.
-    Control: with -v the analysis alone prints more than 15 lines."""
+    how to use plan.json), without the lines drivers read, which ``--driver-lines`` adds to
+    a search run again; the candidates are in report.json. Control: with -v the analysis
+    alone prints more than 15 lines."""
     base = ["--model", "mlp", "--num-layers", "2", "--mesh", "2x2", "--workdir", str(tmp_path)]
-    assert main(base + ["--memory-budget", "1", "--validate-top", "2", "--iters", "2",
-                        "--max-combinations", "4"]) == 0
+    search = ["--memory-budget", "1", "--validate-top", "2", "--iters", "2",
+              "--max-combinations", "4"]
+    assert main(base + search) == 0
     out = capsys.readouterr().out
     lines = [x for x in out.splitlines() if not x.startswith("[")]  # progress: "[n/total"
-    assert len(lines) <= 15, out
+    assert len(lines) <= 12, out
+    drivers = ("searched ParallelBlock Strategies solution (", "searched training cost",
+               "TFLOP_COUNT: ")
     for start in ("analysis: ", "profile: ", "search: ", "plan on mesh 2x2: ", "step time: ",
                   "memory per device: ", "numerical check against one device: ",
-                  "searched ParallelBlock Strategies solution (", "searched training cost",
-                  "TFLOP_COUNT: ", "use it: plan = cfp.Plan.load("):
+                  "use it: plan = cfp.Plan.load("):
         assert sum(x.startswith(start) for x in lines) == 1, (start, out)
-    assert "best hand plan run that fits: " in out and "memory_cost (GiB per device):" in out
+    assert not any(x.startswith(drivers) for x in lines), out
+    assert "best hand plan run that fits: " in out
     rec = read_record(tmp_path / "search.pkl", SEARCH_FORMAT, None, hint="")
     # achieved throughput beside the step time: the step's FLOPs over its time, per device
     step = next(x for x in lines if x.startswith("step time: "))
@@ -116,6 +120,11 @@ def test_three_passes_plan_json_and_user_jit(tmp_path, capsys):
     assert achieved != pytest.approx(rec.step_flops / rec.plan.median_s / 1e12, rel=6e-3)
     candidates = json.loads((tmp_path / "debug_search" / "report.json").read_text())["candidates"]
     assert [c["source"] for c in candidates] == [c.source for c in rec.candidates]
+    assert main(base + search + ["--mode", "search", "--driver-lines"]) == 0
+    with_drivers = capsys.readouterr().out.splitlines()
+    for start in drivers:
+        assert sum(x.startswith(start) for x in with_drivers) == 1, (start, with_drivers)
+    assert any("memory_cost (GiB per device):" in x for x in with_drivers)
     assert main(["--model", "mlp", "--mesh", "2x2", "--workdir", str(tmp_path / "v"),
                  "--mode", "analysis", "-v"]) == 0
     assert len(capsys.readouterr().out.splitlines()) > 15
@@ -419,7 +428,8 @@ def test_the_plan_picture_says_where_each_segment_keeps_its_state():
     one = Storage(leaves=((0, "fsdp"),))  # the first state leaf fsdp, the rest as computed
     owner = next(s for s in segs if "fsdp" in state_of_blocks(analysis, one, s.start, s.end))
     text = state_of_blocks(analysis, one, owner.start, owner.end)
-    assert re.fullmatch(r"1 leaves fsdp, \d+ leaves plan", text), text
+    assert re.fullmatch(r"1 state leaf fsdp, \d+ state leaves as the blocks compute them",
+                        text), text
 
 
 def test_plans_compiled_to_one_program_are_run_once_with_their_state_alone(monkeypatch):

@@ -171,12 +171,16 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
         known = worker.share([_known(k, windows[rep], analysis, checkpoint, chosen.get(k),
                                      options.memory_budget_bytes)
                               for k, rep in enumerate(reps)])
-        notify("start", num_types=len(reps), total=sum(len(todo) for _, _, todo in known),
+        expected = [expected_state_variants(analysis, windows[rep], known[k][1], windows)
+                    for k, rep in enumerate(reps)]
+        notify("start", num_types=len(reps),
+               total=sum(len(todo) for _, _, todo in known) + sum(expected),
                known=sum(len(results) for _, results, _ in known))
         for k, rep in enumerate(reps):
             window_profiles[k], n = _profile_window(k, windows[rep], *known[k],
                                                     worker, options, checkpoint, start, notify,
-                                                    analysis, windows, compiled)
+                                                    analysis, windows, compiled,
+                                                    expected[k])
             compiled += n
         bounds = boundaries(analysis, windows)
         timed = _profile_reshards(analysis, bounds, worker, checkpoint, options, start,
@@ -289,7 +293,8 @@ STATE_VARIANTS = 4  # per window type, the fastest combinations also measured wi
 def state_variants(analysis, window: Window, results: dict, windows) -> list[tuple[int, ...]]:
     """The combinations to measure under the split state layouts (``zero1``, ``fsdp``): those
     of the ``STATE_VARIANTS`` fastest measured with the state as the blocks compute it, and
-    those of the plans people write (``ranking.baseline_combinations``). Measuring every
+    those of the plans people write (``ranking.baseline_combinations``); how many, the
+    timings decide (``expected_state_variants`` counts the most). Measuring every
     combination three times would triple the profile. A pruning: a split layout's gain differs
     by combination (more on tensor-parallel ones), and the order under the plain layout is
     within the timing noise, so a plan of combinations ranked lower can be missed."""
@@ -306,12 +311,28 @@ def state_variants(analysis, window: Window, results: dict, windows) -> list[tup
             if c not in results]
 
 
+def expected_state_variants(analysis, window: Window, results: dict, windows) -> int:
+    """The most combinations ``state_variants`` can give, known before any is measured (the
+    progress total counts them from its first line, and comes down where the fastest are
+    baselines' too): every baseline's and ``STATE_VARIANTS`` others' under each split
+    layout, less those measured before."""
+    from cfp import ranking
+    n = window.end - window.start
+    if len(window_space(analysis, window)) == n:
+        return 0
+    baselines = len(dict.fromkeys(ranking.baseline_combinations(analysis, window, windows)))
+    measured = sum(1 for c in results if c[n] != 0)
+    return max(0, (baselines + STATE_VARIANTS) * (len(STATE_LAYOUTS) - 1) - measured)
+
+
 def _profile_window(k, window: Window, space, results, todo, worker: Worker,
                     options, checkpoint, start, notify, analysis=None, windows=(),
-                    measured_in_run: int = 0) -> tuple[WindowProfile, int]:
+                    measured_in_run: int = 0, expected_variants: int = 0
+                    ) -> tuple[WindowProfile, int]:
     """Measure ``todo`` of window type ``k``, then its state variants (``state_variants``).
     A run measures one batch at least, however small ``--profile-budget``: the next run
-    then goes on from there (``measured_in_run``: what this run measured before)."""
+    then goes on from there (``measured_in_run``: what this run measured before).
+    ``expected_variants``: the state variants the progress total counted."""
     blocks = tuple(range(window.start, window.end))
     notify("window", k=k, window=window, space=space, todo=len(todo), known=len(results))
     log.info("window type %d (blocks %d..%d): %d combinations to measure, %d known", k,
@@ -321,9 +342,10 @@ def _profile_window(k, window: Window, space, results, todo, worker: Worker,
     for phase in ("blocks", "state"):
         if phase == "state":
             todo = state_variants(analysis, window, results, windows)
+            if len(todo) != expected_variants:  # the progress total, corrected
+                notify("state_variants", k=k, count=len(todo), expected=expected_variants)
             if not todo:
                 break
-            notify("state_variants", k=k, count=len(todo))
         for i, batch in even_batches(todo, options.batch):
             if measured_in_run + done and worker.share(_spent(options, start)):
                 for c in todo[i:]:

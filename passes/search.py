@@ -89,6 +89,9 @@ class SearchRecord:
     scans: str = ""  # "rolled" or "unrolled" when the step has scans: how the kept plan ran
     # the ids of the devices the kept plan ran on, in its mesh's order
     device_ids: tuple[int, ...] = ()
+    # what it was searched from (``cfp.workdir.search_inputs``): a step handed to
+    # cfp.autoshard again finds the plan without running it again
+    inputs: str = ""
 
     @property
     def plan(self) -> Candidate:

@@ -18,7 +18,7 @@ out=${1:-scripts/results/$(date +%F)-cluster-cpu.txt}
 : > "$out"
 run() {
   echo "=== python -m cfp $* ($(nproc) cores)" | tee -a "$out"
-  /usr/bin/time -f "wall %e s, peak RSS %M KB" python -m cfp "$@" --workdir "$(mktemp -d)" 2>&1 \
+  /usr/bin/time -f "wall %e s, peak RSS %M KB" python -m cfp "$@" --driver-lines --workdir "$(mktemp -d)" 2>&1 \
     | grep -Ev "^\[|^  ParallelBlock|ParallelBlocks sequence|^window type|^wrote" | tee -a "$out"
 }
 cases=${2:-all}

@@ -72,10 +72,13 @@ def run_case(tree: Path, commands: list[list[str]], cache: str
     the JAX compilation cache directory."""
     rows = []
     env = dict(os.environ, PYTHONPATH=str(tree))
+    # the line KEPT_LINE reads, which a cfp that has the flag prints only when asked
+    drivers = (["--driver-lines"] if "--driver-lines" in (Path(tree) / "cfp" / "cli.py")
+               .read_text() else [])
     with tempfile.TemporaryDirectory() as workdir:
         for args in commands:
             cmd = [sys.executable, "-m", "cfp", *args, "--workdir", workdir, "-v",
-                   "--compilation-cache", cache]
+                   "--compilation-cache", cache] + drivers
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
             wall = time.perf_counter() - t0

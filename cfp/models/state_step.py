@@ -37,7 +37,7 @@ from typing import Any, Callable
 import jax
 
 from cfp.errors import CfpError
-from cfp.models.common import is_array, split_arrays
+from cfp.models.common import is_array, join_arrays, split_arrays
 
 
 def _is_nnx(state) -> bool:
@@ -57,6 +57,8 @@ class StateLayout:
     rest_def: Any = None  # a record without its params (or a plain opt_state): its structure
     rest_static: tuple = ()  # and per leaf, None for an array, else the leaf kept aside
     plain: bool = False  # a plain (params, opt_state) pair
+    # of a plain pair's params (an Equinox module, say), what is not an array: kept aside
+    params_static: Any = None
 
     @classmethod
     def of(cls, state) -> "StateLayout":
@@ -71,7 +73,7 @@ class StateLayout:
                            f"(model, optimizer) or a plain (params, opt_state)")
         if plain:
             leaves, rest_def = jax.tree_util.tree_flatten(state[1])
-            return cls(rest_def=rest_def, plain=True,
+            return cls(rest_def=rest_def, plain=True, params_static=split_arrays(state[0])[1],
                        rest_static=tuple(None if is_array(x) else x for x in leaves))
         leaves, rest_def = jax.tree_util.tree_flatten(_rest(state))
         return cls(rest_def=rest_def,
@@ -85,7 +87,7 @@ class StateLayout:
             _, params, rest = nnx.split(state, nnx.Param, ...)
             return params, rest
         if self.plain:
-            return state[0], split_arrays(state[1])[0]
+            return split_arrays(state[0])[0], split_arrays(state[1])[0]
         return state.params, split_arrays(_rest(state))[0]
 
     def merge(self, params, opt_state):
@@ -97,7 +99,9 @@ class StateLayout:
         arrays = iter(jax.tree_util.tree_leaves(opt_state))
         leaves = [next(arrays) if x is None else x for x in self.rest_static]
         rest = jax.tree_util.tree_unflatten(self.rest_def, leaves)
-        return (params, rest) if self.plain else rest.replace(params=params)
+        if self.plain:
+            return join_arrays(params, self.params_static), rest
+        return rest.replace(params=params)
 
 
 def _rest(state):
@@ -118,6 +122,13 @@ def loss_of(metrics, where: str) -> jax.Array:
                    f"a dict holding it under 'loss'")
 
 
+def _what(out) -> str:
+    """What a step returned, in words: an array's shape, else its type."""
+    if hasattr(out, "shape") and hasattr(out, "dtype"):
+        return f"one array ({out.dtype}{list(out.shape)})"
+    return f"a {type(out).__name__}" + (f" of {len(out)}" if isinstance(out, tuple) else "")
+
+
 def adapt(train_step: Callable, layout_of: Callable[[], StateLayout]) -> Callable:
     """``train_step`` on the user's state as ``step(params, opt_state, batch) -> (params,
     opt_state, loss)``; ``layout_of()`` gives the state's layout once it is known."""
@@ -133,12 +144,14 @@ def adapt(train_step: Callable, layout_of: Callable[[], StateLayout]) -> Callabl
             out = train_step(*state, batch)
             if not (isinstance(out, tuple) and len(out) == 3):
                 raise CfpError(f"{name}(params, opt_state, batch) returns "
-                               f"{type(out).__name__}, not (params, opt_state, metrics)")
+                               f"{_what(out)}, not (params, opt_state, metrics); a step "
+                               f"that returns only the loss is planned with step='forward', "
+                               f"as loss(params, batch)")
             new_state, metrics = out[:2], out[2]
         else:
             out = train_step(state, batch)
             if not (isinstance(out, tuple) and len(out) == 2):
-                raise CfpError(f"{name}(state, batch) returns {type(out).__name__}, not "
+                raise CfpError(f"{name}(state, batch) returns {_what(out)}, not "
                                f"(state, metrics)")
             new_state, metrics = out
         new_params, new_opt_state = layout.split(new_state)
