@@ -165,7 +165,7 @@ def test_a_cluster_is_planned_from_windows_compiled_for_its_gpus(tmp_path, capsy
     step too, and the console and plan.json say so."""
     out, plan = _cluster_plan(tmp_path, capsys)
     assert "compile-only for 8 A100s (XLA's GPU compiler, described GPUs)" in out
-    assert re.search(r"^profile: \d+ combinations of \d+ window types \(ok \d+\)", out, re.M)
+    assert re.search(r"^profile: \d+ combinations of \d+ window types \(ok \d+[;)]", out, re.M)
     line = next(x for x in out.splitlines() if x.startswith("memory per device"))
     assert re.match(r"memory per device: [\d.]+ GiB compiled for A100 \([\d.]+ GiB composed "
                     r"from windows compiled for A100; budget 80 GiB\)", line)
