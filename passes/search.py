@@ -556,10 +556,13 @@ def compiled_peaks_for(analysis, plans, gpu: str) -> list[int]:
     import os
     from concurrent.futures import ThreadPoolExecutor
     from cfp.execute import PlannedStep
+    from cfp.graph import memo
     from cfp.jax_compat import no_compilation_cache
     from cfp.measure import memory_of
     from cfp.tracing import trace_step
-    program, mesh = trace_step(analysis.spec.build()), gpu_mesh_of(analysis, gpu)
+    # traced once per analysis: a cluster plan compiles several whole steps of it
+    program = memo(analysis, "traced step", lambda: trace_step(analysis.spec.build()))
+    mesh = gpu_mesh_of(analysis, gpu)
     distinct = list(dict.fromkeys((tuple(st), storage) for st, storage in plans))
 
     def peak(plan):
