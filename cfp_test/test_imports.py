@@ -142,3 +142,28 @@ def test_the_cuda_plugins_lines_are_silenced_when_cfp_comes_first():
         pytest.skip("needs JAX's CUDA plugin on a machine without an NVIDIA driver")
     assert _cuda_lines("import cfp, jax; jax.devices()") == 0
     assert _cuda_lines("import jax; jax.devices()") > 0
+
+
+def _pulls_cuda_plugin(requirements: list[str], extras: dict) -> bool:
+    """Whether ``requirements`` (of pyproject's extras ``extras``) install JAX's CUDA plugin."""
+    for requirement in requirements:
+        if "cuda" in requirement:
+            return True
+        if requirement.startswith("cfp["):
+            names = requirement[4:requirement.index("]")].split(",")
+            if any(_pulls_cuda_plugin(extras[n.strip()], extras) for n in names):
+                return True
+    return False
+
+
+def test_the_dev_extra_installs_no_cuda_plugin():
+    """``import jax`` prints the CUDA plugin's lines before cfp can run, so the extra the
+    tests' tools come from leaves the plugin to ``gpu-compile``. Control: that extra pulls it."""
+    import tomllib
+    from pathlib import Path
+    pyproject = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml")
+                              .read_text())
+    extras = pyproject["project"]["optional-dependencies"]
+    assert not _pulls_cuda_plugin(extras["dev"], extras)
+    assert _pulls_cuda_plugin(extras["gpu-compile"], extras)
+    assert _pulls_cuda_plugin(["cfp[dev,gpu-compile]"], extras)

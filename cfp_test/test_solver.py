@@ -1,11 +1,49 @@
 import dataclasses
+import itertools
 import random
 
 import numpy as np
 import pytest
 
-from cfp.solver import (Group, Option, Problem, brute_force, chain_dp, evaluate, solve,
-                        solve_alike)
+from cfp.solver import Group, Option, Problem, evaluate, solve, solve_alike
+
+
+def brute_force(problem: Problem) -> tuple[int, tuple] | None:
+    """Exhaustive optimum (cost, choices); None when nothing fits the budget."""
+    best = None
+    for choices in itertools.product(*[range(len(g.options)) for g in problem.groups]):
+        cost, mem, strat = evaluate(problem, choices)
+        if problem.memory_budget is not None and mem > problem.memory_budget:
+            continue
+        if any(strat[i] != strat[j] for i, j in problem.ties):
+            continue
+        if best is None or cost < best[0]:
+            best = (cost, choices)
+    return best
+
+
+def chain_dp(problem: Problem) -> int:
+    """Exact optimum of a chain (edges only between consecutive groups), no memory budget."""
+    groups = problem.groups
+    owner = {b: g for g, grp in enumerate(groups) for b in grp.blocks}
+
+    def edge_cost(g, o_prev, o_next):
+        total = 0
+        for (i, j), table in problem.edges.items():
+            gi, gj = owner[i], owner[j]
+            if {gi, gj} == {g, g + 1}:
+                si = groups[gi].options[o_prev if gi == g else o_next]
+                sj = groups[gj].options[o_prev if gj == g else o_next]
+                total += int(table[si.strategies[groups[gi].blocks.index(i)],
+                                   sj.strategies[groups[gj].blocks.index(j)]])
+        return total
+
+    best = [o.cost for o in groups[0].options]
+    for g in range(len(groups) - 1):
+        best = [groups[g + 1].options[n].cost + min(best[p] + edge_cost(g, p, n)
+                                                   for p in range(len(best)))
+                for n in range(len(groups[g + 1].options))]
+    return min(best)
 
 
 def _random_chain(rng, groups=4, blocks_per=2, strategies=3, budget=None, held=False,
