@@ -424,7 +424,8 @@ def _run_search(opts: RunOptions, options) -> dict | None:
     budget = memory_budget_bytes(options, opts, required=True)
     search_options = SearchOptions(budget, options.time_limit, options.validate_top,
                                    options.validate_baselines, options.iters,
-                                   runtime=opts.runtime, compilation_cache=_cache_dir(options))
+                                   runtime=opts.runtime, compilation_cache=_cache_dir(options),
+                                   recompute=options.recompute)
     if options.verbose:
         report.say("***********Search Pass****************")
     before = _search_found_before(opts, wd, search_options, profile)

@@ -130,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--time-limit", type=float, default=60.0, help="CP-SAT seconds per solve")
     s.add_argument("--validate-top", type=int, default=3,
                    help="run the K best predicted plans end to end and keep the fastest")
+    s.add_argument("--recompute", choices=("none", "dots_saveable",
+                                           "dots_with_no_batch_dims_saveable",
+                                           "nothing_saveable"), default="none",
+                   help="recompute every layer's forward pass in the backward pass under this "
+                        "jax.checkpoint_policies policy, in every plan run (for tests and "
+                        "benchmarks)")
     s.add_argument("--no-validate-baselines", dest="validate_baselines", action="store_false",
                    help="validate only the predicted plans, not the rule-file baselines too")
     s.add_argument("--iters", type=int, default=None,

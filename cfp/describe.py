@@ -128,10 +128,11 @@ def same_programs(analysis, strategies, storage=None) -> list[str]:
             if tuple(idx) == tuple(strategies) and kept == layout]
 
 
-def plan_words(analysis, strategies, storage=None) -> list[str]:
+def plan_words(analysis, strategies, storage=None, recompute: dict | None = None) -> list[str]:
     """The plan in words: one line per group of segment instances that split alike (the
-    first says which hand plan it is the same program as, when it is one), and where the
-    state is kept when not as the blocks compute (``storage``)."""
+    first says which hand plan it is the same program as, when it is one), where the
+    state is kept when not as the blocks compute (``storage``), and per policy the layers
+    it recomputes (``recompute``, ``cfp.recompute.Recompute.to_json``)."""
     names = axis_names_of(analysis)
     splits = block_splits(analysis, strategies)
     groups: dict[str, list] = {}
@@ -157,4 +158,18 @@ def plan_words(analysis, strategies, storage=None) -> list[str]:
     same = same_programs(analysis, strategies, storage)
     if same:
         lines.insert(0, "same program as " + " and ".join(same))
-    return lines
+    return lines + recompute_words(analysis, recompute)
+
+
+def recompute_words(analysis, recompute: dict | None) -> list[str]:
+    """Per policy, the layers (segment instances, by their blocks) it recomputes, in JAX's
+    names: what ``jax.checkpoint(layer, policy=...)`` on those layers does."""
+    by_policy: dict[str, list] = {}
+    instances = analysis.segments.instances
+    for layer in (recompute or {}).get("layers", ()):
+        by_policy.setdefault(layer["policy"], []).append(instances[layer["segment"]])
+    return [f"recompute {policy} (jax.checkpoint_policies.{policy}) on {len(segs)} "
+            f"layer{'s' if len(segs) > 1 else ''}: blocks "
+            + ", ".join(f"{s.start}-{s.end - 1}" if s.end > s.start + 1 else str(s.start)
+                        for s in segs)
+            for policy, segs in by_policy.items()]

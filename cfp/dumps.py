@@ -77,8 +77,10 @@ def plan_of(analysis, rec) -> dict:
     from cfp.plan import make_plan
     plan = rec.plan
     plan_json = make_plan(analysis, plan.strategies, in_specs=rec.in_specs,
-                          out_specs=rec.out_specs, source=plan.source, storage=plan.storage)
-    plan_json["description"] = plan_words(analysis, plan.strategies, plan.storage)
+                          out_specs=rec.out_specs, source=plan.source, storage=plan.storage,
+                          recompute=rec.recompute)
+    plan_json["description"] = plan_words(analysis, plan.strategies, plan.storage,
+                                          rec.recompute)
     return plan_json
 
 

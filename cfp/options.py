@@ -73,6 +73,9 @@ class Options:
     # search
     time_limit: float = 60.0  # CP-SAT seconds per solve
     validate_top: int = 3  # predicted plans run end to end
+    # recompute forced on every layer (``cfp.recompute``), for tests and benchmarks
+    recompute: Literal["none", "dots_saveable", "dots_with_no_batch_dims_saveable",
+                       "nothing_saveable"] = "none"
     validate_baselines: bool = True  # run the rule-file hand plans too
     iters: int | None = None  # steps per measurement; None: at least 5 steps and 0.1 s
     # several processes

@@ -89,12 +89,13 @@ def _renamed(spec, names: dict):
 
 
 def make_plan(analysis, strategies, *, in_specs=None, out_specs=None, source: str = "",
-              storage=None) -> dict:
+              storage=None, recompute: dict | None = None) -> dict:
     """The plan of ``strategies`` (a strategy index per block) for the analysed step.
     ``in_specs``/``out_specs`` (per step input and output, in order) default to the layouts
     the strategies give; a search record passes its own (a baseline may store parameters
     its own way); ``storage`` (``cfp.execute.Storage``) is where it keeps the state, whose
-    update it constrains to the split layout it names."""
+    update it constrains to the split layout it names; ``recompute``
+    (``cfp.recompute.Recompute.to_json``), what it recomputes."""
     import jax
     from cfp.execute import plan_specs
     from cfp.mesh import AXIS_NAMES
@@ -136,6 +137,8 @@ def make_plan(analysis, strategies, *, in_specs=None, out_specs=None, source: st
     plan["constraints"] = {str(op): [[None if s is None else _to_json(s) for s in operands],
                                      [None if s is None else _to_json(s) for s in results]]
                            for op, (operands, results) in sorted(op_constraints.items())}
+    if recompute:
+        plan["recompute"] = recompute
     return plan
 
 
@@ -211,10 +214,26 @@ def _malformed(plan: dict) -> str | None:
                 spec is None or _spec(spec, names) for spec in side) for side in c)
             for op, c in constraints.items())):
         return "its constraints are not an object of operator index -> [operand, result specs]"
+    recompute = plan.get("recompute")
+    if recompute is not None and not _recompute_ok(recompute):
+        return ("its recompute is not a backward_from operator and a list of layers, each a "
+                "policy of jax.checkpoint_policies and [start, end) runs of operators")
     description = plan.get("description", [])
     if not (isinstance(description, list) and all(isinstance(d, str) for d in description)):
         return "its description is not a list of lines"
     return None
+
+
+def _recompute_ok(recompute) -> bool:
+    from cfp.recompute import POLICIES
+    return (isinstance(recompute, dict) and _ints([recompute.get("backward_from")], 0)
+            and isinstance(recompute.get("layers"), list) and all(
+                isinstance(layer, dict) and layer.get("policy") in POLICIES
+                and type(layer.get("segment", 0)) is int
+                and isinstance(layer.get("ops"), list)
+                and all(_ints(run, 0) and len(run) == 2 and run[0] < run[1]
+                        for run in layer["ops"])
+                for layer in recompute["layers"]))
 
 
 def _ints(values, low: int) -> bool:
@@ -366,6 +385,7 @@ def jit(train_step: Callable, plan: dict, mesh, *args) -> Callable:
     import jax
     from cfp.program import trace_program
     from cfp.jax_compat import auto_inside, constraint_mesh
+    from cfp.recompute import Recompute
     from cfp.sharding import step_function
     plan = plan_data(plan)
     check_mesh(plan, mesh)
@@ -380,8 +400,15 @@ def jit(train_step: Callable, plan: dict, mesh, *args) -> Callable:
     constraints = {index[int(op)]: ([None if s is None else _from_json(s) for s in operands],
                                     [None if s is None else _from_json(s) for s in results])
                    for op, (operands, results) in plan["constraints"].items()}
+    recompute = None
+    if plan.get("recompute"):
+        try:
+            recompute = Recompute.from_json(plan["recompute"], index)
+        except IndexError:
+            raise CfpError("the plan's recompute names operators this train_step does not "
+                           "have") from None
     flat_step, _ = step_function(program, constraints=constraints,
-                                 mesh=constraint_mesh(mesh))
+                                 mesh=constraint_mesh(mesh), recompute=recompute)
 
     def step(*step_args):
         outs = flat_step(*jax.tree_util.tree_leaves(step_args))

@@ -55,6 +55,9 @@ class _Eqn:
     origin: int = -1  # the traced equation this is a copy of (one per scan iteration)
     in_scan: bool = False
     effects: bool = False  # the equation has effects (a print, a callback): always kept
+    # the position whose ``evaluate`` hooks it takes (``cfp.recompute``: a recomputed copy,
+    # its original's; -1, none); None: its own
+    op: int | None = None
 
 
 @dataclasses.dataclass
@@ -81,6 +84,11 @@ class Program:
         if self._graph is None:
             self._graph = build_graph(self)
         return self._graph
+
+    @property
+    def rewritten(self) -> bool:
+        """Whether equations were inserted (``cfp.recompute``): it evaluates flat only."""
+        return any(e.op is not None for e in self.eqns)
 
     @property
     def scans(self) -> bool:
@@ -202,14 +210,15 @@ class Program:
         for i in (range(len(self.eqns)) if ops is None else ops):
             eqn = self.eqns[i]
             args = [env[j] if j in env else self.consts[j] for j in eqn.inputs]
+            hooked = i if eqn.op is None else eqn.op
             with (jax.named_scope(scopes[i]) if scopes and i in scopes
                   else contextlib.nullcontext()):
-                if before is not None:
-                    args = before(i, args)
+                if before is not None and hooked >= 0:
+                    args = before(hooked, args)
                 out = eqn.primitive.bind(*args, **eqn.params)
                 out = list(out) if eqn.primitive.multiple_results else [out]
-                if after is not None:
-                    out = after(i, out)
+                if after is not None and hooked >= 0:
+                    out = after(hooked, out)
             env.update(zip(eqn.outputs, out))
         return env
 

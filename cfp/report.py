@@ -356,7 +356,7 @@ def search_console(rec, analysis, devices: int, memory_budget_bytes: int | None,
     own = plan.source.startswith("predicted")  # "predicted" or "predicted without reshardings"
     source = ("cfp's own prediction" + plan.source.removeprefix("predicted") if own
               else f"the {plan.source.split()[-1]} baseline")
-    words = plan_words(analysis, plan.strategies, plan.storage)
+    words = plan_words(analysis, plan.strategies, plan.storage, rec.recompute)
     mesh = "x".join(map(str, analysis.mesh_shape))
     same = [n for n in (words.pop(0).removeprefix("same program as ").split(" and ")
                         if words[0].startswith("same program as") else [])

@@ -53,16 +53,21 @@ def _is_const(graph: Graph, v: int) -> bool:
 
 
 def step_function(program: Program, *, constraints: dict[int, tuple[list, list]],
-                  mesh) -> tuple[Callable, bool]:
-    """``(f(*step_inputs) -> step_outputs, rolled)``: the whole step under ``constraints``.
-    Its scans stay ``lax.scan``s (``rolled``) when the constraints are the same in every
-    iteration, as the search makes them (``Program.rolled_constraints``); otherwise the scans
-    run unrolled, as analysed."""
-    rolled = program.rolled_constraints(constraints) if program.scans else None
+                  mesh, recompute=None) -> tuple[Callable, bool]:
+    """``(f(*step_inputs) -> step_outputs, rolled)``: the whole step under ``constraints``,
+    with ``recompute`` (``cfp.recompute.Recompute``) where given. Its scans stay
+    ``lax.scan``s (``rolled``) when the constraints are the same in every iteration, as the
+    search makes them (``Program.rolled_constraints``), and nothing is recomputed; otherwise
+    the scans run unrolled, as analysed."""
+    rolled = (program.rolled_constraints(constraints)
+              if program.scans and not recompute and not program.rewritten else None)
     if rolled is not None:
         return sub_function(program, None, constraints=rolled, mesh=mesh), True
-    g = program.graph()
-    sub = SubProgram(tuple(range(len(g.ops))), tuple(g.inputs), tuple(g.outputs))
+    if recompute:
+        from cfp.recompute import recomputed
+        program = recomputed(program, recompute)
+    sub = SubProgram(tuple(range(len(program.eqns))), tuple(program.inputs),
+                     tuple(program.outputs))
     return sub_function(program, sub, constraints=constraints, mesh=mesh), False
 
 

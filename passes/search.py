@@ -48,6 +48,7 @@ class SearchOptions:
     check_numerics: bool = True  # on configurations small enough for one device
     runtime: object = None  # cfp.multihost.Runtime: run across these processes' devices
     compilation_cache: str | None = None  # for the worker that runs it across processes
+    recompute: str = "none"  # a policy forced on every layer (``cfp.recompute.forced``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +93,7 @@ class SearchRecord:
     # what it was searched from (``cfp.workdir.search_inputs``): a step handed to
     # cfp.autoshard again finds the plan without running it again
     inputs: str = ""
+    recompute: dict | None = None  # what every plan ran recomputing (``Recompute.to_json``)
 
     @property
     def plan(self) -> Candidate:
@@ -114,6 +116,7 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
     from cfp.execute import checkable, compare_numerics, real_inputs, reference_run
     from cfp.measure import memory_of
     from cfp.multihost import share
+    from cfp.recompute import forced, recomputed
     from cfp.tracing import trace_step
     start = time.perf_counter()
     phases = Phases()
@@ -121,6 +124,9 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
         workload = analysis.spec.build()
         mesh = analysis.mesh()
         program = trace_step(workload)
+        recompute = forced(analysis, options.recompute)
+        if recompute:
+            program = recomputed(program, recompute)
         checked = options.check_numerics and checkable(analysis)
         args_host = (reference_run(workload, analysis, program)[0] if checked
                      else real_inputs(workload))
@@ -170,7 +176,8 @@ def run_search(analysis, profile, options: SearchOptions) -> SearchRecord:
                        tuple(map(tuple, step.in_specs)), tuple(map(tuple, step.out_specs)),
                        time.perf_counter() - start, dict(phases.seconds),
                        ("rolled" if step.rolled else "unrolled") if program.scans else "",
-                       tuple(int(d.id) for d in mesh.devices.flat))
+                       tuple(int(d.id) for d in mesh.devices.flat),
+                       recompute=recompute.to_json() if recompute else None)
     log.info("search pass: %.1f s, phases %s", rec.time_s, rec.phase_s)
     return rec
 

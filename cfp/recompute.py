@@ -1,0 +1,211 @@
+"""Recompute: a layer's forward pass computed again in the backward pass, as ``jax.checkpoint``
+does, applied to the traced step as written.
+
+A policy, named as JAX names it in ``jax.checkpoint_policies``, says which of a layer's forward
+results are saved for the backward pass: ``dots_saveable`` the contractions' results,
+``dots_with_no_batch_dims_saveable`` those of contractions with no batch dimension,
+``nothing_saveable`` none (only the layer's inputs), ``none`` every result (no recompute). The
+results the backward pass reads and the policy does not save are computed again from the
+layer's inputs and its saved results, where the backward pass first reads them, behind
+``optimization_barrier`` as JAX lowers a differentiated ``jax.checkpoint``: XLA cannot merge the
+recomputation back into the forward pass, and holds the layer's inputs instead of its
+activations from the forward pass to the backward (where its scheduler runs the recomputation
+late, as XLA's GPU scheduler does; XLA's CPU scheduler runs it early and saves nothing).
+
+A layer is a segment instance (``cfp.segments``): the forward operators of its blocks and those
+no block claims between them. A layer whose backward pass already reads recomputed values (a
+step under ``nn.remat`` or ``jax.checkpoint``) reads none of its forward results, so it is not
+recomputed twice.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from cfp.program import trace_program
+    >>> from cfp.window_memory import loss_op
+    >>> def step(w, x):
+    ...     loss, grad = jax.value_and_grad(lambda w: jnp.sum(jnp.tanh(x @ w) @ w))(w)
+    ...     return w - grad, loss
+    >>> prog = trace_program(step, jnp.ones((4, 4)), jnp.ones((2, 4)))
+    >>> back = loss_op(prog.graph())  # the operators before it are the forward pass
+    >>> again = recomputed(prog, Recompute(((0, tuple(range(back)), "nothing_saveable"),), back))
+    >>> dots = lambda p: [e.primitive.name for e in p.eqns].count("dot_general")
+    >>> dots(prog), dots(again)
+    (5, 6)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from cfp.errors import CfpError
+
+POLICIES = ("none", "dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recompute:
+    """Per layer, its segment instance, its forward operators (indices in the analysed step)
+    and its policy; the backward pass is every operator after ``backward_from`` (the
+    loss's)."""
+
+    layers: tuple[tuple[int, tuple[int, ...], str], ...]
+    backward_from: int
+
+    def __bool__(self) -> bool:
+        return any(policy != "none" for _, _, policy in self.layers)
+
+    def to_json(self) -> dict:
+        return {"backward_from": self.backward_from,
+                "layers": [{"segment": k, "policy": policy, "ops": _runs(ops)}
+                           for k, ops, policy in self.layers if policy != "none"]}
+
+    @classmethod
+    def from_json(cls, data: dict, index: Sequence[int] | None = None) -> "Recompute":
+        """From ``plan.json``'s ``recompute``; ``index`` maps each analysed operator to its
+        position in the step as the user traced it."""
+        at = (lambda i: i) if index is None else (lambda i: index[i])  # noqa: E731
+        return cls(tuple((layer.get("segment", -1),
+                          tuple(at(i) for a, b in layer["ops"] for i in range(a, b)),
+                          layer["policy"]) for layer in data["layers"]),
+                   at(data["backward_from"]))
+
+
+def check_policy(policy: str) -> str:
+    if policy not in POLICIES:
+        raise CfpError(f"recompute {policy!r} is not a policy: one of {', '.join(POLICIES)}")
+    return policy
+
+
+def layer_ops(analysis) -> tuple[tuple[int, ...], ...]:
+    """Per segment instance, its forward operators: those of its blocks before the loss, and
+    those no block claims between them. Empty where the step has no backward pass."""
+    from cfp.window_memory import loss_op
+    loss = loss_op(analysis.graph)
+    if loss is None:
+        return ()
+    owner, out = analysis.blocks.owner, []
+    for seg in analysis.segments.instances:
+        mine = [op for op, b in owner.items() if seg.start <= b < seg.end and op < loss]
+        if not mine:
+            out.append(())
+            continue
+        out.append(tuple(i for i in range(min(mine), max(mine) + 1)
+                         if owner.get(i) is None or seg.start <= owner[i] < seg.end))
+    return tuple(out)
+
+
+def forced(analysis, policy: str) -> Recompute | None:
+    """``policy`` on every layer of every segment type that repeats (the model's layers);
+    None for ``none`` or a step without a backward pass."""
+    from cfp.window_memory import loss_op
+    loss = loss_op(analysis.graph)
+    if check_policy(policy) == "none" or loss is None:
+        return None
+    seg = analysis.segments
+    counts = [0] * seg.num_types
+    for inst in seg.instances:
+        counts[inst.type] += 1
+    layers = tuple((k, ops, policy) for k, (ops, inst)
+                   in enumerate(zip(layer_ops(analysis), seg.instances))
+                   if ops and counts[inst.type] > 1)
+    return Recompute(layers, loss) if layers else None
+
+
+def recomputed(program, recompute: Recompute):
+    """``program`` with each layer's recompute inserted before the backward pass first reads
+    what it recomputes: an ``optimization_barrier`` over what the recomputation reads (the
+    layer's inputs, its saved results), then a copy of every forward operator the unsaved
+    results the backward pass reads are computed from, which those readers then read. Each
+    equation's ``op`` is the position in ``program`` whose hooks it takes (a copy its
+    original's, so it gets its sharding constraints; the barrier -1, none). A layer's
+    results that later layers read are their inputs, held for them: not recomputed. A layer
+    whose values or inputs the backward pass reads through a barrier is rematerialized
+    already (the user's ``jax.checkpoint``): left as it is."""
+    import jax
+    from cfp.program import _Eqn
+    eqns, back = program.eqns, recompute.backward_from
+    users: dict[int, list[int]] = {}
+    for pos, e in enumerate(eqns):
+        for v in e.inputs:
+            users.setdefault(v, []).append(pos)
+    avals, next_id = dict(program.avals), max(program.avals, default=-1) + 1
+    renamed: dict[int, int] = {}  # a forward value -> its recomputed copy
+    inserted: dict[int, list] = {}  # position -> equations inserted before it
+    barrier = _barrier_primitive()
+    for _, ops, policy in recompute.layers:
+        if policy == "none":
+            continue
+        made = {v: i for i in ops for v in eqns[i].outputs}
+        touched = set(made) | {v for i in ops for v in eqns[i].inputs}
+        if any(eqns[u].primitive.name == "optimization_barrier"
+               for v in touched for u in users.get(v, ()) if u > back):
+            continue  # the step rematerializes it already
+        mine = set(ops)
+        saved = {v for i in ops if _saves(policy, eqns[i], program)
+                 for v in eqns[i].outputs}
+        saved |= {v for v in made if any(u < back and u not in mine  # what later layers read
+                                         for u in users.get(v, ()))}
+        late = [v for v in made if v not in saved and any(u > back for u in users.get(v, ()))]
+        cone, stack = set(), list(late)
+        while stack:
+            v = stack.pop()
+            i = made.get(v)
+            if i is None or i in cone or v in saved:
+                continue
+            cone.add(i)
+            stack += eqns[i].inputs
+        if not cone:
+            continue
+        order = sorted(cone)
+        copied = {v for i in order for v in eqns[i].outputs}
+        reads = list(dict.fromkeys(v for i in order for v in eqns[i].inputs
+                                   if v not in copied and v not in program.consts))
+        fresh = {}
+        for v in reads + [v for i in order for v in eqns[i].outputs]:
+            fresh[v], avals[next_id] = next_id, avals[v]
+            next_id += 1
+        chunk = [_Eqn(barrier, {}, reads, [fresh[v] for v in reads], op=-1)] if reads else []
+        for i in order:
+            e = eqns[i]
+            chunk.append(dataclasses.replace(
+                e, inputs=[fresh.get(v, v) for v in e.inputs],
+                outputs=[fresh[v] for v in e.outputs], op=i))
+        first = min(u for v in late for u in users[v] if u > back)
+        inserted.setdefault(first, []).extend(chunk)
+        renamed.update((v, fresh[v]) for v in late)
+    if not inserted:
+        return program
+    out = []
+    for pos, e in enumerate(eqns):
+        out += inserted.get(pos, [])
+        if pos > back:
+            e = dataclasses.replace(e, inputs=[renamed.get(v, v) for v in e.inputs])
+        out.append(dataclasses.replace(e, op=pos))
+    return dataclasses.replace(program, eqns=out, avals=avals, _graph=None)
+
+
+def _saves(policy: str, eqn, program) -> bool:
+    """Whether JAX's ``jax.checkpoint_policies.<policy>`` saves ``eqn``'s results."""
+    import jax
+    if policy == "nothing_saveable":
+        return False
+    from cfp.jax_compat import to_dtype
+    avals = [jax.ShapeDtypeStruct(program.avals[v][0], to_dtype(program.avals[v][1]))
+             for v in eqn.inputs]
+    return bool(getattr(jax.checkpoint_policies, policy)(eqn.primitive, *avals, **eqn.params))
+
+
+def _barrier_primitive():
+    import jax
+    import jax.numpy as jnp
+    return jax.make_jaxpr(jax.lax.optimization_barrier)(jnp.zeros(())).eqns[0].primitive
+
+
+def _runs(ops: Sequence[int]) -> list[list[int]]:
+    """Sorted indices as ``[start, end)`` runs."""
+    out: list[list[int]] = []
+    for i in sorted(ops):
+        if out and out[-1][1] == i:
+            out[-1][1] += 1
+        else:
+            out.append([i, i + 1])
+    return out
