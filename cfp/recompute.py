@@ -120,7 +120,6 @@ def recomputed(program, recompute: Recompute):
     results that later layers read are their inputs, held for them: not recomputed. A layer
     whose values or inputs the backward pass reads through a barrier is rematerialized
     already (the user's ``jax.checkpoint``): left as it is."""
-    import jax
     from cfp.program import _Eqn
     eqns, back = program.eqns, recompute.backward_from
     users: dict[int, list[int]] = {}

@@ -20,13 +20,7 @@ timed (each profile batch at its own speed: ``as_timed``), and, with the profile
 round of steps too, its time then against its time over the profile and the figures with the
 predictions scaled by that ratio: the composition at the speed the machine ran the steps.
 
-``--profiles N`` profiles the analysis N - 1 more times (fresh workers, scratch work dirs)
-and composes the same plans from each against the steps measured once: the check's time
-figures depend on the profile it drew (each window type is timed in its own stretch of
-time, so a change of the machine's speed then lands on that type alone).
-
-Writes ``scripts/results/<date>-composition-<backend>.csv`` (appending) and a PNG; with
-``--profiles``, also ``<date>-composition-<backend>-profiles.csv``.
+Writes ``scripts/results/<date>-composition-<backend>.csv`` (appending) and a PNG.
 """
 from __future__ import annotations
 
@@ -74,9 +68,6 @@ def plan_setup(args) -> tuple[tuple[int, ...], str, Path]:
 
 def main() -> None:
     ap = plan_arguments()
-    ap.add_argument("--profiles", type=int, default=1,
-                    help="compose the plans from this many profiles of the analysis (the "
-                         "others in scratch work dirs), against the steps measured once")
     ap.add_argument("--out", default=None,
                     help="CSV to append to (default scripts/results/<date>-composition-<backend>.csv)")
     args = ap.parse_args()
@@ -163,9 +154,6 @@ def main() -> None:
         print(f"warning: {sum(busy.values())} profiled combinations (window types "
               f"{sorted(busy)}) were timed while the machine was busy: their times read high")
     _plot(rows, out.with_name(f"{out.stem}-{label}-{args.mesh}.png"), args)
-    if args.profiles > 1:
-        _other_profiles(args, base, workdir, analysis, problem, steps,
-                        [r[1] for r in rows], out, label)
 
 
 def as_timed_s(ps, problem, profile) -> float:
@@ -210,76 +198,6 @@ def _speed_lines(rows, unscaled_s, steps_anchor_s: float, profile_anchor_s: floa
     print(f"speed anchor {1e3 * steps_anchor_s:.2f} ms during the steps, "
           f"{1e3 * profile_anchor_s:.2f} ms over the profile (x{ratio:.3f}); predictions "
           f"scaled by it: {figures([r[0] * ratio for r in rows])}")
-
-
-def _other_profiles(args, base, workdir, analysis, problem, steps, measured_s, out, label):
-    """Compose the same plans from ``args.profiles - 1`` more profiles against the steps
-    measured once (``predictions_from_profiles``): how much the check's time figures depend on
-    which profile it drew. One line per profile (0 is the work dir's) printed and appended to
-    ``<out>-profiles.csv``."""
-    at = base.index("--workdir")
-    strategies = [[problem.groups[g].options[c].strategies for g, c in enumerate(ps.choices)]
-                  for ps in steps]
-    lines = []
-    for k, _, predicted in predictions_from_profiles(
-            base[:at] + base[at + 2:], workdir, analysis, strategies, args.profiles - 1,
-            args.max_combinations, args.whole_segments):
-        err = [(p - m) / m for p, m in zip(predicted, measured_s)]
-        slope = fit_with_interval([[p] for p in predicted], measured_s)[0][0]
-        lines.append((k, statistics.median(abs(e) for e in err), statistics.median(err),
-                      slope))
-    path = out.with_name(f"{out.stem}-profiles.csv")
-    new = not path.exists()
-    with open(path, "a") as f:
-        if new:
-            f.write("workload,mesh,profile,median_abs_time_err,median_time_err,slope\n")
-        for k, a, e, sl in lines:
-            f.write(f"{label},{args.mesh},{k},{a:.4f},{e:.4f},{sl:.4f}\n")
-            print(f"profile {k}: median |time error| {100 * a:.1f}% (signed {100 * e:+.1f}%), "
-                  f"slope {sl:.2f}")
-    print(f"the same plans composed from {len(lines)} profiles of one analysis: median |time "
-          f"error| {100 * min(x[1] for x in lines):.1f}% to {100 * max(x[1] for x in lines):.1f}%"
-          f"; lines appended to {path}")
-
-
-def predictions_from_profiles(flags, workdir: Path, analysis, plans, more: int,
-                              max_combinations: int, whole_segments: bool):
-    """Per profile, (its index, its record, the composed step seconds of each plan in
-    ``plans``: block strategies per window group): 0 is ``workdir``'s, then ``more`` fresh
-    profiles of the same analysis, each by ``--mode profile`` with ``flags`` (no
-    ``--workdir``) in a scratch work dir holding a copy of ``analysis.pkl`` and, with whole
-    segments, ``chosen.pkl``, so that the same combinations are measured. The scratch dirs
-    are removed after."""
-    import shutil
-    import tempfile
-    from cfp.cli import main as cli
-    from cfp.problem import build_problem, predicted_seconds
-    from cfp.workdir import WorkDir
-    from cfp.workloads import run_fingerprint
-    run_fp = run_fingerprint(analysis.spec, analysis.mesh_shape)
-    dirs, scratch = [workdir], Path(tempfile.mkdtemp(prefix="cfp-profiles-"))
-    out = []
-    try:
-        for k in range(1, more + 1):
-            d = scratch / str(k)
-            d.mkdir()
-            for name in ("analysis.pkl", "chosen.pkl"):
-                if (workdir / name).exists():
-                    shutil.copy(workdir / name, d / name)
-            if cli(list(flags) + ["--workdir", str(d), "--mode", "profile"]) != 0:
-                raise SystemExit(f"profile {k} failed")
-            dirs.append(d)
-        for k, d in enumerate(dirs):
-            profile = WorkDir(d, run_fp).read_profile(analysis, "measure", max_combinations,
-                                                      whole_segments)
-            other, _ = build_problem(analysis, profile, None)
-            index = [{o.strategies: i for i, o in enumerate(g.options)} for g in other.groups]
-            out.append((k, profile, [
-                predicted_seconds(other, [ix[s] for ix, s in zip(index, plan)],
-                                  profile.launch_overhead_s) for plan in plans]))
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return out
 
 
 def fit_with_interval(x, y, *, resamples: int = 2000, seed: int = 0):
