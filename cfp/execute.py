@@ -334,7 +334,7 @@ def checked_values(analysis) -> list[tuple[int, str]]:
     contraction, named by the weight it is the gradient of. Paired with the single-device
     run by identity, not by position, so a step that interleaves forward and backward work
     (an accumulation over micro-batches) is checked as it runs."""
-    from cfp.window_memory import loss_op
+    from cfp.graph import loss_op
     g, ba = analysis.graph, analysis.blocks
     paths = analysis.spec.build().input_paths()
     out = []

@@ -313,3 +313,11 @@ def repeats(graph: Graph) -> dict[int, int]:
         else:
             seen.setdefault(key, op.outputs)
     return repeats
+
+
+def loss_op(g) -> int | None:
+    """Index of the op computing the step's loss, its last output when that is a scalar an
+    op computes: the backward pass comes after it. None where there is none (a forward
+    step, a loss passed through)."""
+    loss = g.values[g.outputs[-1]] if g.outputs else None
+    return None if loss is None or loss.shape else loss.producer

@@ -20,7 +20,7 @@ recomputed twice.
 Example:
     >>> import jax, jax.numpy as jnp
     >>> from cfp.program import trace_program
-    >>> from cfp.window_memory import loss_op
+    >>> from cfp.graph import loss_op
     >>> def step(w, x):
     ...     loss, grad = jax.value_and_grad(lambda w: jnp.sum(jnp.tanh(x @ w) @ w))(w)
     ...     return w - grad, loss
@@ -78,7 +78,7 @@ def check_policy(policy: str) -> str:
 def layer_ops(analysis) -> tuple[tuple[int, ...], ...]:
     """Per segment instance, its forward operators: those of its blocks before the loss, and
     those no block claims between them. Empty where the step has no backward pass."""
-    from cfp.window_memory import loss_op
+    from cfp.graph import loss_op
     loss = loss_op(analysis.graph)
     if loss is None:
         return ()
@@ -96,7 +96,7 @@ def layer_ops(analysis) -> tuple[tuple[int, ...], ...]:
 def forced(analysis, policy: str) -> Recompute | None:
     """``policy`` on every layer of every segment type that repeats (the model's layers);
     None for ``none`` or a step without a backward pass."""
-    from cfp.window_memory import loss_op
+    from cfp.graph import loss_op
     loss = loss_op(analysis.graph)
     if check_policy(policy) == "none" or loss is None:
         return None
@@ -112,9 +112,10 @@ def forced(analysis, policy: str) -> Recompute | None:
 
 def recomputed(program, recompute: Recompute):
     """``program`` with each layer's recompute inserted before the backward pass first reads
-    what it recomputes: an ``optimization_barrier`` over what the recomputation reads (the
-    layer's inputs, its saved results), then a copy of every forward operator the unsaved
-    results the backward pass reads are computed from, which those readers then read. Each
+    what it recomputes: an ``optimization_barrier`` over the layer's inputs, the saved results
+    the recomputation reads and the backward values at hand there, then a copy of every
+    forward operator the unsaved results the backward pass reads are computed from; the
+    backward pass from there reads the copies, and the inputs as they left the barrier. Each
     equation's ``op`` is the position in ``program`` whose hooks it takes (a copy its
     original's, so it gets its sharding constraints; the barrier -1, none). A layer's
     results that later layers read are their inputs, held for them: not recomputed. A layer
@@ -127,7 +128,10 @@ def recomputed(program, recompute: Recompute):
         for v in e.inputs:
             users.setdefault(v, []).append(pos)
     avals, next_id = dict(program.avals), max(program.avals, default=-1) + 1
-    renamed: dict[int, int] = {}  # a forward value -> its recomputed copy
+    # a value -> (from where, its copy) per barrier it passes: a backward reader reads the
+    # copy of the last barrier before it, as the backward pass of a checkpointed layer reads
+    # what passed its barrier (so XLA gathers a split weight again, not holding the forward's)
+    renamed: dict[int, list[tuple[int, int]]] = {}
     inserted: dict[int, list] = {}  # position -> equations inserted before it
     barrier = _barrier_primitive()
     for _, ops, policy in recompute.layers:
@@ -156,8 +160,12 @@ def recomputed(program, recompute: Recompute):
             continue
         order = sorted(cone)
         copied = {v for i in order for v in eqns[i].outputs}
-        reads = list(dict.fromkeys(v for i in order for v in eqns[i].inputs
-                                   if v not in copied and v not in program.consts))
+        first = min(u for v in late for u in users[v] if u > back)
+        again = {v for i in order for v in eqns[i].inputs} - copied  # saved, or inputs
+        inputs = [v for i in ops for v in eqns[i].inputs
+                  if v not in program.consts and (v not in made or v in again)]
+        arrived = _arrived(eqns, first, back, program.consts)
+        reads = list(dict.fromkeys(inputs + arrived))
         fresh = {}
         for v in reads + [v for i in order for v in eqns[i].outputs]:
             fresh[v], avals[next_id] = next_id, avals[v]
@@ -168,18 +176,37 @@ def recomputed(program, recompute: Recompute):
             chunk.append(dataclasses.replace(
                 e, inputs=[fresh.get(v, v) for v in e.inputs],
                 outputs=[fresh[v] for v in e.outputs], op=i))
-        first = min(u for v in late for u in users[v] if u > back)
         inserted.setdefault(first, []).extend(chunk)
-        renamed.update((v, fresh[v]) for v in late)
+        for v in late + [v for v in reads if v not in arrived]:
+            renamed.setdefault(v, []).append((first, fresh[v]))
     if not inserted:
         return program
     out = []
     for pos, e in enumerate(eqns):
         out += inserted.get(pos, [])
         if pos > back:
-            e = dataclasses.replace(e, inputs=[renamed.get(v, v) for v in e.inputs])
+            e = dataclasses.replace(e, inputs=[_latest(renamed.get(v, ()), pos, v)
+                                               for v in e.inputs])
         out.append(dataclasses.replace(e, op=pos))
     return dataclasses.replace(program, eqns=out, avals=avals, _graph=None)
+
+
+def _latest(copies, pos: int, v: int) -> int:
+    """The copy of ``v`` a reader at ``pos`` reads: that of the last barrier before it."""
+    return max(((at, copy) for at, copy in copies if at <= pos), default=(0, v))[1]
+
+
+def _arrived(eqns, first: int, back: int, consts) -> list[int]:
+    """Backward values at hand where the backward pass first reads a layer's recomputed
+    results (position ``first``): what that reader takes from the backward pass (the
+    cotangent), else what the equation before it made. Behind the barrier too, as JAX's
+    transposed remat puts its cotangents there, they keep XLA from recomputing before the
+    backward pass reaches the layer."""
+    made = {v: i for i, e in enumerate(eqns[back + 1:first + 1], back + 1) for v in e.outputs}
+    taken = [v for v in eqns[first].inputs if v in made and v not in consts]
+    if not taken and first - 1 > back:
+        taken = list(eqns[first - 1].outputs)
+    return list(dict.fromkeys(taken))
 
 
 def _saves(policy: str, eqn, program) -> bool:

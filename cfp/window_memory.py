@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from cfp import dims as dimrules
-from cfp.graph import memo
+from cfp.graph import loss_op, memo
 from cfp.sharding import sub_program
 from cfp.windows import Window, held_state, shard_bytes, state_layout, window_ops
 
@@ -279,14 +279,6 @@ cbrt erf erfc erf_inv atan2 acos asin atan sinh cosh asinh acosh atanh lgamma di
 
 
 GPU_CHEAP = frozenset({"div", "sqrt", "rsqrt", "exp"})
-
-
-def loss_op(g) -> int | None:
-    """Index of the op computing the step's loss, its last output when that is a scalar an
-    op computes: the backward pass comes after it. None where there is none (a forward
-    step, a loss passed through)."""
-    loss = g.values[g.outputs[-1]] if g.outputs else None
-    return None if loss is None or loss.shape else loss.producer
 
 
 def read_back_across(analysis) -> frozenset[tuple[int, int, tuple]]:

@@ -17,7 +17,7 @@ from cfp.plan import make_plan
 from cfp.program import trace_program
 from cfp.recompute import Recompute, forced, recomputed
 from cfp.tracing import trace_step
-from cfp.window_memory import loss_op
+from cfp.graph import loss_op
 from cfp.workloads import WorkloadSpec
 from helpers import assert_loop_matches, run_loop
 
