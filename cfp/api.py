@@ -518,10 +518,13 @@ def _predict(opts: RunOptions, options, wd, analysis) -> None:
     rec = predict_plan(analysis, profile, memory_budget_bytes(options, opts), options.time_limit,
                        ranked=opts.chosen_mesh[2].prediction if opts.chosen_mesh else None,
                        compile_for=gpus)
-    report.prediction_console(rec, opts.cluster, options.driver_lines)
+    report.prediction_console(rec, opts.cluster, options.driver_lines, analysis)
     path = wd.path / "plan.json"
     plan = make_plan(analysis, rec.strategies, storage=rec.storage,
-                     source=f"predicted for {opts.cluster.name} ({rec.pricing})")
+                     source=f"predicted for {opts.cluster.name} ({rec.pricing})",
+                     recompute=rec.recompute)
+    from cfp.describe import plan_words
+    plan["description"] = plan_words(analysis, rec.strategies, rec.storage, rec.recompute)
     plan["memory_per_device"] = dumps.prediction_memory(rec)
     plan["predicted_step"] = {"seconds": rec.predicted_s, "pricing": rec.pricing}
     if rec.pricing == "mock":  # of the seconds, those priced rather than timed here

@@ -164,12 +164,19 @@ def plan_words(analysis, strategies, storage=None, recompute: dict | None = None
 def recompute_words(analysis, recompute: dict | None) -> list[str]:
     """Per policy, the layers (segment instances, by their blocks) it recomputes, in JAX's
     names: what ``jax.checkpoint(layer, policy=...)`` on those layers does."""
-    by_policy: dict[str, list] = {}
-    instances = analysis.segments.instances
+    by_policy: dict[str, list[int]] = {}
     for layer in (recompute or {}).get("layers", ()):
-        by_policy.setdefault(layer["policy"], []).append(instances[layer["segment"]])
-    return [f"recompute {policy} (jax.checkpoint_policies.{policy}) on {len(segs)} "
-            f"layer{'s' if len(segs) > 1 else ''}: blocks "
-            + ", ".join(f"{s.start}-{s.end - 1}" if s.end > s.start + 1 else str(s.start)
-                        for s in segs)
-            for policy, segs in by_policy.items()]
+        by_policy.setdefault(layer["policy"], []).append(layer["segment"])
+    instances = analysis.segments.instances
+    lines = []
+    for policy, segments in by_policy.items():
+        runs: list[list[int]] = []  # consecutive layers, as [first, last]
+        for k in sorted(segments):
+            if runs and runs[-1][1] == k - 1:
+                runs[-1][1] = k
+            else:
+                runs.append([k, k])
+        blocks = ", ".join(f"{instances[a].start}-{instances[b].end - 1}" for a, b in runs)
+        lines.append(f"recompute {policy} (jax.checkpoint_policies.{policy}) on "
+                     f"{len(segments)} of {len(instances)} segments: blocks {blocks}")
+    return lines

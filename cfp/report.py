@@ -446,7 +446,7 @@ def usage_console(workdir: Path, step: str = "train", whole_state: bool = False)
         f"{Path(workdir) / 'debug_search' / 'plan.png'}")
 
 
-def prediction_console(rec, cluster, driver_lines: bool = False) -> None:
+def prediction_console(rec, cluster, driver_lines: bool = False, analysis=None) -> None:
     """A plan predicted for a described cluster: nothing of it ran."""
     how = {"model": "compile-only programs priced by the cost model",
            "analytic": "priced from the analysis, no window compiled",
@@ -460,6 +460,10 @@ def prediction_console(rec, cluster, driver_lines: bool = False) -> None:
     say(f"predicted step time: {rec.predicted_s * 1e3:.3f} ms; "
         f"{rec.step_flops / rec.predicted_s / math.prod(rec.mesh_shape) / 1e12:.4g} TFLOP/s "
         f"per device")
+    if getattr(rec, "recompute", None) and analysis is not None:
+        from cfp.describe import recompute_words
+        for line in recompute_words(analysis, rec.recompute):
+            say(f"  {line}: {rec.recompute_s * 1e3:.3f} ms of the step, priced by FLOPs")
     if rec.pricing == "mock":
         say(f"  of it measured on the GPU here (one GPU's share of each window): "
             f"{(rec.predicted_s - rec.priced_s) * 1e3:.3f} ms; priced (collectives and "

@@ -135,7 +135,7 @@ def test_a_plan_names_its_recompute_and_a_bad_one_is_refused(tmp_path):
     plan["description"] = recompute_words(a, recompute)
     Plan(plan).save(tmp_path / "plan.json")
     loaded = Plan.load(tmp_path / "plan.json")
-    assert "recompute dots_saveable" in loaded.describe() and "2 layers" in loaded.describe()
+    assert "recompute dots_saveable" in loaded.describe() and "2 of 3 segments" in loaded.describe()
     plan["recompute"]["layers"][0]["policy"] = "everything_saveable"
     Plan(plan).save(tmp_path / "bad.json")
     with pytest.raises(CfpError, match="its recompute is not"):
@@ -189,3 +189,90 @@ def test_a_bad_recompute_option_is_one_line(capsys):
     with pytest.raises(CfpError, match="recompute"):
         check_options(Options(recompute="everything_saveable"))
     check_options(Options(recompute="dots_saveable", memory_budget_gb=2))
+
+
+PEAK = 2**30  # every plan's compiled peak, in the model below, recomputing nothing
+
+
+def _model_peaks(monkeypatch) -> list[int]:
+    """Compiled peaks as a model, not a compile: ``PEAK``, less a tenth of it per layer
+    recomputed; the layer counts asked for, in order."""
+    from cfp.passes import search
+    asked = []
+
+    def peaks(analysis, plans, gpu):
+        counts = [len(p[2].layers) if len(p) > 2 and p[2] else 0 for p in plans]
+        asked.extend(counts)
+        return [int(PEAK * (1 - 0.1 * n)) for n in counts]
+    monkeypatch.setattr(search, "compiled_peaks_for", peaks)
+    monkeypatch.setattr(search, "plan_peak", lambda *args: peaks(None, [()], None)[0])
+    return asked
+
+
+@pytest.mark.parametrize("share, layers", [(1.1, 0), (0.85, 2), (0.65, 4), (0.5, None)])
+def test_where_no_plan_fits_search_recomputes_the_fewest_layers(monkeypatch, share, layers):
+    """The 4-layer tiny GPT priced for 8 A100s, compiled peaks modelled (``_model_peaks``),
+    under a budget of ``share`` of the peak: at 1.1 a plan fits, nothing is recomputed and no
+    hand plan is priced recomputing (the control); at 0.85 it fits recomputing two layers
+    (within 95% of the budget) and recomputes two, at 0.65 four; at 0.5 even four do not fit,
+    and "no plan fits" is said. A plan recomputing is priced higher by what it recomputes,
+    and each hand plan is priced beside it recomputing every layer."""
+    from cfp.cluster import load_cluster
+    from cfp.passes.profile import ProfileOptions, run_profile
+    from cfp.passes.search import predict_plan
+    analysis = run_analysis(WorkloadSpec("gpt", "tiny", None, "float32",
+                                         (("num_layers", 4),)).resolved(), (8,))
+    profile = run_profile(analysis, ProfileOptions(
+        cost="analytic", cost_model=load_cluster("a100-8").cost_model((8,))))
+    asked = _model_peaks(monkeypatch)
+    budget = int(PEAK * share)
+    if layers is None:
+        with pytest.raises(CfpError, match="no plan fits"):
+            predict_plan(analysis, profile, budget, 10.0, compile_for="a100")
+        assert max(asked) == 4
+        return
+    rec = predict_plan(analysis, profile, budget, 10.0, compile_for="a100")
+    recomputing = [h for h in rec.hand_plans if h[0].endswith("recomputing every layer")]
+    if layers == 0:
+        assert rec.recompute is None and rec.recompute_s == 0 and not recomputing
+        return
+    assert [layer["segment"] for layer in rec.recompute["layers"]] == list(range(layers))
+    assert rec.compiled_peak_bytes <= 0.95 * budget
+    assert 0 < rec.recompute_s < rec.predicted_s
+    plain = {h[0]: h[1] for h in rec.hand_plans}
+    assert recomputing and all(h[1] > plain[h[0].split()[0]] for h in recomputing)
+
+
+@pytest.mark.slow  # about 40 whole steps compiled for A100s
+def test_a_cluster_plan_recomputes_where_nothing_fits_compiled_for_a100s():
+    """The bf16 tiny GPT (4 layers, hidden 128, sequence 256, batch 32) for 8 A100s, under a
+    budget between the leanest hand plan's compiled peak and that plan's recomputing every
+    layer: the kept plan recomputes some layers, its whole step compiled with them fits, and
+    it is predicted faster than every hand plan that fits recomputing every layer."""
+    from cfp.baselines import baseline_strategy_indices, load_rules
+    from cfp.cluster import load_cluster
+    from cfp.execute import Storage
+    from cfp.gpu_compile import unavailable_reason
+    from cfp.passes.profile import ProfileOptions, run_profile
+    from cfp.passes.search import compiled_peaks_for, predict_plan
+    from cfp.problem import COMPILED_FIT_SHARE, compiled_fits
+    if unavailable_reason("a100") is not None:
+        pytest.skip(unavailable_reason("a100"))
+    spec = WorkloadSpec("gpt", "tiny", 32, "bfloat16", (("num_layers", 4), ("hidden_size", 128),
+                                                       ("seq_len", 256))).resolved()
+    a = run_analysis(spec, (8,))
+    profile = run_profile(a, ProfileOptions(
+        cost="analytic", cost_model=load_cluster("a100-8").cost_model((8,))))
+    rules = load_rules()
+    hand = [(idx, Storage(rules[name].storage))
+            for name, (idx, _) in baseline_strategy_indices(a, storage=True).items()]
+    full = forced(a, "nothing_saveable")
+    plain = compiled_peaks_for(a, hand, "a100")
+    recomputing = compiled_peaks_for(a, [h + (full,) for h in hand], "a100")
+    budget = int((min(plain) + min(recomputing)) / 2 / COMPILED_FIT_SHARE)
+    rec = predict_plan(a, profile, budget, 10.0, compile_for="a100")
+    assert rec.recompute and 0 < len(rec.recompute["layers"]) <= 4
+    assert compiled_fits(rec.compiled_peak_bytes, budget, "gpu")
+    rivals = [h for h in rec.hand_plans if h[0].endswith("recomputing every layer")
+              and compiled_fits(h[3], budget, "gpu")]
+    assert rivals and all(rec.predicted_s < h[1] for h in rivals)

@@ -394,6 +394,10 @@ class Prediction:
     # of ``predicted_s``, the seconds priced, not measured: under mocked GPUs the windows'
     # collectives and the reshardings (``priced_seconds``); the rest was timed on the GPU here
     priced_s: float = 0.0
+    # what the plan recomputes (``Recompute.to_json``; None: nothing) and, of
+    # ``predicted_s``, the seconds that costs (``recompute_seconds``)
+    recompute: dict | None = None
+    recompute_s: float = 0.0
 
 
 # A plan for a cluster is a prediction, priced from a model: its solve stops once its plan is
@@ -448,17 +452,35 @@ def predict_plan(analysis, profile, memory_budget_bytes: int | None,
                 (s.strategies, Storage(load_rules()[name].storage)) for name, s in hand_sols],
                 gpus)
             hand = tuple(h[:3] + (p,) for h, p in zip(hand, peaks))
-        sol, peak = _fitting_once_compiled(
+        sol, peak, recompute, recomputing = _fitting_once_compiled(
             analysis, problem, profile, sol, time_limit_s, gpus,
-            [(name, s, h[3]) for (name, s), h in zip(hand_sols, hand) if h[3] is not None])
+            [(name, s, h[3]) for (name, s), h in zip(hand_sols, hand)])
+        hand += recomputing
+    else:
+        recompute = None
     storage = plan_storage(analysis, problem, profile.windows, sol.choices)
-    return Prediction(tuple(analysis.mesh_shape), tuple(sol.strategies),
-                      predicted_seconds(problem, sol.choices, profile.launch_overhead_s),
+    seconds = predicted_seconds(problem, sol.choices, profile.launch_overhead_s)
+    extra_s = recompute_seconds(analysis, recompute, seconds)
+    return Prediction(tuple(analysis.mesh_shape), tuple(sol.strategies), seconds + extra_s,
                       sol.memory, sol.status, sol.solve_s, plan_flops(analysis), profile.cost,
                       memory_budget_bytes, storage, hand, tuple(sol.choices),
                       profile.memory_source(), peak, gpus,
                       priced_seconds(analysis, profile, sol.choices)
-                      if profile.cost == "mock" else 0.0)
+                      if profile.cost == "mock" else 0.0,
+                      recompute.to_json() if recompute else None, extra_s)
+
+
+def recompute_seconds(analysis, recompute, seconds: float) -> float:
+    """What recomputing costs a plan of ``seconds`` per step: its seconds per FLOP times the
+    FLOPs computed again (the step's time is its contractions' where memory binds)."""
+    if not recompute:
+        return 0.0
+    from cfp.graph import memo
+    from cfp.recompute import recomputed, recomputed_flops
+    from cfp.tracing import trace_step
+    program = memo(analysis, "traced step", lambda: trace_step(analysis.spec.build()))
+    return seconds * recomputed_flops(analysis.graph, recomputed(program, recompute)) \
+        / plan_flops(analysis)
 
 
 def priced_seconds(analysis, profile, choices) -> float:
@@ -477,18 +499,22 @@ LEANEST_SHARES = (1.05, 1.25, 1.5, 2.0)
 
 
 def _fitting_once_compiled(analysis, problem: Problem, profile, sol: Solution | None,
-                           time_limit_s: float, gpus: str, hand=()) -> tuple[Solution, int]:
+                           time_limit_s: float, gpus: str, hand=()
+                           ) -> tuple[Solution, int, object, tuple]:
     """The fastest plan whose whole step, compiled for ``gpus``, fits the budget, and that
     peak, of those compiled: ``sol`` (the plan the composition fits; None where it fits
     none, as XLA may hold less than it counts: the fastest plan with no budget), and while
     the last one compiled does not fit, the plan the composition gives calibrated on it
     (``calibrated``), up to ``CALIBRATIONS`` compiles; then, where none fits, the fastest of
     those the composition counts leanest; and the hand plans (``hand``: (name, solution,
-    compiled peak) each). A plan over the budget once compiled is dropped; where none fits,
-    "no plan fits" is said from the compiled figures."""
+    compiled peak, None where not compiled) each). A plan over the budget once compiled is dropped; where none fits,
+    each is compiled recomputing its layers (``_recomputing``), and where none fits so either,
+    "no plan fits" is said from the compiled figures. Returns the plan, its peak, what it
+    recomputes (None: nothing) and the hand plans' lines recomputing (none where some plan
+    fits without)."""
     budget = problem.memory_budget
     if budget is None:
-        return sol, plan_peak(analysis, problem, profile, sol, gpus)
+        return sol, plan_peak(analysis, problem, profile, sol, gpus), None, ()
     tried = {}  # choices -> (solution, compiled peak) of each plan compiled
 
     def compiled(sol: Solution) -> int:
@@ -523,18 +549,66 @@ def _fitting_once_compiled(analysis, problem: Problem, profile, sol: Solution | 
                 compiled(lean)
                 break
     fits = [(s, p) for s, p in list(tried.values()) + [(s, p) for _, s, p in hand]
-            if compiled_fits(p, budget, "gpu")]
+            if p is not None and compiled_fits(p, budget, "gpu")]
     if fits:
         return min(fits, key=lambda sp: predicted_seconds(problem, sp[0].choices,
-                                                          profile.launch_overhead_s))
+                                                          profile.launch_overhead_s)) + (None, ())
+    found = _recomputing(analysis, problem, profile, [s for s, _ in tried.values()], hand,
+                         gpus)
+    if found is not None:
+        return found
     from cfp.gpu_compile import label
-    peaks = [p for _, p in tried.values()] + [p for _, _, p in hand] or [0]
-    hands = [f"{name} {p / 2**30:.1f} GiB" for name, _, p in hand]
+    peaks = [p for _, p in tried.values()] + [p for _, _, p in hand if p is not None] or [0]
+    hands = [f"{name} {p / 2**30:.1f} GiB" for name, _, p in hand if p is not None]
     raise CfpError(f"no plan fits the memory budget of {budget / 2**30:.3f} GiB per device once "
                    f"compiled for {label(gpus)} (within {COMPILED_FIT_SHARE:.0%} of it: XLA "
                    f"recomputes to fit a device): the least of the {len(peaks)} plans compiled "
                    f"peaks at {min(peaks) / 2**30:.1f} GiB"
                    + (f"; the hand plans compile to {', '.join(hands)}" if hands else ""))
+
+
+def _recomputing(analysis, problem: Problem, profile, ours: list[Solution], hand, gpus: str):
+    """Where no plan fits once compiled: cfp's plans compiled and the hand plans, with every
+    layer recomputed (``nothing_saveable``, MaxText's default); of those that then fit, the
+    fastest recomputing the fewest layers it fits with (``cfp.recompute.fewest_layers``),
+    each priced by ``recompute_seconds``. ``(plan, peak, recompute, the hand plans' lines
+    recomputing every layer)``, or None where none fits even so (or nothing has a backward
+    pass to recompute)."""
+    from cfp.recompute import fewest_layers, forced
+    full = forced(analysis, "nothing_saveable")
+    if full is None:
+        return None
+    budget = problem.memory_budget
+    seconds = lambda s: predicted_seconds(problem, s.choices,  # noqa: E731
+                                          profile.launch_overhead_s)
+    stored = {s.choices: plan_storage(analysis, problem, profile.windows, s.choices)
+              for s in ours}
+    rules = load_rules()
+    stored.update((s.choices, Storage(rules[name].storage)) for name, s, _ in hand)
+    plans = list({s.choices: s for s in ours + [s for _, s, _ in hand]}.values())
+    peaks = dict(zip([s.choices for s in plans], compiled_peaks_for(
+        analysis, [(s.strategies, stored[s.choices], full) for s in plans], gpus)))
+    lines = tuple((f"{name} recomputing every layer",
+                   seconds(s) + recompute_seconds(analysis, full, seconds(s)), s.memory,
+                   peaks[s.choices]) for name, s, _ in hand)
+    fitting = sorted((s for s in plans if compiled_fits(peaks[s.choices], budget, "gpu")),
+                     key=seconds)
+    if not fitting:
+        return None
+    best = fitting[0]
+
+    tried = {len(full.layers): peaks[best.choices]}  # layers recomputed -> compiled peak
+
+    def fits(recomputes):
+        found = compiled_peaks_for(
+            analysis, [(best.strategies, stored[best.choices], r) for r in recomputes], gpus)
+        tried.update((len(r.layers) if r else 0, p) for r, p in zip(recomputes, found))
+        return [compiled_fits(p, budget, "gpu") for p in found]
+    recompute = fewest_layers(full, fits)
+    peak = tried[len(recompute.layers)]
+    log.info("recomputing %d of %d layers, the plan compiles to %.3f GiB", len(recompute.layers),
+             len(full.layers), peak / 2**30)
+    return best, peak, recompute, lines
 
 
 def plan_peak(analysis, problem: Problem, profile, sol: Solution, gpus: str) -> int:
@@ -558,27 +632,31 @@ def compiled_peak_for(analysis, strategies, storage, gpu: str | None) -> int | N
 
 
 def compiled_peaks_for(analysis, plans, gpu: str) -> list[int]:
-    """``compiled_peak_for`` of each of ``plans`` ((strategies, storage) each), compiled on
-    every core at once (a compile for described GPUs times no kernel), each plan once."""
+    """``compiled_peak_for`` of each of ``plans`` ((strategies, storage) each, or with a
+    ``cfp.recompute.Recompute`` third), compiled on every core at once (a compile for
+    described GPUs times no kernel), each plan once."""
     import os
     from concurrent.futures import ThreadPoolExecutor
     from cfp.execute import PlannedStep
     from cfp.graph import memo
     from cfp.jax_compat import no_compilation_cache
     from cfp.measure import memory_of
+    from cfp.recompute import recomputed
     from cfp.tracing import trace_step
     # traced once per analysis: a cluster plan compiles several whole steps of it
     program = memo(analysis, "traced step", lambda: trace_step(analysis.spec.build()))
     mesh = gpu_mesh_of(analysis, gpu)
-    distinct = list(dict.fromkeys((tuple(st), storage) for st, storage in plans))
+    plans = [(tuple(p[0]), p[1], p[2] if len(p) > 2 else None) for p in plans]
+    distinct = list(dict.fromkeys(plans))
 
     def peak(plan):
-        return memory_of(PlannedStep(program, analysis, plan[0], mesh, plan[1]).compile()
+        step = recomputed(program, plan[2]) if plan[2] else program
+        return memory_of(PlannedStep(step, analysis, plan[0], mesh, plan[1]).compile()
                          )["peak_bytes"]
     with no_compilation_cache(), ThreadPoolExecutor(
             max_workers=max(1, min(os.cpu_count() or 1, len(distinct)))) as pool:
         peaks = dict(zip(distinct, pool.map(peak, distinct)))
-    return [peaks[(tuple(st), storage)] for st, storage in plans]
+    return [peaks[plan] for plan in plans]
 
 
 @dataclasses.dataclass(frozen=True)
