@@ -66,14 +66,11 @@ def _plot(table, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=False)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, target in zip(axes, ("a100", "cpu")):
-        part = table[table.compiled_for == target]
-        pivot = part.pivot(index="model", columns="recompute", values="temp_mib")
-        pivot.plot.bar(ax=ax, rot=0)
-        ax.set_title(f"temporaries per device, compiled for 8 {target.upper()}")
-        ax.set_ylabel("MiB")
-        ax.set_xlabel("")
+        table[table.compiled_for == target].pivot(
+            index="model", columns="recompute", values="temp_mib").plot.bar(ax=ax, rot=0)
+        ax.set(title=f"temporaries per device, compiled for 8 {target.upper()}", ylabel="MiB")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
