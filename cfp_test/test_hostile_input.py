@@ -243,7 +243,7 @@ def test_a_good_cluster_file_and_the_readme_cluster_cases_pass_the_checks(tmp_pa
     script = (Path(__file__).parents[1] / "scripts" / "cluster_cases.sh").read_text()
     cases = [shlex.split(line.replace("\\\n", " "))[1:]
              for line in script.replace("\\\n", " ").splitlines() if line.startswith("run ")]
-    assert len(cases) == 7
+    assert len(cases) == 9
     for argv in cases:
         opts = check_options(parse(argv))
         assert opts.cluster is not None and opts.num_devices in (8, 64, 200)

@@ -3,7 +3,7 @@
 # memory per case. train: LLaMA-2-13B on alpa-50x4 and GPT-39B on 8 nodes of 8 A100s (within
 # 32 GB and 80 GB), the last choosing LLaMA-2-13B's logical mesh (--mesh auto). forward:
 # LLaMA-2-13B's forward alone (Alpa's simulation) on alpa-50x4, batch 8 and 200.
-# The a100 cases: LLaMA-2-7B (batch 32 and 128, sequence 2048) and GPT-6.7B (batch 16 and 64)
+# The a100 cases: LLaMA-2-7B (batch 32 and 128, sequence 2048) and GPT-6.7B (batch 16 and 128)
 # on 8 A100s, whole steps compiled for them with no GPU here (the gpu-compile extra); at the
 # larger batches no plan fits without recomputing.
 # Usage: bash scripts/cluster_cases.sh [OUT [train|forward|a100]]  (train and forward when
@@ -22,7 +22,7 @@ if [ "$cases" = a100 ]; then
 run --model llama --config 7b --dtype bfloat16 --batch-size 32 --seq-len 2048 --cluster a100-8
 run --model llama --config 7b --dtype bfloat16 --batch-size 128 --seq-len 2048 --cluster a100-8
 run --model gpt --config 6.7b --dtype bfloat16 --batch-size 16 --cluster a100-8
-run --model gpt --config 6.7b --dtype bfloat16 --batch-size 64 --cluster a100-8
+run --model gpt --config 6.7b --dtype bfloat16 --batch-size 128 --cluster a100-8
 echo "wrote $out" && exit 0
 fi
 if [ "$cases" != forward ]; then
