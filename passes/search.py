@@ -555,7 +555,7 @@ def _fitting_once_compiled(analysis, problem: Problem, profile, sol: Solution | 
                                                           profile.launch_overhead_s)) + (None, ())
     found = _recomputing(analysis, problem, profile, [s for s, _ in tried.values()], hand,
                          gpus)
-    if found is not None:
+    if isinstance(found, tuple):
         return found
     from cfp.gpu_compile import label
     peaks = [p for _, p in tried.values()] + [p for _, _, p in hand if p is not None] or [0]
@@ -564,7 +564,9 @@ def _fitting_once_compiled(analysis, problem: Problem, profile, sol: Solution | 
                    f"compiled for {label(gpus)} (within {COMPILED_FIT_SHARE:.0%} of it: XLA "
                    f"recomputes to fit a device): the least of the {len(peaks)} plans compiled "
                    f"peaks at {min(peaks) / 2**30:.1f} GiB"
-                   + (f"; the hand plans compile to {', '.join(hands)}" if hands else ""))
+                   + (f"; the hand plans compile to {', '.join(hands)}" if hands else "")
+                   + (f"; recomputing every layer, the least peaks at {found / 2**30:.1f} GiB"
+                      if found is not None else ""))
 
 
 def _recomputing(analysis, problem: Problem, profile, ours: list[Solution], hand, gpus: str):
@@ -572,8 +574,8 @@ def _recomputing(analysis, problem: Problem, profile, ours: list[Solution], hand
     layer recomputed (``nothing_saveable``, MaxText's default); of those that then fit, the
     fastest recomputing the fewest layers it fits with (``cfp.recompute.fewest_layers``),
     each priced by ``recompute_seconds``. ``(plan, peak, recompute, the hand plans' lines
-    recomputing every layer)``, or None where none fits even so (or nothing has a backward
-    pass to recompute)."""
+    recomputing every layer)``; where none fits even so, the least peak recomputing every
+    layer; None where nothing has a backward pass to recompute."""
     from cfp.recompute import fewest_layers, forced
     full = forced(analysis, "nothing_saveable")
     if full is None:
@@ -594,7 +596,7 @@ def _recomputing(analysis, problem: Problem, profile, ours: list[Solution], hand
     fitting = sorted((s for s in plans if compiled_fits(peaks[s.choices], budget, "gpu")),
                      key=seconds)
     if not fitting:
-        return None
+        return min(peaks.values())
     best = fitting[0]
 
     tried = {len(full.layers): peaks[best.choices]}  # layers recomputed -> compiled peak
