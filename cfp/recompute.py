@@ -13,9 +13,8 @@ activations from the forward pass to the backward (where its scheduler runs the 
 late, as XLA's GPU scheduler does; XLA's CPU scheduler runs it early and saves nothing).
 
 A layer is a segment instance (``cfp.segments``): the forward operators of its blocks and those
-no block claims between them. A layer whose backward pass already reads recomputed values (a
-step under ``nn.remat`` or ``jax.checkpoint``) reads none of its forward results, so it is not
-recomputed twice.
+no block claims between them. A layer whose inputs the backward pass already reads through a
+barrier (a step under ``nn.remat`` or ``jax.checkpoint``) is not recomputed twice.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -76,13 +75,9 @@ def check_policy(policy: str) -> str:
     return policy
 
 
-def layer_ops(analysis) -> tuple[tuple[int, ...], ...]:
-    """Per segment instance, its forward operators: those of its blocks before the loss, and
-    those no block claims between them. Empty where the step has no backward pass."""
-    from cfp.graph import loss_op
-    loss = loss_op(analysis.graph)
-    if loss is None:
-        return ()
+def layer_ops(analysis, loss: int) -> tuple[tuple[int, ...], ...]:
+    """Per segment instance, its forward operators: those of its blocks before the loss (the
+    operator ``loss``), and those no block claims between them."""
     owner, out = analysis.blocks.owner, []
     for seg in analysis.segments.instances:
         mine = [op for op, b in owner.items() if seg.start <= b < seg.end and op < loss]
@@ -106,7 +101,7 @@ def forced(analysis, policy: str) -> Recompute | None:
     for inst in seg.instances:
         counts[inst.type] += 1
     layers = tuple((k, ops, policy) for k, (ops, inst)
-                   in enumerate(zip(layer_ops(analysis), seg.instances))
+                   in enumerate(zip(layer_ops(analysis, loss), seg.instances))
                    if ops and counts[inst.type] > 1)
     return Recompute(layers, loss) if layers else None
 
@@ -203,7 +198,7 @@ def _arrived(eqns, first: int, back: int, consts) -> list[int]:
     cotangent), else what the equation before it made. Behind the barrier too, as JAX's
     transposed remat puts its cotangents there, they keep XLA from recomputing before the
     backward pass reaches the layer."""
-    made = {v: i for i, e in enumerate(eqns[back + 1:first + 1], back + 1) for v in e.outputs}
+    made = {v for e in eqns[back + 1:first] for v in e.outputs}
     taken = [v for v in eqns[first].inputs if v in made and v not in consts]
     if not taken and first - 1 > back:
         taken = list(eqns[first - 1].outputs)

@@ -475,12 +475,21 @@ def recompute_seconds(analysis, recompute, seconds: float) -> float:
     FLOPs computed again (the step's time is its contractions' where memory binds)."""
     if not recompute:
         return 0.0
+    from cfp.recompute import recomputed_flops
+    return seconds * recomputed_flops(analysis.graph, traced_step(analysis, recompute)) \
+        / plan_flops(analysis)
+
+
+def traced_step(analysis, recompute=None):
+    """The analysed step traced, with ``recompute`` inserted where given: each once per
+    analysis (a cluster plan compiles and prices several whole steps of it)."""
     from cfp.graph import memo
-    from cfp.recompute import recomputed, recomputed_flops
+    from cfp.recompute import recomputed
     from cfp.tracing import trace_step
     program = memo(analysis, "traced step", lambda: trace_step(analysis.spec.build()))
-    return seconds * recomputed_flops(analysis.graph, recomputed(program, recompute)) \
-        / plan_flops(analysis)
+    if not recompute:
+        return program
+    return memo(analysis, ("traced step", recompute), lambda: recomputed(program, recompute))
 
 
 def priced_seconds(analysis, profile, choices) -> float:
@@ -640,19 +649,14 @@ def compiled_peaks_for(analysis, plans, gpu: str) -> list[int]:
     import os
     from concurrent.futures import ThreadPoolExecutor
     from cfp.execute import PlannedStep
-    from cfp.graph import memo
     from cfp.jax_compat import no_compilation_cache
     from cfp.measure import memory_of
-    from cfp.recompute import recomputed
-    from cfp.tracing import trace_step
-    # traced once per analysis: a cluster plan compiles several whole steps of it
-    program = memo(analysis, "traced step", lambda: trace_step(analysis.spec.build()))
     mesh = gpu_mesh_of(analysis, gpu)
     plans = [(tuple(p[0]), p[1], p[2] if len(p) > 2 else None) for p in plans]
     distinct = list(dict.fromkeys(plans))
 
     def peak(plan):
-        step = recomputed(program, plan[2]) if plan[2] else program
+        step = traced_step(analysis, plan[2])
         return memory_of(PlannedStep(step, analysis, plan[0], mesh, plan[1]).compile()
                          )["peak_bytes"]
     with no_compilation_cache(), ThreadPoolExecutor(
