@@ -276,3 +276,32 @@ def test_a_cluster_plan_recomputes_where_nothing_fits_compiled_for_a100s():
     rivals = [h for h in rec.hand_plans if h[0].endswith("recomputing every layer")
               and compiled_fits(h[3], budget, "gpu")]
     assert rivals and all(rec.predicted_s < h[1] for h in rivals)
+
+
+@pytest.mark.slow  # three recipes through the passes' analysis and plan.jit, 2x4
+@pytest.mark.parametrize("model, rtol", [("recipes:gpt_clip", 1e-5),
+                                         ("recipes:gpt_accumulate", 1e-5),
+                                         ("recipes:flax_bf16_clip", 2.5e-4)])
+def test_a_forced_recompute_runs_the_steps_people_train_with(model, rtol):
+    """Clipped AdamW, accumulation over micro-batches by ``lax.scan`` in a ``TrainState``
+    step, and a Flax model computing in bfloat16 over float32 weights, each with
+    ``nothing_saveable`` on every layer: something is recomputed, and three donated steps
+    through ``plan.jit`` on 2x4 keep each loss within ``rtol`` of one device's (bfloat16's
+    as the README's recipe rows hold it)."""
+    spec = WorkloadSpec(model, None, None, "float32", (("num_layers", 2),)).resolved()
+    a = run_analysis(spec, (2, 4))
+    w = spec.build()
+    recompute = forced(a, "nothing_saveable")
+    program = trace_step(w)
+    assert _contractions(recomputed(program, recompute)) > _contractions(program)
+    strategies = [len(b.strategies) - 1 for b in a.blocks.blocks]
+    params, batch = example_inputs(w)
+    opt_state = jax.jit(w.opt_init or adam_init)(params)
+    want = run_loop(jax.jit(w.train_step()), params, opt_state, batch)
+    step = plan_jit(w.train_step(), make_plan(a, strategies, recompute=recompute.to_json()),
+                    make_mesh((2, 4)), params, opt_state, batch)
+    placed = jax.device_put(jax.tree_util.tree_map(np.asarray, (params, opt_state, batch)),
+                            step.in_shardings)
+    got = run_loop(step, *placed)
+    np.testing.assert_allclose(got[0], want[0], rtol=rtol)
+    assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(placed[0]))
