@@ -43,14 +43,18 @@ def _llama():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", ["8", "2x4"])
-def test_a_bfloat16_flax_llama_plans_and_runs_in_the_users_loop(tmp_path, mesh):
+@pytest.mark.parametrize("mesh, recompute", [("8", "none"), ("2x4", "none"),
+                                             ("2x4", "nothing_saveable")])
+def test_a_bfloat16_flax_llama_plans_and_runs_in_the_users_loop(tmp_path, mesh, recompute):
     """Planned without a false alarm from the check against one device; three steps of
     ``plan.jit``, donated and fed back, within bfloat16's reach of one device's loop (2e-3
-    relative). Control: the losses move from step to step."""
+    relative), recomputing every layer too where ``recompute`` says (and saying so).
+    Control: the losses move from step to step."""
     train_step, args = _llama()
     plan = cfp.autoshard(train_step, *args, mesh=mesh, memory_budget_gb=2,
-                         workdir=tmp_path / "wd", validate_top=1, validate_baselines=False)
+                         workdir=tmp_path / "wd", validate_top=1, validate_baselines=False,
+                         recompute=recompute)
+    assert (f"recompute {recompute}" in plan.describe()) == (recompute != "none")
     host = jax.tree_util.tree_map(np.asarray, args)
 
     def losses(step):
