@@ -111,7 +111,8 @@ def recomputed(program, recompute: Recompute):
     what it recomputes: an ``optimization_barrier`` over the layer's inputs, the saved results
     the recomputation reads and the backward values at hand there, then a copy of every
     forward operator the unsaved results the backward pass reads are computed from; the
-    backward pass from there reads the copies, and the inputs as they left the barrier. Each
+    backward pass from there reads the copies, and the inputs and backward values as they
+    left the barrier. Each
     equation's ``op`` is the position in ``program`` whose hooks it takes (a copy its
     original's, so it gets its sharding constraints; the barrier -1, none). A layer's
     results that later layers read are their inputs, held for them: not recomputed. A layer
@@ -173,7 +174,7 @@ def recomputed(program, recompute: Recompute):
                 e, inputs=[fresh.get(v, v) for v in e.inputs],
                 outputs=[fresh[v] for v in e.outputs], op=i))
         inserted.setdefault(first, []).extend(chunk)
-        for v in late + [v for v in reads if v not in arrived]:
+        for v in late + reads:
             renamed.setdefault(v, []).append((first, fresh[v]))
     if not inserted:
         return program
@@ -196,8 +197,9 @@ def _arrived(eqns, first: int, back: int, consts) -> list[int]:
     """Backward values at hand where the backward pass first reads a layer's recomputed
     results (position ``first``): what that reader takes from the backward pass (the
     cotangent), else what the equation before it made. Behind the barrier too, as JAX's
-    transposed remat puts its cotangents there, they keep XLA from recomputing before the
-    backward pass reaches the layer."""
+    transposed remat puts its cotangents there, and read from there on as they leave it (XLA
+    drops a barrier's result nothing reads, and with it the wait), they keep XLA from
+    recomputing before the backward pass reaches the layer."""
     made = {v for e in eqns[back + 1:first] for v in e.outputs}
     taken = [v for v in eqns[first].inputs if v in made and v not in consts]
     if not taken and first - 1 > back:

@@ -161,8 +161,9 @@ def test_recompute_holds_less_compiled_for_a100s_and_not_on_cpu():
     """A bf16 residual MLP stack, dp over 8, compiled for 8 A100s (no GPU here): with
     ``nothing_saveable`` on every layer its temporaries are under 60% of those without, and
     within 20% of the same stack under the user's own ``jax.checkpoint`` on every layer.
-    Control: compiled for the 8 CPU devices here it holds at least 95% as much, since XLA's
-    CPU scheduler runs the recomputation early."""
+    Control: compiled for the 8 CPU devices here it holds at least 90% as much, as the stack
+    does under its own ``jax.checkpoint`` there (within 2%): XLA's CPU scheduler does not
+    hold the inputs in place of the activations."""
     from cfp.gpu_compile import gpu_mesh, unavailable_reason
     why = unavailable_reason("a100")
     if why is not None:
@@ -173,9 +174,63 @@ def test_recompute_holds_less_compiled_for_a100s_and_not_on_cpu():
     jaxs = _temp_mib("scanned_models:jax_checkpoint", a100, False)
     assert ours < 0.6 * plain and ours < 1.2 * jaxs, (plain, ours, jaxs)
     cpu = make_mesh((8,))
-    on_cpu = (_temp_mib("scanned_models:jax_unrolled", cpu, True)
-              / _temp_mib("scanned_models:jax_unrolled", cpu, False))
-    assert on_cpu >= 0.95, on_cpu
+    ours_on_cpu = _temp_mib("scanned_models:jax_unrolled", cpu, True)
+    on_cpu = ours_on_cpu / _temp_mib("scanned_models:jax_unrolled", cpu, False)
+    jaxs_on_cpu = _temp_mib("scanned_models:jax_checkpoint", cpu, False)
+    assert on_cpu >= 0.9 and abs(ours_on_cpu / jaxs_on_cpu - 1) < 0.02, (on_cpu, jaxs_on_cpu)
+
+
+@pytest.mark.slow  # four whole gpt steps compiled, two for A100s: about 35 s
+def test_saving_nothing_holds_less_than_saving_the_dots_on_gpt_for_a100s():
+    """gpt (bf16, 3 layers), dp over 8, compiled for 8 A100s: ``nothing_saveable`` on every
+    layer holds a tenth less than ``dots_saveable`` (the barrier's wait on the backward pass
+    survives XLA: a barrier's cotangent that nothing reads from it is dropped, and the
+    recomputation then runs in the forward pass, holding more than saving the dots). Control:
+    compiled for the 8 CPU devices here the two are within 2% of each other."""
+    from cfp.gpu_compile import gpu_mesh, unavailable_reason
+    from concurrent.futures import ThreadPoolExecutor
+    from cfp.measure import memory_of
+    why = unavailable_reason("a100")
+    if why is not None:
+        pytest.skip(why)
+    spec = WorkloadSpec("gpt", "tiny", 16, "bfloat16",
+                        (("num_layers", 3), ("hidden_size", 128), ("num_heads", 4),
+                         ("seq_len", 128))).resolved()
+    a = run_analysis(spec, (8,))
+    program = trace_step(spec.build())
+    for mesh, ordered in ((gpu_mesh("a100", (8,), ("m0",)), True), (make_mesh((8,)), False)):
+        with ThreadPoolExecutor(2) as pool:  # a compile for described GPUs runs no kernel
+            dots, nothing = pool.map(lambda p: memory_of(PlannedStep(
+                recomputed(program, forced(a, p)), a, [0] * len(a.blocks.blocks), mesh
+            ).compile())["temp_bytes"], ("dots_saveable", "nothing_saveable"))
+        assert (nothing < 0.9 * dots) if ordered else abs(nothing / dots - 1) < 0.02, \
+            (mesh, dots, nothing)
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_every_barrier_result_is_read_after_it(model):
+    """Each barrier recompute inserts holds what passes it: every result it gives is read
+    by a later equation (XLA drops a barrier's result nothing reads, and with a dropped
+    cotangent the barrier no longer waits for the backward pass: the recomputation then
+    runs in the forward pass and holds more than saving the dots, as ``gpt`` did compiled
+    for A100s in the slow test above). Control: with the readers of a barrier's last
+    result (the backward value at hand) pointed back at the value before it, the check
+    fails."""
+    import dataclasses
+    spec = WorkloadSpec(model, "tiny", 8, "float32", (("num_layers", 3),)).resolved()
+    a = run_analysis(spec, (8,))
+    program = recomputed(trace_step(spec.build()), forced(a, "nothing_saveable"))
+
+    def unread(p) -> list:
+        read = {v for e in p.eqns for v in e.inputs} | set(p.outputs)
+        return [v for e in p.eqns if e.primitive.name == "optimization_barrier"
+                for v in e.outputs if v not in read]
+    barriers = [e for e in program.eqns if e.primitive.name == "optimization_barrier"]
+    assert len(barriers) >= 2 and unread(program) == []
+    after, before = barriers[0].outputs[-1], barriers[0].inputs[-1]
+    bypassed = dataclasses.replace(program, eqns=[dataclasses.replace(
+        e, inputs=[before if v == after else v for v in e.inputs]) for e in program.eqns])
+    assert unread(bypassed) == [after]
 
 
 def test_a_bad_recompute_option_is_one_line(capsys):
