@@ -19,7 +19,8 @@ from cfp.sharding import STATE_LAYOUTS
 from cfp.solver import (LP_MAX_VARIABLES, Group, Option, Problem, Solution, evaluate,
                         least_memory, model_booleans, penalizing_reshardings, solve,
                         solve_alike)
-from cfp.window_memory import (COMBINED_REDUCTION_BYTES, held_for_backward, memory_terms,
+from cfp.recompute import held_values
+from cfp.window_memory import (COMBINED_REDUCTION_BYTES, memory_terms,
                                option_memory, read_back_across, terms_key)
 from cfp.windows import (held_state, inputs_read_earlier, layouts, priced_alike, shard_bytes,
                          state_layout)
@@ -107,19 +108,21 @@ def fastest_within_budget(candidates, memory_budget_bytes: int | None) -> int:
     return min(fits, key=lambda i: candidates[i].median_s)
 
 
-def build_problem(analysis, profile, memory_budget_bytes: int | None
+def build_problem(analysis, profile, memory_budget_bytes: int | None, recompute=None
                   ) -> tuple[Problem, dict]:
-    """The CP-SAT problem and, per group, the option -> combination table."""
+    """The CP-SAT problem and, per group, the option -> combination table; its memory that
+    of the step with ``recompute`` (``cfp.recompute.Recompute``) applied, where given."""
     names = AXIS_NAMES[:len(analysis.mesh_shape)]
     blocks = analysis.blocks.blocks
     groups, combos = [], {}
     read_earlier = inputs_read_earlier(analysis, profile.windows)
-    held = held_for_backward(analysis.graph, platform=profile.platform)
+    held = held_values(analysis, recompute, profile.platform)
+    remade = held_values(analysis, None, profile.platform) - held if recompute else frozenset()
     read_back = read_back_across(analysis)  # boundaries a backward pass reads
     composed: dict[tuple, list[Option]] = {}  # terms_key -> the window's options
     for gi, w in enumerate(profile.windows):
         seg = profile.window_profiles[w.type]
-        terms = memory_terms(analysis, w, read_earlier[gi], held)
+        terms = memory_terms(analysis, w, read_earlier[gi], held, remade)
         key = terms_key(analysis, w, terms)
         if key not in composed:
             composed[key] = [Option(combo, int(round(m.time_s * SCALE)),

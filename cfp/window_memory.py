@@ -61,6 +61,10 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
     # leave them out (``cfp.analytic``).
     held_internal = 0 if measured.note == "analytic" else sum(
         held_bytes.get(v, 0) for v in terms.internal)
+    # Recomputed in the backward pass, what the forward pass would hold is made again there:
+    # transient, as the compiled window's temporaries count those it makes and reads itself.
+    remade = sum(held_size(t) for t in terms.remade
+                 if measured.note == "analytic" or t[0] not in terms.internal)
     # A table's gradient is held from the step's start (``MemoryTerms``), as its blocks
     # compute with it, whatever its state layout; it does not wait besides.
     adding += sum(size(*t, stored=False) for t in terms.adding if t[0] in terms.tables)
@@ -69,7 +73,7 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
     # The weight copies among the temporaries are held from the step's start
     # (``cfp.measure.weight_copy_bytes``).
     copies = measured.weight_copy_bytes
-    return (adding + copies, max(0, measured.temp_bytes - held_internal - copies),
+    return (adding + copies, max(0, measured.temp_bytes - held_internal - copies) + remade,
             sum(held_bytes.values()), waiting)
 
 
@@ -94,6 +98,7 @@ def terms_key(analysis, window: Window, terms: MemoryTerms) -> tuple:
            tuple(tuple(st.axes for st in analysis.blocks.blocks[b].strategies)
                  for b in range(window.start, window.end)),
            names(terms.adding), names(terms.held), names(terms.gathered),
+           names(terms.remade),
            tuple(sorted(name(v) for v in terms.internal)),
            tuple(sorted((name(v), name(w)) for v, w in terms.weight_copies)),
            tuple((name(pairs[k][0]), kinds[k]) for k in held_state(analysis, window)))
@@ -192,10 +197,15 @@ class MemoryTerms:
     gathered: tuple = ()  # residuals held where a backward reader gathers them
     tables: frozenset = frozenset()  # the step's parameters a forward gather reads
     weight_copies: frozenset = frozenset()  # (held value, the one weight it is made from)
+    remade: tuple = ()  # held but for recompute: made again in the backward pass, as held
 
 
 def memory_terms(analysis, window: Window, read_earlier: frozenset[int] = frozenset(),
-                 held: frozenset[int] | None = None) -> MemoryTerms:
+                 held: frozenset[int] | None = None,
+                 remade: frozenset[int] = frozenset()) -> MemoryTerms:
+    """The window's ``MemoryTerms``, with ``held`` the activations the forward pass holds
+    (``held_for_backward`` where None) and ``remade`` those it would hold that recompute
+    makes again in the backward pass instead (``cfp.recompute.held_values``)."""
     g = analysis.graph
     blocks = [analysis.blocks.blocks[b] for b in range(window.start, window.end)]
     sub = sub_program(g, window_ops(analysis, window))
@@ -219,12 +229,14 @@ def memory_terms(analysis, window: Window, read_earlier: frozenset[int] = frozen
     outputs = set(g.outputs) - {new for _, new in g.state_pairs()}
     leaving = set(sub.live_outs)
     adding += [(v,) + made.get(v, (None, None)) for v in sub.live_outs if v in outputs]
-    held_terms, gathered, internal = [], [], set()
+    held_terms, gathered, internal, again = [], [], set(), []
     for i in sub.ops:
         for v in g.ops[i].outputs:
             forward, backward = readers.get(v, ((), ()))
             if v in kept:
                 held_terms.append((v, made[v], tuple(forward), tuple(backward)))
+            elif v in remade and v in made:
+                again.append((v, made[v], tuple(forward), tuple(backward)))
             elif i < backward_from and backward and v in made:
                 gathered.append((v, made[v], tuple(backward)))
             else:
@@ -234,7 +246,8 @@ def memory_terms(analysis, window: Window, read_earlier: frozenset[int] = frozen
     copies = weight_made(g)
     return MemoryTerms(tuple(adding), tuple(held_terms), frozenset(internal),
                        tuple(gathered), gather_tables(g, backward_from),
-                       frozenset((t[0], copies[t[0]]) for t in held_terms if t[0] in copies))
+                       frozenset((t[0], copies[t[0]]) for t in held_terms if t[0] in copies),
+                       tuple(again))
 
 
 def weight_made(g) -> dict[int, int]:

@@ -298,6 +298,34 @@ def test_where_no_plan_fits_search_recomputes_the_fewest_layers(monkeypatch, sha
     assert recomputing and all(h[1] > plain[h[0].split()[0]] for h in recomputing)
 
 
+def test_a_plan_composes_to_less_recomputing_and_makes_its_layers_again():
+    """The 4-layer tiny GPT in bfloat16 priced for 8 A100s, its dp plan composed with every
+    layer recomputed: under ``nothing_saveable`` the activations held across windows fall to
+    under a third and what they held is made again in each window's backward pass (its
+    transient grows); ``dots_saveable`` holds between the two. Control: ``none`` composes as
+    no recompute does, term for term."""
+    from cfp.cluster import load_cluster
+    from cfp.passes.profile import ProfileOptions, run_profile
+    from cfp.problem import baseline_candidates, build_problem
+    from cfp.solver import evaluate
+    analysis = run_analysis(WorkloadSpec("gpt", "tiny", None, "bfloat16",
+                                         (("num_layers", 4),)).resolved(), (8,))
+    profile = run_profile(analysis, ProfileOptions(
+        cost="analytic", cost_model=load_cluster("a100-8").cost_model((8,))))
+    plain = build_problem(analysis, profile, None)[0]
+    dp = dict(baseline_candidates(analysis, plain, [], within_budget=False))["dp"].choices
+
+    def composed(policy):
+        problem = build_problem(analysis, profile, None, forced(analysis, policy))[0]
+        options = [g.options[c] for g, c in zip(problem.groups, dp)]
+        return (evaluate(problem, dp)[1], sum(o.held for o in options),
+                sum(o.transient for o in options))
+    none, dots, nothing = map(composed, ("none", "dots_saveable", "nothing_saveable"))
+    assert none[0] == evaluate(plain, dp)[1]
+    assert nothing[1] < none[1] / 3 and nothing[2] > none[2]
+    assert nothing[0] < dots[0] < none[0] and nothing[1] < dots[1] < none[1]
+
+
 @pytest.mark.slow  # about 40 whole steps compiled for A100s
 def test_a_cluster_plan_recomputes_where_nothing_fits_compiled_for_a100s():
     """The bf16 tiny GPT (4 layers, hidden 128, sequence 256, batch 32) for 8 A100s, under a

@@ -462,7 +462,7 @@ def predict_plan(analysis, profile, memory_budget_bytes: int | None,
     seconds = predicted_seconds(problem, sol.choices, profile.launch_overhead_s)
     extra_s = recompute_seconds(analysis, recompute, seconds)
     return Prediction(tuple(analysis.mesh_shape), tuple(sol.strategies), seconds + extra_s,
-                      sol.memory, sol.status, sol.solve_s, plan_flops(analysis), profile.cost,
+                      composed_bytes(analysis, profile, sol, recompute), sol.status, sol.solve_s, plan_flops(analysis), profile.cost,
                       memory_budget_bytes, storage, hand, tuple(sol.choices),
                       profile.memory_source(), peak, gpus,
                       priced_seconds(analysis, profile, sol.choices)
@@ -470,26 +470,22 @@ def predict_plan(analysis, profile, memory_budget_bytes: int | None,
                       recompute.to_json() if recompute else None, extra_s)
 
 
+def composed_bytes(analysis, profile, sol: Solution, recompute) -> int:
+    """The memory per device ``sol`` composes to with ``recompute`` applied (its own where
+    there is none)."""
+    if not recompute:
+        return sol.memory
+    return evaluate(build_problem(analysis, profile, None, recompute)[0], sol.choices)[1]
+
+
 def recompute_seconds(analysis, recompute, seconds: float) -> float:
     """What recomputing costs a plan of ``seconds`` per step: its seconds per FLOP times the
     FLOPs computed again (the step's time is its contractions' where memory binds)."""
     if not recompute:
         return 0.0
-    from cfp.recompute import recomputed_flops
+    from cfp.recompute import recomputed_flops, traced_step
     return seconds * recomputed_flops(analysis.graph, traced_step(analysis, recompute)) \
         / plan_flops(analysis)
-
-
-def traced_step(analysis, recompute=None):
-    """The analysed step traced, with ``recompute`` inserted where given: each once per
-    analysis (a cluster plan compiles and prices several whole steps of it)."""
-    from cfp.graph import memo
-    from cfp.recompute import recomputed
-    from cfp.tracing import trace_step
-    program = memo(analysis, "traced step", lambda: trace_step(analysis.spec.build()))
-    if not recompute:
-        return program
-    return memo(analysis, ("traced step", recompute), lambda: recomputed(program, recompute))
 
 
 def priced_seconds(analysis, profile, choices) -> float:
@@ -600,8 +596,9 @@ def _recomputing(analysis, problem: Problem, profile, ours: list[Solution], hand
     peaks = dict(zip([s.choices for s in plans], compiled_peaks_for(
         analysis, [(s.strategies, stored[s.choices], full) for s in plans], gpus)))
     lines = tuple((f"{name} recomputing every layer",
-                   seconds(s) + recompute_seconds(analysis, full, seconds(s)), s.memory,
-                   peaks[s.choices]) for name, s, _ in hand)
+                   seconds(s) + recompute_seconds(analysis, full, seconds(s)),
+                   composed_bytes(analysis, profile, s, full), peaks[s.choices])
+                  for name, s, _ in hand)
     fitting = sorted((s for s in plans if compiled_fits(peaks[s.choices], budget, "gpu")),
                      key=seconds)
     if not fitting:
@@ -654,6 +651,8 @@ def compiled_peaks_for(analysis, plans, gpu: str) -> list[int]:
     mesh = gpu_mesh_of(analysis, gpu)
     plans = [(tuple(p[0]), p[1], p[2] if len(p) > 2 else None) for p in plans]
     distinct = list(dict.fromkeys(plans))
+
+    from cfp.recompute import traced_step
 
     def peak(plan):
         step = traced_step(analysis, plan[2])
