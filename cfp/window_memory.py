@@ -43,8 +43,10 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
     ``COMBINED_REDUCTION_BYTES``, so each waits from the window's backward pass until its
     group is complete, on a small model to near the step's end (``scripts/composed_memory.py
     --peak-top`` lists them live at the compiled peak); a split layout (``fsdp``) reduces each
-    at once. ``held`` and ``terms`` (``memory_terms``) are what the caller computed already,
-    for many combinations."""
+    at once. Where the window's layer is recomputed (``MemoryTerms.remade``), what its
+    forward pass would hold, and its weights gathered, count in its transient instead: its
+    backward pass makes them again. ``held`` and ``terms`` (``memory_terms``) are what the
+    caller computed already, for many combinations."""
     terms = terms or memory_terms(analysis, window, read_earlier, held)
     size, held_size, gathered_size = term_sizers(analysis, window, combo, axis_names)
     gathered = gathered_params(analysis, window, combo)
@@ -56,13 +58,19 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
     held_bytes = {t[0]: held_size(t) for t in terms.held if t[0] not in copied}
     held_bytes.update((t[0], n) for t in terms.gathered if (n := gathered_size(t)))
     adding = sum(size(*t) for t in terms.adding) + sum(held_bytes.values())
-    adding += sum(size(*t, stored=False) - size(*t) for t in terms.adding if t[0] in gathered)
+    gathered_extra = sum(size(*t, stored=False) - size(*t) for t in terms.adding
+                         if t[0] in gathered)
+    # A recomputed window's backward pass reads its weights as its barrier passes them, split,
+    # and gathers them again: none is held gathered from the forward pass.
+    regathered = gathered_extra if terms.remade and measured.note == "analytic" else 0
+    adding += 0 if terms.remade else gathered_extra
     # A compiled window's temporaries include the activations it holds; an analytic one's
     # leave them out (``cfp.analytic``).
     held_internal = 0 if measured.note == "analytic" else sum(
         held_bytes.get(v, 0) for v in terms.internal)
     # Recomputed in the backward pass, what the forward pass would hold is made again there:
-    # transient, as the compiled window's temporaries count those it makes and reads itself.
+    # transient, as the compiled window's temporaries count those it makes and reads itself
+    # (and the weights it gathers).
     remade = sum(held_size(t) for t in terms.remade
                  if measured.note == "analytic" or t[0] not in terms.internal)
     # A table's gradient is held from the step's start (``MemoryTerms``), as its blocks
@@ -73,7 +81,8 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
     # The weight copies among the temporaries are held from the step's start
     # (``cfp.measure.weight_copy_bytes``).
     copies = measured.weight_copy_bytes
-    return (adding + copies, max(0, measured.temp_bytes - held_internal - copies) + remade,
+    return (adding + copies,
+            max(0, measured.temp_bytes - held_internal - copies) + remade + regathered,
             sum(held_bytes.values()), waiting)
 
 

@@ -302,8 +302,10 @@ def test_a_plan_composes_to_less_recomputing_and_makes_its_layers_again():
     """The 4-layer tiny GPT in bfloat16 priced for 8 A100s, its dp plan composed with every
     layer recomputed: under ``nothing_saveable`` the activations held across windows fall to
     under a third and what they held is made again in each window's backward pass (its
-    transient grows); ``dots_saveable`` holds between the two. Control: ``none`` composes as
-    no recompute does, term for term."""
+    transient grows); ``dots_saveable`` holds between the two. The fsdp plan holds no
+    weight gathered from the forward pass to the backward (which gathers again): what it
+    adds up besides activations falls under half of zero1's (weights whole), where without
+    recompute the two are equal. Control: ``none`` composes as no recompute does."""
     from cfp.cluster import load_cluster
     from cfp.passes.profile import ProfileOptions, run_profile
     from cfp.problem import baseline_candidates, build_problem
@@ -313,7 +315,15 @@ def test_a_plan_composes_to_less_recomputing_and_makes_its_layers_again():
     profile = run_profile(analysis, ProfileOptions(
         cost="analytic", cost_model=load_cluster("a100-8").cost_model((8,))))
     plain = build_problem(analysis, profile, None)[0]
-    dp = dict(baseline_candidates(analysis, plain, [], within_budget=False))["dp"].choices
+    hand = dict(baseline_candidates(analysis, plain, [], within_budget=False))
+    dp = hand["dp"].choices
+
+    def stored(policy, name):  # adding up, less the activations held
+        problem = build_problem(analysis, profile, None, forced(analysis, policy))[0]
+        return sum(g.options[c].memory - g.options[c].held
+                   for g, c in zip(problem.groups, hand[name].choices))
+    assert stored("none", "fsdp") == stored("none", "zero1")
+    assert stored("nothing_saveable", "fsdp") < 0.5 * stored("nothing_saveable", "zero1")
 
     def composed(policy):
         problem = build_problem(analysis, profile, None, forced(analysis, policy))[0]
