@@ -131,6 +131,11 @@ def device_name(gpu: str) -> str:
     return re.search(r'device_description_str:\s*"([^"]+)"', description(gpu)).group(1)
 
 
+def memory_bandwidth(gpu: str) -> float:
+    """Bytes per second of the GPU's memory, as its description gives it."""
+    return float(re.search(r"memory_bandwidth:\s*(\d+)", description(gpu)).group(1))
+
+
 def label(gpu: str) -> str:
     """The short name the console prints (``A100``)."""
     return gpu.upper()

@@ -33,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from typing import Callable, Sequence
 
@@ -284,8 +285,23 @@ def fewest_layers(full: Recompute, fits: Callable[[list], list[bool]], at_once: 
     return first_layers(full, high)
 
 
-def recomputed_flops(graph, program) -> float:
-    """FLOPs of the equations ``program`` (``recomputed`` from the step of ``graph``)
-    computes twice."""
+def recomputed_work(graph, program) -> tuple[float, int]:
+    """Of the equations ``program`` (``recomputed`` from the step of ``graph``) computes
+    twice, the contractions' FLOPs and the bytes the others write (what bounds an
+    elementwise op's time: a softmax made again is memory's work, not FLOPs)."""
+    from cfp.jax_compat import itemsize
     seen = Counter(e.op for e in program.eqns if e.op is not None and e.op >= 0)
-    return sum((n - 1) * graph.ops[op].flops for op, n in seen.items() if n > 1)
+    again = [(graph.ops[op], n - 1) for op, n in seen.items() if n > 1]
+    flops = sum(n * op.flops for op, n in again if op.is_contraction)
+    written = sum(n * math.prod(graph.values[v].shape) * itemsize(graph.values[v].dtype)
+                  for op, n in again if not op.is_contraction for v in op.outputs)
+    return flops, written
+
+
+def mixed(full: Recompute, nothing: int, lighter: int, policy: str) -> Recompute | None:
+    """``full``'s layers, the first ``nothing`` under ``nothing_saveable``, the next
+    ``lighter`` under ``policy``, the rest not recomputed (the last layers' activations
+    are held the shortest); None for none."""
+    policies = ["nothing_saveable"] * nothing + [policy] * lighter
+    layers = tuple((k, ops, p) for (k, ops, _), p in zip(full.layers, policies))
+    return Recompute(layers, full.backward_from) if layers else None

@@ -37,10 +37,11 @@ def _contractions(program) -> int:
 
 
 @pytest.mark.parametrize("policy, more", [("nothing_saveable", 2), ("dots_saveable", 0),
-                                          ("none", 0)])
+                                          ("dots_with_no_batch_dims_saveable", 0), ("none", 0)])
 def test_a_policy_recomputes_what_it_does_not_save(policy, more):
     """The whole forward pass as one layer: ``nothing_saveable`` computes its two
-    contractions again, ``dots_saveable`` only the tanh around them, ``none`` nothing; the
+    contractions again, ``dots_saveable`` and ``dots_with_no_batch_dims_saveable`` (its
+    contractions have no batch dimension) only the tanh around them, ``none`` nothing; the
     step's values are the same. Control: the counts differ between the policies."""
     args = (jnp.full((16, 16), 0.1), jnp.full((16, 16), 0.2), jnp.arange(64.).reshape(4, 16) / 64)
     program = trace_program(_step, *args)
@@ -251,47 +252,60 @@ PEAK = 2**30  # every plan's compiled peak, in the model below, recomputing noth
 
 def _model_peaks(monkeypatch) -> list[int]:
     """Compiled peaks as a model, not a compile: ``PEAK``, less a tenth of it per layer
-    recomputed; the layer counts asked for, in order."""
+    recomputed whole and 6% per layer saving its contractions without a batch dimension;
+    the layer counts asked for, in order."""
     from cfp.passes import search
     asked = []
+    saves = {"nothing_saveable": 0.1, "dots_with_no_batch_dims_saveable": 0.06}
 
     def peaks(analysis, plans, gpu):
-        counts = [len(p[2].layers) if len(p) > 2 and p[2] else 0 for p in plans]
-        asked.extend(counts)
-        return [int(PEAK * (1 - 0.1 * n)) for n in counts]
+        layers = [p[2].layers if len(p) > 2 and p[2] else () for p in plans]
+        asked.extend(len(r) for r in layers)
+        return [int(PEAK * (1 - sum(saves[policy] for _, _, policy in r))) for r in layers]
     monkeypatch.setattr(search, "compiled_peaks_for", peaks)
     monkeypatch.setattr(search, "plan_peak", lambda *args: peaks(None, [()], None)[0])
     return asked
 
 
-@pytest.mark.parametrize("share, layers", [(1.1, 0), (0.85, 2), (0.65, 4), (0.5, None)])
-def test_where_no_plan_fits_search_recomputes_the_fewest_layers(monkeypatch, share, layers):
+NOTHING, LIGHTER = "nothing_saveable", "dots_with_no_batch_dims_saveable"
+
+
+@pytest.mark.parametrize("share, policies", [(1.1, []), (0.85, [LIGHTER] * 4),
+                                             (0.65, [NOTHING] * 4), (0.5, None)])
+def test_where_no_plan_fits_search_recomputes_the_fewest_layers(monkeypatch, share, policies):
     """The 4-layer tiny GPT priced for 8 A100s, compiled peaks modelled (``_model_peaks``),
     under a budget of ``share`` of the peak: at 1.1 a plan fits, nothing is recomputed and no
     hand plan is priced recomputing (the control); at 0.85 it fits recomputing two layers
-    (within 95% of the budget) and recomputes two, at 0.65 four; at 0.5 even four do not fit,
-    and "no plan fits" is said. A plan recomputing is priced higher by what it recomputes,
-    and each hand plan is priced beside it recomputing every layer."""
+    whole (within 95% of the budget) or four saving their projections, priced lower, and
+    recomputes the four so; at 0.65 only four recomputed whole fit; at 0.5 even those do not
+    fit, and "no plan fits" is said. A plan recomputing is priced higher by what it
+    recomputes, and each hand plan is priced beside it recomputing every layer."""
     from cfp.cluster import load_cluster
     from cfp.passes.profile import ProfileOptions, run_profile
-    from cfp.passes.search import predict_plan
+    from cfp.passes.search import predict_plan, recompute_seconds
+    from cfp.recompute import first_layers
     analysis = run_analysis(WorkloadSpec("gpt", "tiny", None, "float32",
                                          (("num_layers", 4),)).resolved(), (8,))
     profile = run_profile(analysis, ProfileOptions(
         cost="analytic", cost_model=load_cluster("a100-8").cost_model((8,))))
     asked = _model_peaks(monkeypatch)
     budget = int(PEAK * share)
-    if layers is None:
+    if policies is None:
         with pytest.raises(CfpError, match="no plan fits.*recomputing every layer, the least"):
             predict_plan(analysis, profile, budget, 10.0, compile_for="a100")
         assert max(asked) == 4
         return
     rec = predict_plan(analysis, profile, budget, 10.0, compile_for="a100")
     recomputing = [h for h in rec.hand_plans if h[0].endswith("recomputing every layer")]
-    if layers == 0:
+    if not policies:
         assert rec.recompute is None and rec.recompute_s == 0 and not recomputing
         return
-    assert [layer["segment"] for layer in rec.recompute["layers"]] == list(range(layers))
+    assert [layer["policy"] for layer in rec.recompute["layers"]] == policies
+    assert [layer["segment"] for layer in rec.recompute["layers"]] == list(range(len(policies)))
+    if LIGHTER in policies:  # priced below the two layers recomputed whole that also fit
+        whole = first_layers(forced(analysis, NOTHING), 2)
+        assert rec.recompute_s < recompute_seconds(
+            analysis, whole, rec.predicted_s - rec.recompute_s, "a100")
     assert rec.compiled_peak_bytes <= 0.95 * budget
     assert 0 < rec.recompute_s < rec.predicted_s
     plain = {h[0]: h[1] for h in rec.hand_plans}

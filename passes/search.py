@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import statistics
+from collections import Counter
 import time
 
 from cfp.baselines import load_rules
@@ -460,7 +462,7 @@ def predict_plan(analysis, profile, memory_budget_bytes: int | None,
         recompute = None
     storage = plan_storage(analysis, problem, profile.windows, sol.choices)
     seconds = predicted_seconds(problem, sol.choices, profile.launch_overhead_s)
-    extra_s = recompute_seconds(analysis, recompute, seconds)
+    extra_s = recompute_seconds(analysis, recompute, seconds, gpus)
     return Prediction(tuple(analysis.mesh_shape), tuple(sol.strategies), seconds + extra_s,
                       composed_bytes(analysis, profile, sol, recompute), sol.status, sol.solve_s, plan_flops(analysis), profile.cost,
                       memory_budget_bytes, storage, hand, tuple(sol.choices),
@@ -478,14 +480,18 @@ def composed_bytes(analysis, profile, sol: Solution, recompute) -> int:
     return evaluate(build_problem(analysis, profile, None, recompute)[0], sol.choices)[1]
 
 
-def recompute_seconds(analysis, recompute, seconds: float) -> float:
-    """What recomputing costs a plan of ``seconds`` per step: its seconds per FLOP times the
-    FLOPs computed again (the step's time is its contractions' where memory binds)."""
+def recompute_seconds(analysis, recompute, seconds: float, gpu: str) -> float:
+    """What recomputing costs a plan of ``seconds`` per step on ``gpu``s: its seconds per
+    FLOP times the contractions' FLOPs computed again (the step's time is its contractions'
+    where memory binds), and the bytes the other operators write again, split over the
+    mesh, at the GPU's memory bandwidth."""
     if not recompute:
         return 0.0
-    from cfp.recompute import recomputed_flops, traced_step
-    return seconds * recomputed_flops(analysis.graph, traced_step(analysis, recompute)) \
-        / plan_flops(analysis)
+    from cfp.gpu_compile import memory_bandwidth
+    from cfp.recompute import recomputed_work, traced_step
+    flops, written = recomputed_work(analysis.graph, traced_step(analysis, recompute))
+    return (seconds * flops / plan_flops(analysis)
+            + written / math.prod(analysis.mesh_shape) / memory_bandwidth(gpu))
 
 
 def priced_seconds(analysis, profile, choices) -> float:
@@ -596,7 +602,7 @@ def _recomputing(analysis, problem: Problem, profile, ours: list[Solution], hand
     peaks = dict(zip([s.choices for s in plans], compiled_peaks_for(
         analysis, [(s.strategies, stored[s.choices], full) for s in plans], gpus)))
     lines = tuple((f"{name} recomputing every layer",
-                   seconds(s) + recompute_seconds(analysis, full, seconds(s)),
+                   seconds(s) + recompute_seconds(analysis, full, seconds(s), gpus),
                    composed_bytes(analysis, profile, s, full), peaks[s.choices])
                   for name, s, _ in hand)
     fitting = sorted((s for s in plans if compiled_fits(peaks[s.choices], budget, "gpu")),
@@ -616,7 +622,53 @@ def _recomputing(analysis, problem: Problem, profile, ours: list[Solution], hand
     peak = tried[len(recompute.layers)]
     log.info("recomputing %d of %d layers, the plan compiles to %.3f GiB", len(recompute.layers),
              len(full.layers), peak / 2**30)
+    lighter = _with_lighter(analysis, best, stored[best.choices], full, tried, seconds(best),
+                            budget, gpus)
+    if lighter is not None and (recompute_seconds(analysis, lighter[0], seconds(best), gpus)
+                                < recompute_seconds(analysis, recompute, seconds(best), gpus)):
+        recompute, peak = lighter
     return best, peak, recompute, lines
+
+
+# Between recomputing a layer whole and not at all: saving its contractions without a batch
+# dimension (the projections) and computing the rest again (attention's scores, the
+# elementwise operators), most of a layer's FLOPs for a part of its activations.
+LIGHTER = "dots_with_no_batch_dims_saveable"
+
+
+def _with_lighter(analysis, plan: Solution, storage, full, tried: dict, seconds: float,
+                  budget: int, gpus: str):
+    """The plan's recompute with its layers in three runs, ``nothing_saveable``, then
+    ``LIGHTER``, then none, where that is priced below the fewest layers recomputed whole:
+    each run's layers counted by a peak taken as linear in them (per layer not recomputed,
+    from the compiled peaks ``tried`` (layers recomputed whole -> peak); per layer under
+    ``LIGHTER``, from the plan compiled with it on every layer), and the two counts priced
+    cheapest that fit compiled side by side. ``(recompute, peak)`` of the cheapest that
+    fits compiled; None where none is found."""
+    from cfp.recompute import mixed
+    n = len(full.layers)
+    below = [c for c in tried if c < n]
+    if not below:
+        return None
+    k = max(below)
+    per_none = (tried[k] - tried[n]) / (n - k)
+    light = mixed(full, 0, n, LIGHTER)
+    per_light = (compiled_peaks_for(analysis, [(plan.strategies, storage, light)], gpus)[0]
+                 - tried[n]) / n
+    t_whole = recompute_seconds(analysis, full, seconds, gpus) / n
+    t_light = recompute_seconds(analysis, light, seconds, gpus) / n
+    room = budget * COMPILED_FIT_SHARE - tried[n]
+    priced = sorted(((c * t_whole + b * (t_whole - t_light), b, c)
+                     for c in range(n + 1) for b in range(n - c + 1)
+                     if c * per_none + b * max(per_light, 0) <= room), reverse=True)
+    chosen = [mixed(full, n - b - c, b, LIGHTER) for _, b, c in priced if b][:2]
+    if not chosen:
+        return None
+    peaks = compiled_peaks_for(analysis, [(plan.strategies, storage, r) for r in chosen], gpus)
+    fitting = [(r, p) for r, p in zip(chosen, peaks) if compiled_fits(p, budget, "gpu")]
+    log.info("recomputing in three runs, compiled: %s", [
+        (Counter(policy for _, _, policy in r.layers), p / 2**30) for r, p in zip(chosen, peaks)])
+    return fitting[0] if fitting else None
 
 
 def plan_peak(analysis, problem: Problem, profile, sol: Solution, gpus: str) -> int:
