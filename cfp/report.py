@@ -463,7 +463,9 @@ def prediction_console(rec, cluster, driver_lines: bool = False, analysis=None) 
     if getattr(rec, "recompute", None) and analysis is not None:
         from cfp.describe import recompute_words
         for line in recompute_words(analysis, rec.recompute):
-            say(f"  {line}: {rec.recompute_s * 1e3:.3f} ms of the step, priced by FLOPs")
+            say(f"  {line}")
+        say(f"  recomputing: {rec.recompute_s * 1e3:.3f} ms of the step (the contractions' "
+            f"FLOPs, the other operators' bytes at the GPU's memory bandwidth)")
     if rec.pricing == "mock":
         say(f"  of it measured on the GPU here (one GPU's share of each window): "
             f"{(rec.predicted_s - rec.priced_s) * 1e3:.3f} ms; priced (collectives and "
