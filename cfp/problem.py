@@ -19,8 +19,7 @@ from cfp.sharding import STATE_LAYOUTS
 from cfp.solver import (LP_MAX_VARIABLES, Group, Option, Problem, Solution, evaluate,
                         least_memory, model_booleans, penalizing_reshardings, solve,
                         solve_alike)
-from cfp.recompute import held_values
-from cfp.window_memory import (COMBINED_REDUCTION_BYTES, memory_terms,
+from cfp.window_memory import (COMBINED_REDUCTION_BYTES, held_values, memory_terms,
                                option_memory, read_back_across, terms_key)
 from cfp.windows import (held_state, inputs_read_earlier, layouts, priced_alike, shard_bytes,
                          state_layout)

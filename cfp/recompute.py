@@ -200,21 +200,6 @@ def traced_step(analysis, recompute: Recompute | None = None):
     return memo(analysis, ("traced step", recompute), lambda: recomputed(program, recompute))
 
 
-def held_values(analysis, recompute: Recompute | None, platform: str) -> frozenset[int]:
-    """The activations the forward pass holds for the backward pass
-    (``cfp.window_memory.held_for_backward``) where ``recompute`` is applied: those of the
-    step with the recompute inserted that the analysed step has. A recomputed layer holds
-    its inputs (its barrier reads them) and what its policy saves; its other results are
-    made again in the backward pass and held by none."""
-    from cfp.window_memory import held_for_backward
-    if not recompute:
-        return held_for_backward(analysis.graph, platform=platform)
-    g = analysis.graph
-    return frozenset(v for v in held_for_backward(traced_step(analysis, recompute).graph(),
-                                                  platform=platform)
-                     if v in g.values and g.values[v].producer is not None)
-
-
 def _latest(copies, pos: int, v: int) -> int:
     """The copy of ``v`` a reader at ``pos`` reads: that of the last barrier before it."""
     return max(((at, copy) for at, copy in copies if at <= pos), default=(0, v))[1]

@@ -214,7 +214,7 @@ def memory_terms(analysis, window: Window, read_earlier: frozenset[int] = frozen
                  remade: frozenset[int] = frozenset()) -> MemoryTerms:
     """The window's ``MemoryTerms``, with ``held`` the activations the forward pass holds
     (``held_for_backward`` where None) and ``remade`` those it would hold that recompute
-    makes again in the backward pass instead (``cfp.recompute.held_values``)."""
+    makes again in the backward pass instead (``held_values``)."""
     g = analysis.graph
     blocks = [analysis.blocks.blocks[b] for b in range(window.start, window.end)]
     sub = sub_program(g, window_ops(analysis, window))
@@ -380,6 +380,21 @@ def _held_for_backward(g, elementwise_residuals: bool, platform: str) -> frozens
             elif late and elementwise_residuals:
                 read_late(v)
     return frozenset(out)
+
+
+def held_values(analysis, recompute, platform: str) -> frozenset[int]:
+    """The activations the forward pass holds for the backward pass
+    (``held_for_backward``) where ``recompute`` is applied: those of the
+    step with the recompute inserted that the analysed step has. A recomputed layer holds
+    its inputs (its barrier reads them) and what its policy saves; its other results are
+    made again in the backward pass and held by none."""
+    from cfp.recompute import traced_step
+    if not recompute:
+        return held_for_backward(analysis.graph, platform=platform)
+    g = analysis.graph
+    return frozenset(v for v in held_for_backward(traced_step(analysis, recompute).graph(),
+                                                  platform=platform)
+                     if v in g.values and g.values[v].producer is not None)
 
 
 def _feeds_contraction(g, op_index: int, depth: int = 3) -> bool:
