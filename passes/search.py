@@ -18,8 +18,8 @@ import dataclasses
 import logging
 import math
 import statistics
-from collections import Counter
 import time
+from collections import Counter
 
 from cfp.baselines import load_rules
 from cfp.errors import CfpError
@@ -464,7 +464,8 @@ def predict_plan(analysis, profile, memory_budget_bytes: int | None,
     seconds = predicted_seconds(problem, sol.choices, profile.launch_overhead_s)
     extra_s = recompute_seconds(analysis, recompute, seconds, gpus)
     return Prediction(tuple(analysis.mesh_shape), tuple(sol.strategies), seconds + extra_s,
-                      composed_bytes(analysis, profile, sol, recompute), sol.status, sol.solve_s, plan_flops(analysis), profile.cost,
+                      composed_bytes(analysis, profile, sol, recompute), sol.status,
+                      sol.solve_s, plan_flops(analysis), profile.cost,
                       memory_budget_bytes, storage, hand, tuple(sol.choices),
                       profile.memory_source(), peak, gpus,
                       priced_seconds(analysis, profile, sol.choices)
@@ -700,11 +701,10 @@ def compiled_peaks_for(analysis, plans, gpu: str) -> list[int]:
     from cfp.execute import PlannedStep
     from cfp.jax_compat import no_compilation_cache
     from cfp.measure import memory_of
+    from cfp.recompute import traced_step
     mesh = gpu_mesh_of(analysis, gpu)
     plans = [(tuple(p[0]), p[1], p[2] if len(p) > 2 else None) for p in plans]
     distinct = list(dict.fromkeys(plans))
-
-    from cfp.recompute import traced_step
 
     def peak(plan):
         step = traced_step(analysis, plan[2])
