@@ -33,7 +33,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import Counter
 from typing import Callable, Sequence
 
@@ -274,11 +273,10 @@ def recomputed_work(graph, program) -> tuple[float, int]:
     """Of the equations ``program`` (``recomputed`` from the step of ``graph``) computes
     twice, the contractions' FLOPs and the bytes the others write (what bounds an
     elementwise op's time: a softmax made again is memory's work, not FLOPs)."""
-    from cfp.jax_compat import itemsize
     seen = Counter(e.op for e in program.eqns if e.op is not None and e.op >= 0)
     again = [(graph.ops[op], n - 1) for op, n in seen.items() if n > 1]
     flops = sum(n * op.flops for op, n in again if op.is_contraction)
-    written = sum(n * math.prod(graph.values[v].shape) * itemsize(graph.values[v].dtype)
+    written = sum(n * graph.values[v].nbytes
                   for op, n in again if not op.is_contraction for v in op.outputs)
     return flops, written
 

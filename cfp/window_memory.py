@@ -62,8 +62,11 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
                          if t[0] in gathered)
     # A recomputed window's backward pass reads its weights as its barrier passes them, split,
     # and gathers them again: none is held gathered from the forward pass.
-    regathered = gathered_extra if terms.remade and measured.note == "analytic" else 0
-    adding += 0 if terms.remade else gathered_extra
+    regathered = 0
+    if not terms.remade:
+        adding += gathered_extra
+    elif measured.note == "analytic":  # a compiled window's temporaries hold them already
+        regathered = gathered_extra
     # A compiled window's temporaries include the activations it holds; an analytic one's
     # leave them out (``cfp.analytic``).
     held_internal = 0 if measured.note == "analytic" else sum(

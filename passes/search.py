@@ -602,9 +602,10 @@ def _recomputing(analysis, problem: Problem, profile, ours: list[Solution], hand
     plans = list({s.choices: s for s in ours + [s for _, s, _ in hand]}.values())
     peaks = dict(zip([s.choices for s in plans], compiled_peaks_for(
         analysis, [(s.strategies, stored[s.choices], full) for s in plans], gpus)))
+    composed = build_problem(analysis, profile, None, full)[0]  # every layer recomputed
     lines = tuple((f"{name} recomputing every layer",
                    seconds(s) + recompute_seconds(analysis, full, seconds(s), gpus),
-                   composed_bytes(analysis, profile, s, full), peaks[s.choices])
+                   evaluate(composed, s.choices)[1], peaks[s.choices])
                   for name, s, _ in hand)
     fitting = sorted((s for s in plans if compiled_fits(peaks[s.choices], budget, "gpu")),
                      key=seconds)
