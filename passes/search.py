@@ -517,24 +517,25 @@ def _fitting_once_compiled(analysis, problem: Problem, profile, sol: Solution | 
     peak, of those compiled: ``sol`` (the plan the composition fits; None where it fits
     none, as XLA may hold less than it counts: the fastest plan with no budget), and while
     the last one compiled does not fit, the plan the composition gives calibrated on it
-    (``calibrated``), up to ``CALIBRATIONS`` compiles; then, where none fits, the fastest of
-    those the composition counts leanest; and the hand plans (``hand``: (name, solution,
-    compiled peak, None where not compiled) each). A plan over the budget once compiled is dropped; where none fits,
-    each is compiled recomputing its layers (``_recomputing``), and where none fits so either,
-    "no plan fits" is said from the compiled figures. Returns the plan, its peak, what it
-    recomputes (None: nothing) and the hand plans' lines recomputing (none where some plan
-    fits without)."""
+    (``calibrated``), up to ``CALIBRATIONS`` compiles; from the second on, beside the plan
+    the composition counts leanest, and where that does not fit either, no more (no plan
+    fits without recomputing); and the hand plans (``hand``: (name, solution, compiled
+    peak, None where not compiled) each). A plan over the budget once compiled is dropped;
+    where none fits, plans are compiled recomputing their layers (``_recomputing``), and
+    where none fits so either, "no plan fits" is said from the compiled figures. Returns
+    the plan, its peak, what it recomputes (None: nothing) and the hand plans' lines
+    recomputing (none where some plan fits without)."""
     budget = problem.memory_budget
     if budget is None:
-        return sol, plan_peak(analysis, problem, profile, sol, gpus), None, ()
+        return sol, plan_peaks(analysis, problem, profile, [sol], gpus)[0], None, ()
     tried = {}  # choices -> (solution, compiled peak) of each plan compiled
 
-    def compiled(sol: Solution) -> int:
-        peak = plan_peak(analysis, problem, profile, sol, gpus)
-        tried[sol.choices] = (sol, peak)
-        log.info("composed %.3f GiB, compiled for %s %.3f GiB", sol.memory / 2**30, gpus,
-                 peak / 2**30)
-        return peak
+    def compiled(sols: list) -> None:  # side by side, each once
+        sols = [s for s in {s.choices: s for s in sols}.values() if s.choices not in tried]
+        for s, peak in zip(sols, plan_peaks(analysis, problem, profile, sols, gpus)):
+            tried[s.choices] = (s, peak)
+            log.info("composed %.3f GiB, compiled for %s %.3f GiB", s.memory / 2**30, gpus,
+                     peak / 2**30)
 
     def solved(p: Problem) -> Solution | None:
         try:
@@ -543,30 +544,40 @@ def _fitting_once_compiled(analysis, problem: Problem, profile, sol: Solution | 
         except CfpError:  # none composes within it, but those compiled already
             return None
 
-    sol = sol or solved(dataclasses.replace(problem, memory_budget=None))
-    for _ in range(CALIBRATIONS):
-        if sol is None:
-            break
-        peak = compiled(sol)
-        if compiled_fits(peak, budget, "gpu"):
-            break
-        # solved against the budget scaled by this plan's composed / compiled bytes
-        sol = solved(calibrated(analysis, problem, profile.windows, [(sol, peak)],
-                                first=False, budget_bytes=int(budget * COMPILED_FIT_SHARE)))
-    if not any(compiled_fits(p, budget, "gpu") for _, p in tried.values()):
+    def leanest() -> Solution | None:
         least = least_memory(problem)  # a bound: the leanest plan may compose to more
         for share in LEANEST_SHARES:
             lean = solved(dataclasses.replace(problem, memory_budget=int(least * share)))
             if lean is not None:
-                compiled(lean)
-                break
+                return lean
+        return None
+
+    def fits(sol: Solution) -> bool:
+        return compiled_fits(tried[sol.choices][1], budget, "gpu")
+
+    sol = sol or solved(dataclasses.replace(problem, memory_budget=None))
+    lean = None
+    for n in range(CALIBRATIONS):
+        if sol is None:
+            break
+        compiled([sol] + ([lean] if lean is not None else []))
+        if fits(sol) or (lean is not None and not fits(lean)):
+            break  # where the leanest plan does not fit, no calibration finds one that does
+        if n == 0:  # compiled beside the next calibration's plan
+            lean = leanest()
+        # solved against the budget scaled by this plan's composed / compiled bytes
+        sol = solved(calibrated(analysis, problem, profile.windows, [tried[sol.choices]],
+                                first=False, budget_bytes=int(budget * COMPILED_FIT_SHARE)))
+    if not any(compiled_fits(p, budget, "gpu") for _, p in tried.values()):
+        lean = lean or leanest()
+        if lean is not None:
+            compiled([lean])
     fits = [(s, p) for s, p in list(tried.values()) + [(s, p) for _, s, p in hand]
             if p is not None and compiled_fits(p, budget, "gpu")]
     if fits:
         return min(fits, key=lambda sp: predicted_seconds(problem, sp[0].choices,
                                                           profile.launch_overhead_s)) + (None, ())
-    found = _recomputing(analysis, problem, profile, [s for s, _ in tried.values()], hand,
-                         gpus)
+    found = _recomputing(analysis, problem, profile, list(tried.values()), hand, gpus)
     if isinstance(found, tuple):
         return found
     from cfp.gpu_compile import label
@@ -581,13 +592,18 @@ def _fitting_once_compiled(analysis, problem: Problem, profile, sol: Solution | 
                       if found is not None else ""))
 
 
-def _recomputing(analysis, problem: Problem, profile, ours: list[Solution], hand, gpus: str):
-    """Where no plan fits once compiled: cfp's plans compiled and the hand plans, with every
-    layer recomputed (``nothing_saveable``, MaxText's default); of those that then fit, the
-    fastest recomputing the fewest layers it fits with (``cfp.recompute.fewest_layers``),
-    each priced by ``recompute_seconds``. ``(plan, peak, recompute, the hand plans' lines
-    recomputing every layer)``; where none fits even so, the least peak recomputing every
-    layer; None where nothing has a backward pass to recompute."""
+def _recomputing(analysis, problem: Problem, profile, ours: list, hand, gpus: str):
+    """Where no plan fits once compiled (``ours``: (solution, compiled peak) of cfp's plans
+    compiled, ``hand``: (name, solution, compiled peak or None) of the hand plans): the plans
+    compiled again with every layer recomputed (``nothing_saveable``, MaxText's default),
+    fastest first, two side by side (the fastest not yet compiled, and the fastest hand plan
+    not yet compiled beside it: the step-time lines compare with it), until the fastest that
+    fits is faster than every plan not compiled so; that plan recomputes the fewest layers
+    it fits with (``cfp.recompute.fewest_layers``), and then in three runs where cheaper (``_with_lighter``), each priced by
+    ``recompute_seconds``. ``(plan, peak, recompute, the hand plans' lines recomputing every
+    layer)``, a line's peak None where it was not compiled so (it is slower than the plan
+    found); where none fits even so, the least peak recomputing every layer; None where
+    nothing has a backward pass to recompute."""
     from cfp.recompute import fewest_layers, forced
     full = forced(analysis, "nothing_saveable")
     if full is None:
@@ -596,23 +612,31 @@ def _recomputing(analysis, problem: Problem, profile, ours: list[Solution], hand
     seconds = lambda s: predicted_seconds(problem, s.choices,  # noqa: E731
                                           profile.launch_overhead_s)
     stored = {s.choices: plan_storage(analysis, problem, profile.windows, s.choices)
-              for s in ours}
+              for s, _ in ours}
     rules = load_rules()
     stored.update((s.choices, Storage(rules[name].storage)) for name, s, _ in hand)
-    plans = list({s.choices: s for s in ours + [s for _, s, _ in hand]}.values())
-    peaks = dict(zip([s.choices for s in plans], compiled_peaks_for(
-        analysis, [(s.strategies, stored[s.choices], full) for s in plans], gpus)))
+    plans = sorted({s.choices: s for s in [s for s, _ in ours] + [s for _, s, _ in hand]
+                    }.values(), key=seconds)
+    hands = {s.choices for _, s, _ in hand}
+    peaks = {}  # choices -> compiled peak recomputing every layer
+    while True:
+        pending = [s for s in plans if s.choices not in peaks]
+        fitting = [s for s in plans
+                   if s.choices in peaks and compiled_fits(peaks[s.choices], budget, "gpu")]
+        if not pending or (fitting and seconds(fitting[0]) <= seconds(pending[0])):
+            break
+        beside = [s for s in pending[1:] if s.choices in hands] + pending[1:]
+        batch = pending[:1] + beside[:1]
+        peaks.update(zip([s.choices for s in batch], compiled_peaks_for(
+            analysis, [(s.strategies, stored[s.choices], full) for s in batch], gpus)))
     composed = build_problem(analysis, profile, None, full)[0]  # every layer recomputed
     lines = tuple((f"{name} recomputing every layer",
                    seconds(s) + recompute_seconds(analysis, full, seconds(s), gpus),
-                   evaluate(composed, s.choices)[1], peaks[s.choices])
+                   evaluate(composed, s.choices)[1], peaks.get(s.choices))
                   for name, s, _ in hand)
-    fitting = sorted((s for s in plans if compiled_fits(peaks[s.choices], budget, "gpu")),
-                     key=seconds)
     if not fitting:
         return min(peaks.values())
     best = fitting[0]
-
     tried = {len(full.layers): peaks[best.choices]}  # layers recomputed -> compiled peak
 
     def fits(recomputes):
@@ -673,10 +697,12 @@ def _with_lighter(analysis, plan: Solution, storage, full, tried: dict, seconds:
     return fitting[0] if fitting else None
 
 
-def plan_peak(analysis, problem: Problem, profile, sol: Solution, gpus: str) -> int:
-    """The peak per device of ``sol``'s whole step compiled for ``gpus``."""
-    storage = plan_storage(analysis, problem, profile.windows, sol.choices)
-    return compiled_peak_for(analysis, sol.strategies, storage, gpus)
+def plan_peaks(analysis, problem: Problem, profile, sols: list, gpus: str) -> list[int]:
+    """The peak per device of each of ``sols``' whole steps compiled for ``gpus``, side by
+    side."""
+    return compiled_peaks_for(analysis, [
+        (s.strategies, plan_storage(analysis, problem, profile.windows, s.choices))
+        for s in sols], gpus)
 
 
 def gpu_mesh_of(analysis, gpu: str):
