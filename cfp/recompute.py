@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from typing import Callable, Sequence
+from typing import Sequence
 
 from cfp.errors import CfpError
 
@@ -244,29 +244,6 @@ def _runs(ops: Sequence[int]) -> list[list[int]]:
         else:
             out.append([i, i + 1])
     return out
-
-
-def first_layers(full: Recompute, count: int) -> Recompute | None:
-    """``full``'s first ``count`` layers (the earliest in the forward pass, whose activations
-    are held longest), or None for none."""
-    return Recompute(full.layers[:count], full.backward_from) if count else None
-
-
-def fewest_layers(full: Recompute, fits: Callable[[list], list[bool]], at_once: int = 2
-                  ) -> Recompute:
-    """The fewest of ``full``'s first layers recomputed under which a plan fits, where it
-    fits with all of them (and not with none): a search over the count, ``at_once`` counts
-    tried per round (``fits`` answers for a list of ``Recompute``s, compiling them side by
-    side)."""
-    low, high = 0, len(full.layers)  # fits with high layers, not with low
-    while high - low > 1:
-        step = (high - low) / (at_once + 1)
-        counts = sorted({min(high - 1, max(low + 1, round(low + step * (k + 1))))
-                         for k in range(at_once)})
-        answers = dict(zip(counts, fits([first_layers(full, n) for n in counts])))
-        high = min([n for n in counts if answers[n]] + [high])
-        low = max([n for n in counts if not answers[n] and n < high] + [low])
-    return first_layers(full, high)
 
 
 def recomputed_work(graph, program) -> tuple[float, int]:

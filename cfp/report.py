@@ -157,8 +157,10 @@ class ProfileProgress:
                 self._detail(f"window type {f['k']} (blocks {w.start}..{w.end - 1}): search "
                              f"space {list(f['space'])}, {f['todo']} to measure"
                              + (f", {f['known']} measured before" if f["known"] else ""))
-            elif event == "state_variants":  # fewer (or more) than the total counted on
-                self.total += f["count"] - f["expected"]
+            elif event == "round":  # the profile search drives asks for more
+                self.total += f["count"]
+                self._detail(f"round {f['round']}: the top plans use {f['count']} "
+                             f"combinations not measured yet")
             elif event == "result":
                 self.n += 1
                 if self.t_first is None:
@@ -269,16 +271,16 @@ def profile_console(rec, model_space_log10: float, verbose: bool = False) -> Non
         say(f"whole-model plan space: 10^{model_space_log10:.1f} plans, covered by "
             f"{len(rec.windows)} window instances of {len(rec.window_profiles)} types")
         phases_console("profile", rec.time_s, rec.phase_s)
+    estimated = counts.pop("estimated", 0)
     by_status = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-    split = sum(c[-1] != 0 for k, seg in rec.window_profiles.items() for c in seg.results
-                if len(c) > rec.windows[rec.representatives[k]].end
-                - rec.windows[rec.representatives[k]].start)
-    why = (f"; {split} with the state split, for the hand plans' and the fastest "
-           f"combinations, which can differ from run to run" if split else "")
     resumed = (sum(counts.values()) - counts["not_measured"] - rec.compiled
                if rec.cost != "analytic" else 0)  # priced anew each run
-    say(f"profile: {sum(counts.values())} combinations of {len(rec.window_profiles)} window "
-        f"types ({by_status}{why}), {len(rec.reshard_s)} reshardings; compiled in this "
+    what = (f"{sum(counts.values())} of {sum(counts.values()) + estimated} combinations "
+            f"measured ({by_status}): the hand plans', and those search's top plans use; the "
+            f"other {estimated} priced at least what the measured ones say they may take"
+            if estimated else f"{sum(counts.values())} combinations ({by_status})")
+    say(f"profile: {what}, of {len(rec.window_profiles)} window types; "
+        f"{len(rec.reshard_s)} reshardings; compiled in this "
         f"run: {rec.compiled}" + (f", {resumed} resumed from the work dir" if resumed > 0
                                   else "") + f" ({rec.time_s:.1f} s)")
     busy = rec.busy_window_types()
@@ -484,7 +486,10 @@ def prediction_console(rec, cluster, driver_lines: bool = False, analysis=None) 
         from cfp.problem import compiled_fits
         say(f"hand plans priced the same way ({how}):")
         for name, seconds, nbytes, peak in sorted(rec.hand_plans, key=lambda h: h[1]):
-            if peak is None:
+            if peak is None and rec.compiled_peak_bytes is not None:
+                memory = (f"{nbytes / 2**30:8.3f} GiB per device composed, not compiled "
+                          f"(slower than the plan kept)")
+            elif peak is None:
                 memory = (f"{nbytes / 2**30:8.3f} GiB per device composed, "
                           f"{'fits' if nbytes <= budget else 'does not fit'}")
             else:

@@ -256,8 +256,8 @@ def test_a_cluster_plan_over_the_budget_once_compiled_is_dropped(monkeypatch, xl
     analysis = run_analysis(WorkloadSpec("gpt", "tiny", None, "float32", ()).resolved(), (8,))
     profile = run_profile(analysis, ProfileOptions(
         cost="analytic", cost_model=load_cluster("a100-8").cost_model((8,))))
-    monkeypatch.setattr(search, "plan_peaks", lambda analysis, problem, profile, sols, gpus:
-                        [int(sol.memory * xla_share) for sol in sols])
+    monkeypatch.setattr(search, "plan_peaks", lambda analysis, problem, profile, sols, gpus,
+                        storages=(): [int(sol.memory * xla_share) for sol in sols])
     free = search.predict_plan(analysis, profile, None, 10.0, compile_for="a100",
                                hand_plans=False)
     rec = search.predict_plan(analysis, profile, free.memory_bytes, 10.0, compile_for="a100",

@@ -259,8 +259,8 @@ PEAK = 2**30  # every plan's compiled peak, in the model below, recomputing noth
 def _model_peaks(monkeypatch) -> list[int]:
     """Compiled peaks as a model, not a compile: ``PEAK``, less a tenth of it per layer
     recomputed whole and 6% per layer saving its contractions without a batch dimension;
-    each plan's policies per layer asked for, in order (cfp's plans compiled recomputing
-    nothing as None)."""
+    each plan's policies per layer asked for, in order (whole steps recomputing nothing:
+    cfp's plans as None, the hand plans as "hand")."""
     from cfp.passes import search
     asked = []
     saves = {"nothing_saveable": 0.1, "dots_with_no_batch_dims_saveable": 0.06}
@@ -270,8 +270,8 @@ def _model_peaks(monkeypatch) -> list[int]:
         asked.extend(tuple(policy for _, _, policy in r) for r in layers)
         return [int(PEAK * (1 - sum(saves[policy] for _, _, policy in r))) for r in layers]
 
-    def plan_peaks(analysis, problem, profile, sols, gpus):
-        asked.extend([None] * len(sols))
+    def plan_peaks(analysis, problem, profile, sols, gpus, storages=()):
+        asked.extend(["hand"] * len(storages) + [None] * (len(sols) - len(storages)))
         return [PEAK] * len(sols)
     monkeypatch.setattr(search, "compiled_peaks_for", peaks)
     monkeypatch.setattr(search, "plan_peaks", plan_peaks)
@@ -298,7 +298,7 @@ def test_where_no_plan_fits_search_recomputes_the_fewest_layers(monkeypatch, sha
     from cfp.cluster import load_cluster
     from cfp.passes.profile import ProfileOptions, run_profile
     from cfp.passes.search import predict_plan, recompute_seconds
-    from cfp.recompute import first_layers
+    from cfp.recompute import mixed
     analysis = run_analysis(WorkloadSpec("gpt", "tiny", None, "float32",
                                          (("num_layers", 4),)).resolved(), (8,))
     profile = run_profile(analysis, ProfileOptions(
@@ -318,7 +318,7 @@ def test_where_no_plan_fits_search_recomputes_the_fewest_layers(monkeypatch, sha
     assert [layer["policy"] for layer in rec.recompute["layers"]] == policies
     assert [layer["segment"] for layer in rec.recompute["layers"]] == list(range(len(policies)))
     if LIGHTER in policies:  # priced below the two layers recomputed whole that also fit
-        whole = first_layers(forced(analysis, NOTHING), 2)
+        whole = mixed(forced(analysis, NOTHING), 2, 0, LIGHTER)
         assert rec.recompute_s < recompute_seconds(
             analysis, whole, rec.predicted_s - rec.recompute_s, "a100")
     assert rec.compiled_peak_bytes <= 0.95 * budget

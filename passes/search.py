@@ -19,7 +19,6 @@ import logging
 import math
 import statistics
 import time
-from collections import Counter
 
 from cfp.baselines import load_rules
 from cfp.errors import CfpError
@@ -447,16 +446,21 @@ def predict_plan(analysis, profile, memory_budget_bytes: int | None,
     peak = None
     if gpus is not None:  # the whole step compiled for the GPUs too
         budget = problem.memory_budget
+        compiled = {}  # choices -> (solution, peak) of cfp's plans compiled
         if budget is not None and (sol is None or max(
                 [sol.memory] + [mem for _, _, mem, _ in hand]) > budget * COMPILED_FIT_SHARE):
-            # memory binds: the hand plans' whole steps compiled too, so what fits is XLA's say
-            peaks = compiled_peaks_for(analysis, [
-                (s.strategies, Storage(load_rules()[name].storage)) for name, s in hand_sols],
-                gpus)
+            # memory binds: the hand plans' whole steps compiled too, so what fits is XLA's
+            # say, beside the fastest plan (with no budget where the composition fits none)
+            sol = sol or top_plans(dataclasses.replace(problem, memory_budget=None), 1,
+                                   time_limit_s, relative_gap=PREDICTION_GAP)[0]
+            rules = load_rules()
+            peaks = plan_peaks(analysis, problem, profile, [s for _, s in hand_sols] + [sol],
+                               gpus, [Storage(rules[name].storage) for name, _ in hand_sols])
             hand = tuple(h[:3] + (p,) for h, p in zip(hand, peaks))
+            compiled[sol.choices] = (sol, peaks[-1])
         sol, peak, recompute, recomputing = _fitting_once_compiled(
             analysis, problem, profile, sol, time_limit_s, gpus,
-            [(name, s, h[3]) for (name, s), h in zip(hand_sols, hand)])
+            [(name, s, h[3]) for (name, s), h in zip(hand_sols, hand)], compiled)
         hand += recomputing
     else:
         recompute = None
@@ -511,7 +515,7 @@ LEANEST_SHARES = (1.05, 1.25, 1.5, 2.0)
 
 
 def _fitting_once_compiled(analysis, problem: Problem, profile, sol: Solution | None,
-                           time_limit_s: float, gpus: str, hand=()
+                           time_limit_s: float, gpus: str, hand=(), compiled_before=None
                            ) -> tuple[Solution, int, object, tuple]:
     """The fastest plan whose whole step, compiled for ``gpus``, fits the budget, and that
     peak, of those compiled: ``sol`` (the plan the composition fits; None where it fits
@@ -598,13 +602,13 @@ def _recomputing(analysis, problem: Problem, profile, ours: list, hand, gpus: st
     compiled again with every layer recomputed (``nothing_saveable``, MaxText's default),
     fastest first, two side by side (the fastest not yet compiled, and the fastest hand plan
     not yet compiled beside it: the step-time lines compare with it), until the fastest that
-    fits is faster than every plan not compiled so; that plan recomputes the fewest layers
-    it fits with (``cfp.recompute.fewest_layers``), and then in three runs where cheaper (``_with_lighter``), each priced by
-    ``recompute_seconds``. ``(plan, peak, recompute, the hand plans' lines recomputing every
-    layer)``, a line's peak None where it was not compiled so (it is slower than the plan
-    found); where none fits even so, the least peak recomputing every layer; None where
-    nothing has a backward pass to recompute."""
-    from cfp.recompute import fewest_layers, forced
+    fits is faster than every plan not compiled so; that plan's layers then recompute in
+    the three runs priced least that fit (``_cheapest_recompute``). ``(plan, peak,
+    recompute, the hand plans' lines recomputing every layer)``, a line's peak None where
+    it was not compiled so (it is slower than the plan found); where none fits even so, the
+    least peak recomputing every layer; None where nothing has a backward pass to
+    recompute."""
+    from cfp.recompute import forced
     full = forced(analysis, "nothing_saveable")
     if full is None:
         return None
@@ -637,22 +641,8 @@ def _recomputing(analysis, problem: Problem, profile, ours: list, hand, gpus: st
     if not fitting:
         return min(peaks.values())
     best = fitting[0]
-    tried = {len(full.layers): peaks[best.choices]}  # layers recomputed -> compiled peak
-
-    def fits(recomputes):
-        found = compiled_peaks_for(
-            analysis, [(best.strategies, stored[best.choices], r) for r in recomputes], gpus)
-        tried.update((len(r.layers) if r else 0, p) for r, p in zip(recomputes, found))
-        return [compiled_fits(p, budget, "gpu") for p in found]
-    recompute = fewest_layers(full, fits)
-    peak = tried[len(recompute.layers)]
-    log.info("recomputing %d of %d layers, the plan compiles to %.3f GiB", len(recompute.layers),
-             len(full.layers), peak / 2**30)
-    lighter = _with_lighter(analysis, best, stored[best.choices], full, tried, seconds(best),
-                            budget, gpus)
-    if lighter is not None and (recompute_seconds(analysis, lighter[0], seconds(best), gpus)
-                                < recompute_seconds(analysis, recompute, seconds(best), gpus)):
-        recompute, peak = lighter
+    recompute, peak = _cheapest_recompute(analysis, best, stored[best.choices], full,
+                                          peaks[best.choices], seconds(best), budget, gpus)
     return best, peak, recompute, lines
 
 
@@ -660,49 +650,64 @@ def _recomputing(analysis, problem: Problem, profile, ours: list, hand, gpus: st
 # dimension (the projections) and computing the rest again (attention's scores, the
 # elementwise operators), most of a layer's FLOPs for a part of its activations.
 LIGHTER = "dots_with_no_batch_dims_saveable"
+RECOMPUTE_ROUNDS = 3  # most rounds of two compiles choosing the layers' policies
 
 
-def _with_lighter(analysis, plan: Solution, storage, full, tried: dict, seconds: float,
-                  budget: int, gpus: str):
-    """The plan's recompute with its layers in three runs, ``nothing_saveable``, then
-    ``LIGHTER``, then none, where that is priced below the fewest layers recomputed whole:
-    each run's layers counted by a peak taken as linear in them (per layer not recomputed,
-    from the compiled peaks ``tried`` (layers recomputed whole -> peak); per layer under
-    ``LIGHTER``, from the plan compiled with it on every layer), and the two counts priced
-    cheapest that fit compiled side by side. ``(recompute, peak)`` of the cheapest that
-    fits compiled; None where none is found."""
+def _cheapest_recompute(analysis, plan: Solution, storage, full, full_peak: int,
+                        seconds: float, budget: int, gpus: str):
+    """The plan's layers in three runs, ``nothing_saveable``, then ``LIGHTER``, then none,
+    priced least (``recompute_seconds``, per layer) of those whose whole step compiled for
+    ``gpus`` fits, ``full`` (every layer ``nothing_saveable``, compiling to ``full_peak``)
+    where none does. The peak is taken as linear in the counts: a layer not recomputed
+    adds what the plan compiled with its first half recomputed says, a layer under
+    ``LIGHTER`` what it compiled with every layer so says (both compiled first, side by side).
+    Each round then compiles the two counts that save the most and that the line puts within
+    the budget; a count the compile puts over it raises the line by what it was off, for
+    the rounds after. ``(recompute, peak)``."""
     from cfp.recompute import mixed
     n = len(full.layers)
-    below = [c for c in tried if c < n]
-    if not below:
-        return None
-    k = max(below)
-    per_none = (tried[k] - tried[n]) / (n - k)
-    light = mixed(full, 0, n, LIGHTER)
-    per_light = (compiled_peaks_for(analysis, [(plan.strategies, storage, light)], gpus)[0]
-                 - tried[n]) / n
+    half = n // 2
+    probes = [(half, 0), (0, n)]  # (layers not recomputed, layers under LIGHTER)
+    compiled = {(0, 0): full_peak}
+    configs = lambda counts: [mixed(full, n - c - b, b, LIGHTER) for c, b in counts]  # noqa
+
+    def compile_(counts):
+        compiled.update(zip(counts, compiled_peaks_for(
+            analysis, [(plan.strategies, storage, r) for r in configs(counts)], gpus)))
+    compile_(probes)
+    per_none = max(0.0, (compiled[probes[0]] - full_peak) / max(1, n - half))
+    per_light = max(0.0, (compiled[probes[1]] - full_peak) / n)
     t_whole = recompute_seconds(analysis, full, seconds, gpus) / n
-    t_light = recompute_seconds(analysis, light, seconds, gpus) / n
-    room = budget * COMPILED_FIT_SHARE - tried[n]
-    priced = sorted(((c * t_whole + b * (t_whole - t_light), b, c)
-                     for c in range(n + 1) for b in range(n - c + 1)
-                     if c * per_none + b * max(per_light, 0) <= room), reverse=True)
-    chosen = [mixed(full, n - b - c, b, LIGHTER) for _, b, c in priced if b][:2]
-    if not chosen:
-        return None
-    peaks = compiled_peaks_for(analysis, [(plan.strategies, storage, r) for r in chosen], gpus)
-    fitting = [(r, p) for r, p in zip(chosen, peaks) if compiled_fits(p, budget, "gpu")]
-    log.info("recomputing in three runs, compiled: %s", [
-        (Counter(policy for _, _, policy in r.layers), p / 2**30) for r, p in zip(chosen, peaks)])
-    return fitting[0] if fitting else None
+    t_light = recompute_seconds(analysis, mixed(full, 0, n, LIGHTER), seconds, gpus) / n
+    saved = lambda c, b: c * t_whole + b * (t_whole - t_light)  # noqa: E731
+    line = lambda c, b: full_peak + c * per_none + b * per_light  # noqa: E731
+    room, off = budget * COMPILED_FIT_SHARE, 0.0
+    for _ in range(RECOMPUTE_ROUNDS):
+        ranked = sorted(((saved(c, b), c, b) for c in range(n) for b in range(n - c + 1)
+                         if line(c, b) + off <= room and (c, b) not in compiled), reverse=True)
+        fits = [cb for cb, p in compiled.items() if compiled_fits(p, budget, "gpu")]
+        best = max(fits, key=lambda cb: saved(*cb))
+        todo = [(c, b) for s, c, b in ranked[:2] if s > saved(*best)]
+        if not todo:
+            break
+        compile_(todo)
+        off = max([off] + [compiled[cb] - line(*cb) for cb in todo])
+    fits = [cb for cb, p in compiled.items() if compiled_fits(p, budget, "gpu")]
+    c, b = max(fits, key=lambda cb: saved(*cb))
+    log.info("recomputing in three runs, compiled (layers not recomputed, under %s: GiB): %s",
+             LIGHTER, {cb: round(p / 2**30, 3) for cb, p in compiled.items()})
+    return mixed(full, n - c - b, b, LIGHTER), compiled[(c, b)]
 
 
-def plan_peaks(analysis, problem: Problem, profile, sols: list, gpus: str) -> list[int]:
+def plan_peaks(analysis, problem: Problem, profile, sols: list, gpus: str, storages=()
+               ) -> list[int]:
     """The peak per device of each of ``sols``' whole steps compiled for ``gpus``, side by
-    side."""
-    return compiled_peaks_for(analysis, [
-        (s.strategies, plan_storage(analysis, problem, profile.windows, s.choices))
-        for s in sols], gpus)
+    side; the first ``storages`` keep the state so (the hand plans), the others as each
+    plan's windows say."""
+    storages = list(storages) + [plan_storage(analysis, problem, profile.windows, s.choices)
+                                 for s in sols[len(storages):]]
+    return compiled_peaks_for(analysis, [(s.strategies, storage)
+                                         for s, storage in zip(sols, storages)], gpus)
 
 
 def gpu_mesh_of(analysis, gpu: str):
