@@ -300,7 +300,8 @@ def _profile_options(opts: RunOptions, options):
         memory_budget_bytes=memory_budget_bytes(options, opts),
         cost_model=(cost_model_of(options, opts.mesh_shape, opts.device_ids)
                     if options.cost == "model" else None),
-        compilation_cache=_cache_dir(options))
+        compilation_cache=_cache_dir(options), exhaustive=options.profile_all,
+        plans=options.validate_top, solve_s=min(options.time_limit, 10.0))
 
 
 def _analysis(opts: RunOptions, options, wd):

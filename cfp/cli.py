@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="profile every segment as one window; where its space is over "
                         "--max-combinations, measure the combinations cheapest by an additive "
                         "analytic price and those the baselines use")
+    f.add_argument("--profile-all", action="store_true",
+                   help="measure every combination of every window under every state layout "
+                        "(for benchmarks and research), not only those search asks for")
     f.add_argument("--profile-budget", type=float, default=None,
                    help="seconds for the whole profile pass; what it does not reach is "
                         "not_measured, and profiling again measures it")

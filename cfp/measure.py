@@ -40,7 +40,7 @@ class Measurement:
     """One combination of one window (or one resharding) as measured."""
 
     # ok | oom | compile_error | run_error | mismatch | unexpected_collective | worker_died |
-    # not_measured
+    # not_measured | estimated (priced by the profile search drives, not measured)
     status: str
     time_s: float = float("nan")  # median, launch overhead subtracted
     time_min_s: float = float("nan")

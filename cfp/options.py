@@ -63,6 +63,7 @@ class Options:
     cost: Literal["measure", "model", "mock"] = "measure"
     max_combinations: int = 32  # largest strategy space profiled as one window
     whole_segments: bool = False  # every segment one window, the cheapest combinations
+    profile_all: bool = False  # measure every combination, not those search asks for
     profile_budget: float | None = None  # seconds for the profile pass; None: no limit
     memory_budget_gb: float | None = None  # per device; None: the GPU's (required on CPU)
     device_preset: Literal["a100", "h100", "h200", "here"] | None = None  # cost model's figures

@@ -133,6 +133,7 @@ class ProfileProgress:
         self.tty = sys.stdout.isatty()
         self.verbose = verbose
         self.total = self.n = 0
+        self.at_most, self.combinations = False, (0, 0)  # (done, total) of the combinations
         self.unit = "combinations"
         self.where = "starting the worker"
         self.t0 = self.t_first = None
@@ -147,10 +148,14 @@ class ProfileProgress:
     def __call__(self, event: str, **f) -> None:
         import time
         with self.lock:
-            if event == "start":
+            if event == "start":  # the total is the most the profile can measure
                 self.total, self.t0 = f["total"], time.perf_counter()
+                self.at_most, self.combinations = f.get("at_most", False), (0, f["total"])
+                if self.at_most:
+                    self.where = "the hand plans' combinations and the cheapest"
                 self._detail(f"window types to profile: {f['num_types']}; combinations to "
-                             f"measure: {f['total']} ({f['known']} measured before)")
+                             f"measure: {'at most ' if self.at_most else ''}{f['total']} "
+                             f"({f['known']} measured before)")
             elif event == "window":
                 w = f["window"]
                 self.where = f"window type {f['k']}"
@@ -158,11 +163,15 @@ class ProfileProgress:
                              f"space {list(f['space'])}, {f['todo']} to measure"
                              + (f", {f['known']} measured before" if f["known"] else ""))
             elif event == "round":  # the profile search drives asks for more
-                self.total += f["count"]
+                if self.unit != "combinations":  # back from the reshardings
+                    self.unit, self.t_first = "combinations", None
+                    self.n, self.total = self.combinations
+                self.where = f"round {f['round']} of search asking"
                 self._detail(f"round {f['round']}: the top plans use {f['count']} "
                              f"combinations not measured yet")
             elif event == "result":
                 self.n += 1
+                self.combinations = (self.n, self.total)
                 if self.t_first is None:
                     self.t_first = time.perf_counter()
                 m = f["measurement"]
@@ -222,6 +231,8 @@ class ProfileProgress:
     def _eta(self) -> str:
         if self.t_first is None or self.n < 2:
             return "ETA --"
+        if self.at_most and self.unit == "combinations":
+            return f"at most {(self.total - self.n) * self._pace_s():.0f} s more"
         return f"ETA {(self.total - self.n) * self._pace_s():.0f} s"
 
     def _bar(self) -> None:
@@ -275,9 +286,10 @@ def profile_console(rec, model_space_log10: float, verbose: bool = False) -> Non
     by_status = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
     resumed = (sum(counts.values()) - counts["not_measured"] - rec.compiled
                if rec.cost != "analytic" else 0)  # priced anew each run
+    done = "compiled and priced" if rec.cost == "model" else "measured"
     what = (f"{sum(counts.values())} of {sum(counts.values()) + estimated} combinations "
-            f"measured ({by_status}): the hand plans', and those search's top plans use; the "
-            f"other {estimated} priced at least what the measured ones say they may take"
+            f"{done} ({by_status}): the hand plans', and those search's top plans use; the "
+            f"other {estimated} priced at the least those say they may take"
             if estimated else f"{sum(counts.values())} combinations ({by_status})")
     say(f"profile: {what}, of {len(rec.window_profiles)} window types; "
         f"{len(rec.reshard_s)} reshardings; compiled in this "

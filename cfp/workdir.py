@@ -30,6 +30,7 @@ WINDOW_FORMAT = "cfp-window-profile"
 PROFILE_FORMAT = "cfp-profile"
 RESHARD_FORMAT = "cfp-reshard-profile"
 CHOSEN_FORMAT = "cfp-chosen-combinations"
+PRICES_FORMAT = "cfp-profile-prices"
 SEARCH_FORMAT = "cfp-search"
 
 
@@ -194,6 +195,23 @@ class ProfileCheckpoint:
 
     def save_chosen(self, chosen: dict) -> None:
         write_record(self.chosen_path, CHOSEN_FORMAT, self.chosen_fp, chosen)
+
+    def load_prices(self):
+        """The cost model an earlier run of this profile priced the combinations it did not
+        measure with (``cfp.cost_model.CostModel``), or None (none, or another run's: it is
+        fitted again): a resumed profile prices as it did, so it asks for nothing it did
+        not ask for then."""
+        from cfp.cost_model import CostModel
+        path = self.dir / "prices.pkl"
+        try:
+            return CostModel(*read_record(path, PRICES_FORMAT, self.fp, hint=""))
+        except (CfpError, TypeError):  # absent, unreadable, another run's: fitted again
+            return None
+
+    def save_prices(self, cost_model) -> None:
+        import dataclasses
+        write_record(self.dir / "prices.pkl", PRICES_FORMAT, self.fp,
+                     dataclasses.astuple(cost_model))
 
 
 LOCK_NAME = ".cfp-lock"

@@ -154,23 +154,31 @@ def test_progress_counts_reshardings_while_they_are_timed(capsys):
 
 def test_progress_total_is_known_from_its_first_line_and_nothing_is_said_twice(capsys):
     """Off a terminal, a progress line is printed when the count or the window type moved
-    (else one a minute), and a window type's split-state variants, counted in the total
-    from the start, correct it only where fewer were measured. Control: the count moved,
-    a line is printed."""
+    (else one a minute). The profile search drives counts the most it can measure from its
+    first line; the reshardings count on their own, and the rounds of search asking go on
+    from the combinations' count, under the same total. Control: the count moved, a line is
+    printed."""
     import re
     import time
     from cfp import report
+    from cfp.measure import Measurement
     progress = report.ProfileProgress(interval_s=0.05)
     try:
-        progress("start", total=10, num_types=1, known=0)
+        progress("start", total=10, num_types=1, known=0, at_most=True)
         time.sleep(0.25)  # several ticks with nothing new
-        progress("state_variants", k=0, count=2, expected=4)
+        progress("result", k=0, combo=(0,), measurement=Measurement("ok", 1.0))
+        time.sleep(0.1)
+        progress("reshards", boundaries=2, needed=3, known=0)
+        time.sleep(0.1)
+        progress("round", round=1, count=2)
         time.sleep(0.1)
     finally:
         progress.close()
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("[")]
-    totals = [re.match(r"\[\d+/(\d+) ", x)[1] for x in lines]
-    assert totals.count("10") == 1 and totals[-1] == "8", lines
+    counts = [re.match(r"\[(\d+)/(\d+) (\w+)\]", x).groups() for x in lines]
+    assert counts == [("0", "10", "combinations"), ("1", "10", "combinations"),
+                      ("0", "3", "reshardings"), ("1", "10", "combinations")], lines
+    assert "round 1" in lines[-1]
 
 
 @pytest.mark.slow  # the whole default job, about 100 s on 2 cores

@@ -55,6 +55,11 @@ class ProfileOptions:
     # cost == "model": the GPUs the programs are compiled for (``cfp.gpu_compile``), described,
     # not present; None compiles for the devices here
     compile_for: str | None = None
+    # every combination measured under every state layout, not those search asks for
+    # (``_search_driven``): for benchmarks and research
+    exhaustive: bool = False
+    plans: int = 3  # the top plans whose combinations the profile search drives measures
+    solve_s: float = 10.0  # CP-SAT seconds per solve of that profile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +151,12 @@ class MemoryCheckpoint:
     def save_chosen(self, chosen):
         pass
 
+    def load_prices(self):
+        return None
+
+    def save_prices(self, cost_model):
+        pass
+
 
 def run_profile(analysis, options: ProfileOptions, checkpoint=None,
                 on_result: Callable | None = None) -> ProfileRecord:
@@ -171,20 +182,21 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
         known = worker.share([_known(k, windows[rep], analysis, checkpoint, chosen.get(k),
                                      options.memory_budget_bytes)
                               for k, rep in enumerate(reps)])
-        expected = [expected_state_variants(analysis, windows[rep], known[k][1], windows)
-                    for k, rep in enumerate(reps)]
-        notify("start", num_types=len(reps),
-               total=sum(len(todo) for _, _, todo in known) + sum(expected),
-               known=sum(len(results) for _, results, _ in known))
-        for k, rep in enumerate(reps):
-            window_profiles[k], n = _profile_window(k, windows[rep], *known[k],
-                                                    worker, options, checkpoint, start, notify,
-                                                    analysis, windows, compiled,
-                                                    expected[k])
-            compiled += n
         bounds = boundaries(analysis, windows)
-        timed = _profile_reshards(analysis, bounds, worker, checkpoint, options, start,
-                                  notify)
+        if options.exhaustive:
+            notify("start", num_types=len(reps), total=sum(len(todo) for _, _, todo in known),
+                   known=sum(len(results) for _, results, _ in known))
+            for k, rep in enumerate(reps):
+                window_profiles[k], n = _profile_window(k, windows[rep], *known[k], worker,
+                                                        options, checkpoint, start, notify,
+                                                        compiled)
+                compiled += n
+            timed = _profile_reshards(analysis, bounds, worker, checkpoint, options, start,
+                                      notify)
+        else:
+            window_profiles, compiled, timed = _search_driven(
+                analysis, windows, reps, known, bounds, options, worker, checkpoint, start,
+                notify)
         worker.ensure()
         overhead, device_ids, platform = worker.overhead_s, worker.device_ids, worker.platform
     except BaseException:  # Ctrl-C included: what was measured is in the checkpoint
@@ -229,15 +241,18 @@ def on_one_scale(window_profiles: dict) -> tuple[dict, float]:
 
 def _known(k, window: Window, analysis, checkpoint, chosen,
            memory_budget_bytes: int) -> tuple[tuple, dict, list]:
-    """(strategies per block, results an earlier run measured, combinations still to
-    measure: ``chosen`` or every one) of window type k; what a profile budget cut off, and
-    what a smaller memory budget refused and ``memory_budget_bytes`` fits, are measured now."""
+    """(strategies per block, results an earlier run measured, combinations not measured:
+    ``chosen`` or every one, each under every state layout) of window type k; what a profile
+    budget cut off, and what a smaller memory budget refused and ``memory_budget_bytes``
+    fits, are measured now."""
+    n = window.end - window.start
     space = tuple(window_space(analysis, window))
     results = {c: m for c, m in checkpoint.load_window(k).items()
                if m.status != "not_measured"
                and not (m.over_budget() and m.peak_bytes <= memory_budget_bytes)}
-    every = chosen if chosen is not None else with_state_layouts(
-        analysis, window, itertools.product(*map(range, space[:window.end - window.start])))
+    combos = (dict.fromkeys(c[:n] for c in chosen) if chosen is not None
+              else itertools.product(*map(range, space[:n])))
+    every = with_state_layouts(analysis, window, combos, range(len(STATE_LAYOUTS)))
     return space, results, [c for c in every if c not in results]
 
 
@@ -287,82 +302,191 @@ def with_state_layouts(analysis, window: Window, combos, layouts=(0,)) -> list[t
     return [tuple(c) + (z,) for c in combos for z in layouts]
 
 
-STATE_VARIANTS = 4  # per window type, the fastest combinations also measured with split state
-
-
-def state_variants(analysis, window: Window, results: dict, windows) -> list[tuple[int, ...]]:
-    """The combinations to measure under the split state layouts (``zero1``, ``fsdp``): those
-    of the ``STATE_VARIANTS`` fastest measured with the state as the blocks compute it, and
-    those of the plans people write (``ranking.baseline_combinations``); how many, the
-    timings decide (``expected_state_variants`` counts the most). Measuring every
-    combination three times would triple the profile. A pruning: a split layout's gain differs
-    by combination (more on tensor-parallel ones), and the order under the plain layout is
-    within the timing noise, so a plan of combinations ranked lower can be missed."""
-    from cfp import ranking
-    n = window.end - window.start
-    if len(window_space(analysis, window)) == n:
-        return []
-    plain = sorted((m.time_s, c[:n]) for c, m in results.items()
-                   if m.status == "ok" and c[n] == 0)
-    picked = [c for _, c in plain[:STATE_VARIANTS]]
-    picked += ranking.baseline_combinations(analysis, window, windows)
-    return [c for c in with_state_layouts(analysis, window, dict.fromkeys(picked),
-                                          range(1, len(STATE_LAYOUTS)))
-            if c not in results]
-
-
-def expected_state_variants(analysis, window: Window, results: dict, windows) -> int:
-    """The most combinations ``state_variants`` can give, known before any is measured (the
-    progress total counts them from its first line, and comes down where the fastest are
-    baselines' too): every baseline's and ``STATE_VARIANTS`` others' under each split
-    layout, less those measured before."""
-    from cfp import ranking
-    n = window.end - window.start
-    if len(window_space(analysis, window)) == n:
-        return 0
-    baselines = len(dict.fromkeys(ranking.baseline_combinations(analysis, window, windows)))
-    measured = sum(1 for c in results if c[n] != 0)
-    return max(0, (baselines + STATE_VARIANTS) * (len(STATE_LAYOUTS) - 1) - measured)
-
-
-def _profile_window(k, window: Window, space, results, todo, worker: Worker,
-                    options, checkpoint, start, notify, analysis=None, windows=(),
-                    measured_in_run: int = 0, expected_variants: int = 0
+def _profile_window(k, window: Window, space, results, todo, worker: Worker, options,
+                    checkpoint, start, notify, measured_in_run: int = 0
                     ) -> tuple[WindowProfile, int]:
-    """Measure ``todo`` of window type ``k``, then its state variants (``state_variants``).
-    A run measures one batch at least, however small ``--profile-budget``: the next run
-    then goes on from there (``measured_in_run``: what this run measured before).
-    ``expected_variants``: the state variants the progress total counted."""
+    """Measure ``todo`` of window type ``k``: its whole space, less what was measured before
+    (the exhaustive profile)."""
     blocks = tuple(range(window.start, window.end))
     notify("window", k=k, window=window, space=space, todo=len(todo), known=len(results))
     log.info("window type %d (blocks %d..%d): %d combinations to measure, %d known", k,
              window.start, window.end - 1, len(todo), len(results))
     best = min((m.time_s for m in results.values() if m.status == "ok"), default=None)
-    done = 0
-    for phase in ("blocks", "state"):
-        if phase == "state":
-            todo = state_variants(analysis, window, results, windows)
-            if len(todo) != expected_variants:  # the progress total, corrected
-                notify("state_variants", k=k, count=len(todo), expected=expected_variants)
-            if not todo:
-                break
-        for i, batch in even_batches(todo, options.batch):
-            if measured_in_run + done and worker.share(_spent(options, start)):
-                for c in todo[i:]:
-                    results[c] = Measurement("not_measured", note="--profile-budget spent")
-                notify("not_measured", k=k, count=len(todo) - i)
-                break
-            for combo, m in worker.measure_window(window, batch, best):
-                results[combo] = m
-                done += 1
-                if m.status == "ok":
-                    best = m.time_s if best is None else min(best, m.time_s)
-                # Saved after every result: an interruption loses nothing already measured.
-                checkpoint.save_window(k, WindowProfile(k, blocks, space, dict(results)))
-                notify("result", k=k, combo=combo, measurement=m)
+    done, best = _measure(k, window, space, todo, results, best, worker, options, checkpoint,
+                          start, notify, measured_in_run)
     profile = WindowProfile(k, blocks, space, dict(results))
     checkpoint.save_window(k, profile)
     return profile, done
+
+
+def _measure(k, window: Window, space, todo, results: dict, best, worker: Worker, options,
+             checkpoint, start, notify, measured_in_run: int) -> tuple[int, float | None]:
+    """Measure ``todo`` of window type ``k`` into ``results``, each handed to ``checkpoint``
+    as it comes, until ``--profile-budget`` is spent (a run measures one batch at least,
+    however small the budget: the next run goes on from there; ``measured_in_run``: what
+    this run measured before). How many were measured, and the best time."""
+    blocks, done = tuple(range(window.start, window.end)), 0
+    for i, batch in even_batches(todo, options.batch):
+        if measured_in_run + done and worker.share(_spent(options, start)):
+            for c in todo[i:]:
+                results[c] = Measurement("not_measured", note="--profile-budget spent")
+            notify("not_measured", k=k, count=len(todo) - i)
+            break
+        for combo, m in worker.measure_window(window, batch, best):
+            results[combo] = m
+            done += 1
+            if m.status == "ok":
+                best = m.time_s if best is None else min(best, m.time_s)
+            # Saved after every result: an interruption loses nothing already measured.
+            checkpoint.save_window(k, WindowProfile(k, blocks, space, dict(results)))
+            notify("result", k=k, combo=combo, measurement=m)
+    return done, best
+
+
+PLAN_ROUNDS = 40  # most solves of the profile search drives
+
+
+def _search_driven(analysis, windows, reps, known, bounds, options: ProfileOptions,
+                   worker: Worker, checkpoint, start, notify) -> tuple[dict, int, dict]:
+    """The profile search drives. Every combination of every window type, each state layout
+    included, has a price: its analytic price's parts (``cfp.pricing``) weighted by a fit to
+    what this run measured, at the low end of the band the measured times fall in around
+    the fit. The hand plans' combinations and each type's cheapest by the analytic price are
+    measured first, and every resharding timed. Then, round by round, the top
+    ``options.plans`` plans are solved with each unmeasured combination at that low end, and
+    the unmeasured combinations they use are measured, until they use measured ones only: no
+    unmeasured combination, at the least it may take, gives a better plan (or until
+    ``PLAN_ROUNDS`` solves, or the profile budget). Returns the window profiles (what was
+    measured, and the rest ``estimated``, at the low end), how many were measured in this
+    run, and the reshardings timed."""
+    from cfp import analytic, pricing
+    from cfp.cost_model import fit_cost_model_for
+    from cfp.errors import CfpError
+    from cfp.problem import build_problem, predicted_plans
+    names = AXIS_NAMES[:len(analysis.mesh_shape)]
+    cost = options.cost_model or worker.share(checkpoint.load_prices())
+    if cost is None:  # fitted on the mesh once, kept: a resumed run prices as this one
+        cost = worker.share(worker.call(fit_cost_model_for, tuple(analysis.mesh_shape),
+                                        analysis.device_ids))
+        checkpoint.save_prices(cost)
+    space = {k: known[k][0] for k in range(len(reps))}
+    results = {k: dict(known[k][1]) for k in range(len(reps))}
+    priced, parts = {}, {}
+    for k, rep in enumerate(reps):
+        w, memo = windows[rep], {}
+        operators = sum(len(analysis.blocks.blocks[b].members) for b in range(w.start, w.end))
+        priced[k] = {c: analytic.window_measurement(analysis, w, c, cost, names, memo)
+                     for c in sorted(known[k][2] + list(known[k][1]))}  # ties: one order
+        parts[k] = {c: pricing.parts(m, operators, cost, analysis.mesh_shape)
+                    for c, m in priced[k].items()}
+    seeds = {}
+    for k, rep in enumerate(reps):
+        cheapest = min(priced[k], key=lambda c: priced[k][c].time_s)
+        seeds[k] = [c for c in dict.fromkeys(hand_combinations(analysis, windows[rep], windows)
+                                             + [cheapest])
+                    if c in priced[k] and c not in results[k]]
+    notify("start", num_types=len(reps), at_most=True,
+           total=sum(len(p) for p in priced.values()) - sum(map(len, results.values())),
+           known=sum(map(len, results.values())))
+    best = {k: min((m.time_s for m in results[k].values() if m.status == "ok"), default=None)
+            for k in results}
+    compiled = 0
+    for k, rep in enumerate(reps):
+        n, best[k] = _measure(k, windows[rep], space[k], seeds[k], results[k], best[k], worker,
+                              options, checkpoint, start, notify, compiled)
+        compiled += n
+    timed = _profile_reshards(analysis, bounds, worker, checkpoint, options, start, notify)
+    worker.ensure()  # its platform decides what the forward pass holds
+    rounds, stop = 0, "the profile budget is spent"
+    while rounds < PLAN_ROUNDS and not (compiled and worker.share(_spent(options, start))):
+        rounds += 1
+        estimated = _low_ends(results, priced, parts)
+        rec = _record_of(analysis, windows, reps, space,
+                         {k: {**estimated[k], **results[k]} for k in results}, bounds, timed,
+                         options, worker.platform)
+        try:
+            problem, combos = build_problem(analysis, rec, options.memory_budget_bytes)
+            sols = predicted_plans(problem, options.plans, options.solve_s)
+        except CfpError as e:  # no plan fits, even at the low end: search says so
+            log.info("the profile search drives: no plan to ask for (%s)", e)
+            stop = "no plan fits the budget"
+            break
+        wanted: dict = {}
+        for sol in sols:
+            for gi, choice in enumerate(sol.choices):
+                k, combo = windows[gi].type, combos[gi][choice]
+                if combo not in results[k]:
+                    wanted.setdefault(k, []).append(combo)
+        wanted = worker.share({k: list(dict.fromkeys(v)) for k, v in sorted(wanted.items())})
+        log.info("profile round %d: the top %d plans use %d combinations not measured", rounds,
+                 len(sols), sum(map(len, wanted.values())))
+        if not wanted:
+            stop = "the top plans use measured combinations only"
+            break
+        notify("round", round=rounds, count=sum(map(len, wanted.values())))
+        for k, todo in wanted.items():
+            n, best[k] = _measure(k, windows[reps[k]], space[k], todo, results[k], best[k],
+                                  worker, options, checkpoint, start, notify, compiled)
+            compiled += n
+    else:
+        stop = f"{PLAN_ROUNDS} rounds" if rounds >= PLAN_ROUNDS else stop
+    estimated = _low_ends(results, priced, parts)
+    log.info("the profile search drives: %d rounds, stopped as %s", rounds, stop)
+    window_profiles = {}
+    for k, rep in enumerate(reps):
+        blocks = tuple(range(windows[rep].start, windows[rep].end))
+        checkpoint.save_window(k, WindowProfile(k, blocks, space[k], dict(results[k])))
+        rest = {c: dataclasses.replace(m, status="estimated") for c, m in estimated[k].items()}
+        window_profiles[k] = WindowProfile(k, blocks, space[k], {**rest, **results[k]})
+    return window_profiles, compiled, timed
+
+
+def _low_ends(results: dict, priced: dict, parts: dict) -> dict:
+    """Per window type, each combination not measured as its analytic ``Measurement`` (status
+    ``ok``) at the low end of its fitted price (``cfp.pricing``), the fit on every
+    combination measured ``ok`` (on one scale: ``on_one_scale``), its temporaries scaled by
+    the least ratio of measured to analytic temporaries."""
+    from cfp import pricing
+    scaled, _ = on_one_scale({k: WindowProfile(k, (), (), r) for k, r in results.items()})
+    ok = [(k, c, m) for k, p in scaled.items() for c, m in p.results.items()
+          if m.status == "ok" and c in parts[k]]
+    if not ok:  # nothing measured runs: nothing is known of the rest but that it may
+        return {k: {c: dataclasses.replace(m, time_s=0.0, temp_bytes=0)
+                    for c, m in priced[k].items() if c not in results[k]} for k in priced}
+    import numpy as np
+    fit = pricing.fit_prices(np.array([parts[k][c] for k, c, _ in ok]),
+                             np.array([m.time_s for _, _, m in ok]))
+    temp_ratio = min([m.temp_bytes / priced[k][c].temp_bytes for k, c, m in ok
+                      if priced[k][c].temp_bytes > 0] + [1.0])
+    return {k: {c: dataclasses.replace(m, time_s=fit.low_end(parts[k][c]),
+                                       temp_bytes=int(m.temp_bytes * temp_ratio))
+                for c, m in priced[k].items() if c not in results[k]} for k in priced}
+
+
+def _record_of(analysis, windows, reps, space, results, bounds, timed, options,
+               platform: str) -> "ProfileRecord":
+    """A ``ProfileRecord`` of ``results`` (window type -> combination -> ``Measurement``), for
+    a solve inside the pass."""
+    profiles = {k: WindowProfile(k, tuple(range(windows[rep].start, windows[rep].end)),
+                                 space[k], results[k]) for k, rep in enumerate(reps)}
+    return ProfileRecord(tuple(windows), tuple(reps), profiles, tuple(bounds),
+                         {key: t and t[0] for key, t in timed.items()}, 0.0, options.cost,
+                         options.max_combinations, 0.0, 0, {}, options.whole_segments,
+                         platform=platform, compiled_for=options.compile_for)
+
+
+def hand_combinations(analysis, window: Window, windows) -> list[tuple[int, ...]]:
+    """The combinations, with their state layouts, that the rule-file hand plans
+    (``cfp.baselines``) put the instances of ``window``'s type on."""
+    from cfp.baselines import baseline_strategy_indices
+    out = []
+    for idx, layout in baseline_strategy_indices(analysis, storage=True).values():
+        for w in windows:
+            combo = tuple(idx[b] for b in range(w.start, w.end))
+            if w.type == window.type and None not in combo:
+                out += with_state_layouts(analysis, window, [combo],
+                                          (STATE_LAYOUTS.index(layout),))
+    return list(dict.fromkeys(out))
 
 
 def even_batches(items: list, most: int) -> list[tuple[int, list]]:

@@ -1,0 +1,116 @@
+"""The profile search drives (``passes/profile.py``, ``_search_driven``): what it measures and
+why. Programs are compiled for the 8 CPU devices and priced by a fixed cost model
+(``cost="model"``), as the measured profile times them: the rules, not the timings, are
+under test."""
+import dataclasses
+
+import pytest
+
+from cfp.cost_model import CostModel
+from cfp.passes.analysis import run_analysis
+from cfp.passes.profile import ProfileOptions, hand_combinations, run_profile
+from cfp.problem import build_problem, top_plans
+from cfp.workloads import WorkloadSpec
+
+COST = CostModel((1e-5,), (1e-9,), 1e11, 1e10)
+
+
+@pytest.fixture(scope="module")
+def analysis():
+    return run_analysis(WorkloadSpec("gpt", "tiny", None, "float32", ()).resolved(), (8,))
+
+
+@pytest.fixture(scope="module")
+def profiled(analysis):
+    """The profile search drives, with no memory budget."""
+    return run_profile(analysis, ProfileOptions(cost="model", cost_model=COST))
+
+
+def _profile(analysis, budget_bytes: int = 2**62, **options):
+    return run_profile(analysis, ProfileOptions(cost="model", cost_model=COST,
+                                                memory_budget_bytes=budget_bytes, **options))
+
+
+def _optimistic(rec):
+    """``rec`` with every combination it did not measure taken at the low end of its price."""
+    ok = lambda m: dataclasses.replace(m, status="ok") if m.status == "estimated" else m  # noqa
+    return dataclasses.replace(rec, window_profiles={
+        k: dataclasses.replace(p, results={c: ok(m) for c, m in p.results.items()})
+        for k, p in rec.window_profiles.items()})
+
+
+def _used(rec, analysis, budget_bytes=None) -> list:
+    """(window type, combination) of each window of the top plan of ``rec``'s problem."""
+    problem, combos = build_problem(analysis, rec, budget_bytes)
+    sol = top_plans(problem, 1, 10.0)[0]
+    return [(w.type, combos[g][c]) for g, (w, c) in enumerate(zip(rec.windows, sol.choices))]
+
+
+def _status(rec, k, combo) -> str:
+    return rec.window_profiles[k].results[combo].status
+
+
+def test_a_combination_the_solver_picks_is_measured_before_its_plan_is_kept(analysis,
+                                                                            profiled,
+                                                                            monkeypatch):
+    """The profile measures part of the space, and the plan solved with every combination it
+    did not measure at the least it may take uses measured combinations only: the plan kept
+    from what was measured is that plan. Control: with no round of solving (the hand plans'
+    combinations and each type's cheapest by the analytic price measured only), that plan
+    uses combinations not measured."""
+    from cfp.passes import profile
+    rec = profiled
+    statuses = [m.status for p in rec.window_profiles.values() for m in p.results.values()]
+    assert 0 < statuses.count("ok") < len(statuses) and "estimated" in statuses
+    used = _used(_optimistic(rec), analysis)
+    assert all(_status(rec, k, c) == "ok" for k, c in used)
+    assert used == _used(rec, analysis)
+    monkeypatch.setattr(profile, "PLAN_ROUNDS", 0)
+    seeded = _profile(analysis)
+    assert any(_status(seeded, k, c) == "estimated" for k, c in _used(_optimistic(seeded),
+                                                                      analysis))
+
+
+def test_an_unmeasured_combination_priced_below_the_plan_gets_measured(analysis, profiled,
+                                                                       monkeypatch):
+    """A combination the profile left unmeasured, its low end priced at nothing, is measured
+    by a profile run so (and then what it measures decides). Control: the run as it is
+    leaves it unmeasured."""
+    from cfp.passes import profile
+    rec = profiled
+    k, combo = next((k, c) for k, p in rec.window_profiles.items()
+                    for c, m in p.results.items() if m.status == "estimated")
+    low_ends = profile._low_ends
+
+    def cheaper(results, priced, parts):
+        out = low_ends(results, priced, parts)
+        if combo in out[k]:
+            out[k][combo] = dataclasses.replace(out[k][combo], time_s=0.0)
+        return out
+    monkeypatch.setattr(profile, "_low_ends", cheaper)
+    again = _profile(analysis)
+    assert _status(again, k, combo) == "ok" and _status(rec, k, combo) == "estimated"
+
+
+def test_a_split_state_layout_is_measured_where_search_asks_for_it(analysis, profiled):
+    """Under a memory budget only plans keeping some state split fit: the profile measures
+    split layouts of combinations no hand plan uses, as the solves ask, with no count
+    fixed. Control: with no budget it measures fewer split layouts."""
+    def split_beyond_hand(rec):
+        out = set()
+        for k, rep in enumerate(rec.representatives):
+            w = rec.windows[rep]
+            hand = set(hand_combinations(analysis, w, rec.windows))
+            out |= {(k, c) for c, m in rec.window_profiles[k].results.items()
+                    if len(c) > w.end - w.start and c[-1] != 0 and m.status != "estimated"
+                    and c not in hand}
+        return out
+    free = profiled
+    problem, _ = build_problem(analysis, free, None)
+    free_peak = top_plans(problem, 1, 10.0)[0].memory
+    tight = _profile(analysis, int(free_peak * 0.6))
+    used = _used(tight, analysis, int(free_peak * 0.6))
+    assert any(len(c) > rec_n and c[-1] != 0 for (k, c), rec_n in zip(used, (
+        tight.windows[r].end - tight.windows[r].start for r in
+        [tight.representatives[k] for k, _ in used])))
+    assert len(split_beyond_hand(tight)) > len(split_beyond_hand(free))
