@@ -26,6 +26,15 @@ def profiled(analysis):
     return run_profile(analysis, ProfileOptions(cost="model", cost_model=COST))
 
 
+@pytest.fixture(scope="module")
+def tight(analysis, profiled):
+    """(budget, profile) under 0.6 of what the plan with no budget composes to: only plans
+    keeping some state split fit."""
+    problem, _ = build_problem(analysis, profiled, None)
+    budget = int(top_plans(problem, 1, 10.0)[0].memory * 0.6)
+    return budget, _profile(analysis, budget)
+
+
 def _profile(analysis, budget_bytes: int = 2**62, **options):
     return run_profile(analysis, ProfileOptions(cost="model", cost_model=COST,
                                                 memory_budget_bytes=budget_bytes, **options))
@@ -50,25 +59,24 @@ def _status(rec, k, combo) -> str:
     return rec.window_profiles[k].results[combo].status
 
 
-def test_a_combination_the_solver_picks_is_measured_before_its_plan_is_kept(analysis,
-                                                                            profiled,
+def test_a_combination_the_solver_picks_is_measured_before_its_plan_is_kept(analysis, tight,
                                                                             monkeypatch):
-    """The profile measures part of the space, and the plan solved with every combination it
-    did not measure at the least it may take uses measured combinations only: the plan kept
-    from what was measured is that plan. Control: with no round of solving (the hand plans'
-    combinations and each type's cheapest by the analytic price measured only), that plan
-    uses combinations not measured."""
+    """Under a budget that only plans keeping some state split fit, the profile measures
+    part of the space, and the plan solved with every combination it did not measure at the
+    least it may take uses measured combinations only: the plan kept from what was measured
+    is that plan. Control: with no round of solving (every combination under ``plan`` and
+    the hand plans' measured only), that plan uses combinations not measured."""
     from cfp.passes import profile
-    rec = profiled
+    budget, rec = tight
     statuses = [m.status for p in rec.window_profiles.values() for m in p.results.values()]
     assert 0 < statuses.count("ok") < len(statuses) and "estimated" in statuses
-    used = _used(_optimistic(rec), analysis)
+    used = _used(_optimistic(rec), analysis, budget)
     assert all(_status(rec, k, c) == "ok" for k, c in used)
-    assert used == _used(rec, analysis)
+    assert used == _used(rec, analysis, budget)
     monkeypatch.setattr(profile, "PLAN_ROUNDS", 0)
-    seeded = _profile(analysis)
-    assert any(_status(seeded, k, c) == "estimated" for k, c in _used(_optimistic(seeded),
-                                                                      analysis))
+    seeded = _profile(analysis, budget)
+    assert any(_status(seeded, k, c) == "estimated"
+               for k, c in _used(_optimistic(seeded), analysis, budget))
 
 
 def test_an_unmeasured_combination_priced_below_the_plan_gets_measured(analysis, profiled,
@@ -82,8 +90,8 @@ def test_an_unmeasured_combination_priced_below_the_plan_gets_measured(analysis,
                     for c, m in p.results.items() if m.status == "estimated")
     low_ends = profile._low_ends
 
-    def cheaper(results, priced, parts):
-        out = low_ends(results, priced, parts)
+    def cheaper(results, priced, parts, held):
+        out = low_ends(results, priced, parts, held)
         if combo in out[k]:
             out[k][combo] = dataclasses.replace(out[k][combo], time_s=0.0)
         return out
@@ -92,10 +100,10 @@ def test_an_unmeasured_combination_priced_below_the_plan_gets_measured(analysis,
     assert _status(again, k, combo) == "ok" and _status(rec, k, combo) == "estimated"
 
 
-def test_a_split_state_layout_is_measured_where_search_asks_for_it(analysis, profiled):
+def test_a_split_state_layout_is_measured_where_search_asks_for_it(analysis, profiled, tight):
     """Under a memory budget only plans keeping some state split fit: the profile measures
     split layouts of combinations no hand plan uses, as the solves ask, with no count
-    fixed. Control: with no budget it measures fewer split layouts."""
+    fixed, and the plan kept splits state. Control: with no budget it measures fewer."""
     def split_beyond_hand(rec):
         out = set()
         for k, rep in enumerate(rec.representatives):
@@ -105,12 +113,7 @@ def test_a_split_state_layout_is_measured_where_search_asks_for_it(analysis, pro
                     if len(c) > w.end - w.start and c[-1] != 0 and m.status != "estimated"
                     and c not in hand}
         return out
-    free = profiled
-    problem, _ = build_problem(analysis, free, None)
-    free_peak = top_plans(problem, 1, 10.0)[0].memory
-    tight = _profile(analysis, int(free_peak * 0.6))
-    used = _used(tight, analysis, int(free_peak * 0.6))
-    assert any(len(c) > rec_n and c[-1] != 0 for (k, c), rec_n in zip(used, (
-        tight.windows[r].end - tight.windows[r].start for r in
-        [tight.representatives[k] for k, _ in used])))
-    assert len(split_beyond_hand(tight)) > len(split_beyond_hand(free))
+    budget, rec = tight
+    n = {k: rec.windows[r].end - rec.windows[r].start for k, r in enumerate(rec.representatives)}
+    assert any(len(c) > n[k] and c[-1] != 0 for k, c in _used(rec, analysis, budget))
+    assert len(split_beyond_hand(rec)) > len(split_beyond_hand(profiled))

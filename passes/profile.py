@@ -349,16 +349,17 @@ PLAN_ROUNDS = 40  # most solves of the profile search drives
 def _search_driven(analysis, windows, reps, known, bounds, options: ProfileOptions,
                    worker: Worker, checkpoint, start, notify) -> tuple[dict, int, dict]:
     """The profile search drives. Every combination of every window type, each state layout
-    included, has a price: its analytic price's parts (``cfp.pricing``) weighted by a fit to
-    what this run measured, at the low end of the band the measured times fall in around
-    the fit. The hand plans' combinations and each type's cheapest by the analytic price are
-    measured first, and every resharding timed. Then, round by round, the top
-    ``options.plans`` plans are solved with each unmeasured combination at that low end, and
-    the unmeasured combinations they use are measured, until they use measured ones only: no
-    unmeasured combination, at the least it may take, gives a better plan (or until
-    ``PLAN_ROUNDS`` solves, or the profile budget). Returns the window profiles (what was
-    measured, and the rest ``estimated``, at the low end), how many were measured in this
-    run, and the reshardings timed."""
+    included, has a price: a split state layout, its combination's time under ``plan`` times
+    the least ratio measured between the layout and ``plan``; else its analytic price's
+    parts (``cfp.pricing``) weighted by a fit to what this run measured, at the low end of
+    the band the measured times fall in around the fit. Every combination under ``plan``
+    and the hand plans' are measured first, and every resharding timed. Then, round by
+    round, the top ``options.plans`` plans are solved with each unmeasured combination at
+    that low end, and the unmeasured combinations they use are measured, until they use
+    measured ones only: no unmeasured combination, at the least it may take, gives a better
+    plan (or until ``PLAN_ROUNDS`` solves, or the profile budget). Returns the window
+    profiles (what was measured, and the rest ``estimated``, at the low end), how many were
+    measured in this run, and the reshardings timed."""
     from cfp import analytic, pricing
     from cfp.cost_model import fit_cost_model_for
     from cfp.errors import CfpError
@@ -379,11 +380,12 @@ def _search_driven(analysis, windows, reps, known, bounds, options: ProfileOptio
                      for c in sorted(known[k][2] + list(known[k][1]))}  # ties: one order
         parts[k] = {c: pricing.parts(m, operators, cost, analysis.mesh_shape)
                     for c, m in priced[k].items()}
+    held = {k for k, rep in enumerate(reps)
+            if len(space[k]) > windows[rep].end - windows[rep].start}  # state layout last
     seeds = {}
     for k, rep in enumerate(reps):
-        cheapest = min(priced[k], key=lambda c: priced[k][c].time_s)
-        seeds[k] = [c for c in dict.fromkeys(hand_combinations(analysis, windows[rep], windows)
-                                             + [cheapest])
+        plain = [c for c in priced[k] if k not in held or c[-1] == 0]
+        seeds[k] = [c for c in dict.fromkeys(plain + hand_combinations(analysis, w, windows))
                     if c in priced[k] and c not in results[k]]
     notify("start", num_types=len(reps), at_most=True,
            total=sum(len(p) for p in priced.values()) - sum(map(len, results.values())),
@@ -400,7 +402,7 @@ def _search_driven(analysis, windows, reps, known, bounds, options: ProfileOptio
     rounds, stop = 0, "the profile budget is spent"
     while rounds < PLAN_ROUNDS and not (compiled and worker.share(_spent(options, start))):
         rounds += 1
-        estimated = _low_ends(results, priced, parts)
+        estimated = _low_ends(results, priced, parts, held)
         rec = _record_of(analysis, windows, reps, space,
                          {k: {**estimated[k], **results[k]} for k in results}, bounds, timed,
                          options, worker.platform)
@@ -430,7 +432,7 @@ def _search_driven(analysis, windows, reps, known, bounds, options: ProfileOptio
             compiled += n
     else:
         stop = f"{PLAN_ROUNDS} rounds" if rounds >= PLAN_ROUNDS else stop
-    estimated = _low_ends(results, priced, parts)
+    estimated = _low_ends(results, priced, parts, held)
     log.info("the profile search drives: %d rounds, stopped as %s", rounds, stop)
     window_profiles = {}
     for k, rep in enumerate(reps):
@@ -441,24 +443,36 @@ def _search_driven(analysis, windows, reps, known, bounds, options: ProfileOptio
     return window_profiles, compiled, timed
 
 
-def _low_ends(results: dict, priced: dict, parts: dict) -> dict:
+def _low_ends(results: dict, priced: dict, parts: dict, held: set) -> dict:
     """Per window type, each combination not measured as its analytic ``Measurement`` (status
-    ``ok``) at the low end of its fitted price (``cfp.pricing``), the fit on every
-    combination measured ``ok`` (on one scale: ``on_one_scale``), its temporaries scaled by
-    the least ratio of measured to analytic temporaries."""
+    ``ok``), its temporaries scaled by the least ratio of measured to analytic temporaries,
+    at the least it may take given what was measured (on one scale: ``on_one_scale``): a
+    split state layout whose combination was measured under ``plan``, that time times the
+    least ratio measured between the layout and ``plan`` of one combination; any other, the
+    low end of its fitted price (``cfp.pricing``). ``held``: the window types whose
+    combinations end in a state layout."""
+    import numpy as np
     from cfp import pricing
     scaled, _ = on_one_scale({k: WindowProfile(k, (), (), r) for k, r in results.items()})
-    ok = [(k, c, m) for k, p in scaled.items() for c, m in p.results.items()
-          if m.status == "ok" and c in parts[k]]
-    if not ok:  # nothing measured runs: nothing is known of the rest but that it may
-        return {k: {c: dataclasses.replace(m, time_s=0.0, temp_bytes=0)
-                    for c, m in priced[k].items() if c not in results[k]} for k in priced}
-    import numpy as np
-    fit = pricing.fit_prices(np.array([parts[k][c] for k, c, _ in ok]),
-                             np.array([m.time_s for _, _, m in ok]))
+    times = {(k, c): m.time_s for k, p in scaled.items() for c, m in p.results.items()
+             if m.status == "ok" and c in parts[k]}
+    ok = [(k, c, results[k][c]) for k, c in times]
+    fit = (pricing.fit_prices(np.array([parts[k][c] for k, c in times]),
+                              np.array(list(times.values()))) if times else None)
+    split_ratio: dict = {}  # state layout -> least time under it over the time under plan
+    for (k, c), t in times.items():
+        twin = times.get((k, c[:-1] + (0,))) if k in held else None
+        if c[-1] and twin:
+            split_ratio[c[-1]] = min(split_ratio.get(c[-1], np.inf), t / twin)
     temp_ratio = min([m.temp_bytes / priced[k][c].temp_bytes for k, c, m in ok
                       if priced[k][c].temp_bytes > 0] + [1.0])
-    return {k: {c: dataclasses.replace(m, time_s=fit.low_end(parts[k][c]),
+
+    def low_end(k, c) -> float:
+        twin = times.get((k, c[:-1] + (0,))) if k in held and c[-1] else None
+        if twin and c[-1] in split_ratio:
+            return twin * split_ratio[c[-1]]
+        return fit.low_end(parts[k][c]) if fit is not None else 0.0
+    return {k: {c: dataclasses.replace(m, time_s=low_end(k, c),
                                        temp_bytes=int(m.temp_bytes * temp_ratio))
                 for c, m in priced[k].items() if c not in results[k]} for k in priced}
 
