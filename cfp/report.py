@@ -498,7 +498,7 @@ def prediction_console(rec, cluster, driver_lines: bool = False, analysis=None) 
         from cfp.problem import compiled_fits
         say(f"hand plans priced the same way ({how}):")
         for name, seconds, nbytes, peak in sorted(rec.hand_plans, key=lambda h: h[1]):
-            if peak is None and rec.compiled_peak_bytes is not None:
+            if peak is None and name.endswith(" recomputing every layer"):
                 memory = (f"{nbytes / 2**30:8.3f} GiB per device composed, not compiled "
                           f"(slower than the plan kept)")
             elif peak is None:

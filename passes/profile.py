@@ -1,21 +1,25 @@
-"""The profile pass: measure every unique window's strategy combinations.
+"""The profile pass: measure the unique windows' strategy combinations a plan can need.
 
 ``run_profile(analysis, options)`` splits each unique segment into windows that fit
-``max_combinations`` (``cfp.windows``), and for each window type compiles every combination of
-its blocks' strategies, checks it against the compiled HLO, and times it on the mesh in a
-worker process (``cfp.worker``). With ``whole_segments`` each segment is one window, and where
-its space exceeds ``max_combinations`` only the combinations ``cfp.ranking`` chooses are
-measured. It then times every resharding a boundary between windows can
-need, and returns a ``ProfileRecord`` holding every window type's results, each batch's times
-put on one scale through the speed anchor timed in every round (``on_one_scale``), so that a
-window type timed while the machine ran slower does not read slower. Each result is
-handed to ``checkpoint`` as it comes (the CLI saves it to the work dir, so an interrupted run
-resumes where it stopped). Across processes (``ProfileOptions.runtime``) every process's
-worker measures the same combinations in lockstep, and what is known and when the budget is
-spent are process 0's to say. With ``cost="model"`` nothing runs: compiled programs are priced by
-the analytic model; with ``cost="analytic"`` nothing compiles either: each combination and
-resharding is priced from the analysis alone (``cfp.analytic``), for meshes too large to
-compile for here.
+``max_combinations`` (``cfp.windows``), and for each window type compiles combinations of its
+blocks' strategies (each under a state layout where the window holds state), checks each
+against the compiled HLO, and times it on the mesh in a worker process (``cfp.worker``). Which
+combinations, search decides (``_search_driven``): every one under ``plan`` and the hand
+plans', then the split state layouts the top plans use while an unmeasured one, at the least
+it may take, could make a better plan; ``exhaustive`` measures them all. With
+``whole_segments`` each segment is one window, and where its space exceeds
+``max_combinations`` only the combinations ``cfp.ranking`` chooses are candidates. It times
+every resharding a boundary between windows can need, and returns a ``ProfileRecord`` holding
+every window type's results (what was not measured ``estimated``), each batch's times put on
+one scale through the speed anchor timed in every round (``on_one_scale``), so that a window
+type timed while the machine ran slower does not read slower. Each result is handed to
+``checkpoint`` as it comes (the CLI saves it to the work dir, so an interrupted run resumes
+where it stopped). Across processes (``ProfileOptions.runtime``) every process's worker
+measures the same combinations in lockstep, and what is known, what search asks for and when
+the budget is spent are process 0's to say. With ``cost="model"`` nothing runs: compiled
+programs are priced by the analytic model; with ``cost="analytic"`` nothing compiles either:
+each combination and resharding is priced from the analysis alone (``cfp.analytic``), for
+meshes too large to compile for here.
 """
 from __future__ import annotations
 
