@@ -8,7 +8,8 @@ import pytest
 
 from cfp.cost_model import CostModel
 from cfp.passes.analysis import run_analysis
-from cfp.passes.profile import ProfileOptions, hand_combinations, run_profile
+from cfp.passes.profile import (MemoryCheckpoint, ProfileOptions, hand_combinations,
+                                run_profile)
 from cfp.problem import build_problem, top_plans
 from cfp.workloads import WorkloadSpec
 
@@ -35,9 +36,27 @@ def tight(analysis, profiled):
     return budget, _profile(analysis, budget)
 
 
-def _profile(analysis, budget_bytes: int = 2**62, **options):
+class _Kept(MemoryCheckpoint):
+    """A checkpoint holding what ``rec`` measured (of each window type, those ``keep``
+    takes), as a work dir would: a profile run from it measures only what it lacks."""
+
+    def __init__(self, rec, keep=lambda k, combo: True):
+        self.results = {k: {c: m for c, m in p.results.items()
+                            if m.status != "estimated" and keep(k, c)}
+                        for k, p in rec.window_profiles.items()}
+        self.reshards = {key: (t, t, t) for key, t in rec.reshard_s.items()}
+
+    def load_window(self, k):
+        return dict(self.results.get(k, {}))
+
+    def load_reshards(self):
+        return dict(self.reshards)
+
+
+def _profile(analysis, budget_bytes: int = 2**62, checkpoint=None, **options):
     return run_profile(analysis, ProfileOptions(cost="model", cost_model=COST,
-                                                memory_budget_bytes=budget_bytes, **options))
+                                                memory_budget_bytes=budget_bytes, **options),
+                       checkpoint)
 
 
 def _optimistic(rec):
@@ -74,7 +93,11 @@ def test_a_combination_the_solver_picks_is_measured_before_its_plan_is_kept(anal
     assert all(_status(rec, k, c) == "ok" for k, c in used)
     assert used == _used(rec, analysis, budget)
     monkeypatch.setattr(profile, "PLAN_ROUNDS", 0)
-    seeded = _profile(analysis, budget)
+    n = {k: rec.windows[r].end - rec.windows[r].start for k, r in enumerate(rec.representatives)}
+    seeds = lambda k, c: (len(c) == n[k] or c[-1] == 0  # noqa: E731
+                          or c in hand_combinations(analysis, rec.windows[
+                              rec.representatives[k]], rec.windows))
+    seeded = _profile(analysis, budget, _Kept(rec, seeds))
     assert any(_status(seeded, k, c) == "estimated"
                for k, c in _used(_optimistic(seeded), analysis, budget))
 
@@ -96,7 +119,8 @@ def test_an_unmeasured_combination_priced_below_the_plan_gets_measured(analysis,
             out[k][combo] = dataclasses.replace(out[k][combo], time_s=0.0)
         return out
     monkeypatch.setattr(profile, "_low_ends", cheaper)
-    again = _profile(analysis)
+    again = _profile(analysis, checkpoint=_Kept(rec))
+    assert again.compiled >= 1
     assert _status(again, k, combo) == "ok" and _status(rec, k, combo) == "estimated"
 
 
