@@ -288,8 +288,9 @@ def profile_console(rec, model_space_log10: float, verbose: bool = False) -> Non
                if rec.cost != "analytic" else 0)  # priced anew each run
     done = "compiled and priced" if rec.cost == "model" else "measured"
     what = (f"{sum(counts.values())} of {sum(counts.values()) + estimated} combinations "
-            f"{done} ({by_status}): the hand plans', and those search's top plans use; the "
-            f"other {estimated} priced at the least those say they may take"
+            f"{done} ({by_status}): every one under plan, the hand plans', and the split state "
+            f"layouts search's top plans use; the other {estimated} priced at the least those "
+            f"say they may take"
             if estimated else f"{sum(counts.values())} combinations ({by_status})")
     say(f"profile: {what}, of {len(rec.window_profiles)} window types; "
         f"{len(rec.reshard_s)} reshardings; compiled in this "
