@@ -152,7 +152,7 @@ class ProfileProgress:
                 self.total, self.t0 = f["total"], time.perf_counter()
                 self.at_most, self.combinations = f.get("at_most", False), (0, f["total"])
                 if self.at_most:
-                    self.where = "the hand plans' combinations and the cheapest"
+                    self.where = "the combinations under plan and the hand plans'"
                 self._detail(f"window types to profile: {f['num_types']}; combinations to "
                              f"measure: {'at most ' if self.at_most else ''}{f['total']} "
                              f"({f['known']} measured before)")
