@@ -81,17 +81,20 @@ def ranked_combinations(analysis, window: Window, k: int, cost, axis_names,
     return ranked + [c for c in dict.fromkeys(also) if c not in set(ranked)]
 
 
-def baseline_combinations(analysis, window: Window, windows) -> list[tuple[int, ...]]:
+def baseline_combinations(analysis, window: Window, windows, *, storage: bool = False
+                          ) -> list[tuple]:
     """The combinations of window type ``window.type`` that the rule-file baselines
-    (``cfp.baselines``) put any of its instances on."""
+    (``cfp.baselines``) put any of its instances on; with ``storage``, each as
+    (combination, the baseline's state layout)."""
     from cfp.baselines import baseline_strategy_indices
     out = []
-    for idx in baseline_strategy_indices(analysis).values():
+    for found in baseline_strategy_indices(analysis, storage=storage).values():
+        idx, layout = found if storage else (found, None)
         for w in windows:
             if w.type == window.type:
                 combo = tuple(idx[b] for b in range(w.start, w.end))
                 if None not in combo:
-                    out.append(combo)
+                    out.append((combo, layout) if storage else combo)
     return list(dict.fromkeys(out))
 
 

@@ -495,16 +495,11 @@ def _record_of(analysis, windows, reps, space, results, bounds, timed, options,
 
 def hand_combinations(analysis, window: Window, windows) -> list[tuple[int, ...]]:
     """The combinations, with their state layouts, that the rule-file hand plans
-    (``cfp.baselines``) put the instances of ``window``'s type on."""
-    from cfp.baselines import baseline_strategy_indices
-    out = []
-    for idx, layout in baseline_strategy_indices(analysis, storage=True).values():
-        for w in windows:
-            combo = tuple(idx[b] for b in range(w.start, w.end))
-            if w.type == window.type and None not in combo:
-                out += with_state_layouts(analysis, window, [combo],
-                                          (STATE_LAYOUTS.index(layout),))
-    return list(dict.fromkeys(out))
+    (``cfp.ranking.baseline_combinations``) put the instances of ``window``'s type on."""
+    from cfp.ranking import baseline_combinations
+    return list(dict.fromkeys(
+        c for combo, layout in baseline_combinations(analysis, window, windows, storage=True)
+        for c in with_state_layouts(analysis, window, [combo], (STATE_LAYOUTS.index(layout),))))
 
 
 def even_batches(items: list, most: int) -> list[tuple[int, list]]:

@@ -669,11 +669,11 @@ def _cheapest_recompute(analysis, plan: Solution, storage, full, full_peak: int,
     half = n // 2
     probes = [(half, 0), (0, n)]  # (layers not recomputed, layers under LIGHTER)
     compiled = {(0, 0): full_peak}
-    configs = lambda counts: [mixed(full, n - c - b, b, LIGHTER) for c, b in counts]  # noqa
 
-    def compile_(counts):
-        compiled.update(zip(counts, compiled_peaks_for(
-            analysis, [(plan.strategies, storage, r) for r in configs(counts)], gpus)))
+    def compile_(counts):  # (layers not recomputed, layers under LIGHTER) each
+        compiled.update(zip(counts, compiled_peaks_for(analysis, [
+            (plan.strategies, storage, mixed(full, n - c - b, b, LIGHTER)) for c, b in counts],
+            gpus)))
     compile_(probes)
     per_none = max(0.0, (compiled[probes[0]] - full_peak) / max(1, n - half))
     per_light = max(0.0, (compiled[probes[1]] - full_peak) / n)
