@@ -154,7 +154,7 @@ class WindowProgram:
             compiled.as_text() if hlo_text is None else hlo_text, weights))
 
     def option_memory(self, combo, read_earlier: frozenset[int] = frozenset(),
-                      held: frozenset[int] | None = None) -> tuple[int, int, int, int]:
+                      held: frozenset[int] | None = None) -> tuple[int, int, int, int, int]:
         """``cfp.window_memory.option_memory`` of ``combo`` compiled here (nothing run): what a
         measured profile composes for it; ``held`` by default as the mesh's platform holds
         it (``cfp.window_memory.held_for_backward``)."""

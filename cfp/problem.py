@@ -15,6 +15,7 @@ from cfp.errors import CfpError
 from cfp.execute import Storage
 from cfp.jax_compat import itemsize
 from cfp.mesh import AXIS_NAMES
+from cfp.recompute import layer_starts
 from cfp.sharding import STATE_LAYOUTS
 from cfp.solver import (LP_MAX_VARIABLES, Group, Option, Problem, Solution, evaluate,
                         least_memory, model_booleans, penalizing_reshardings, solve,
@@ -161,7 +162,8 @@ def build_problem(analysis, profile, memory_budget_bytes: int | None, recompute=
     ties = [(c[k], c[k + 1]) for c in copies.values() for k in range(len(c) - 1)]
     problem = Problem(groups, [len(b.strategies) for b in blocks], edges, memory_budget_bytes,
                       ties, alike_blocks(analysis), reshards=reshards,
-                      edge_memory=edge_memory, waiting_cap=COMBINED_REDUCTION_BYTES)
+                      edge_memory=edge_memory, waiting_cap=COMBINED_REDUCTION_BYTES,
+                      layer_starts=layer_starts(analysis, profile.windows, recompute))
     return problem, combos
 
 

@@ -106,6 +106,24 @@ def forced(analysis, policy: str) -> Recompute | None:
     return Recompute(layers, loss) if layers else None
 
 
+def layer_starts(analysis, windows, recompute: Recompute | None) -> dict[int, int]:
+    """Per window of a recomputed layer (its index in ``windows``), the index of the layer's
+    first window: the backward pass makes the layer's forward again at once, before the
+    backward of its last window, so what each of its windows makes again is live from
+    there until that window's backward is done."""
+    if not recompute:
+        return {}
+    instances = analysis.segments.instances
+    firsts = {}
+    for k, _, policy in recompute.layers:
+        if policy == "none":
+            continue
+        inst = instances[k]
+        mine = [i for i, w in enumerate(windows) if inst.start <= w.start < inst.end]
+        firsts.update((i, mine[0]) for i in mine)
+    return firsts
+
+
 def recomputed(program, recompute: Recompute):
     """``program`` with each layer's recompute inserted before the backward pass first reads
     what it recomputes: an ``optimization_barrier`` over the layer's inputs, the saved results

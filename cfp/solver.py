@@ -56,6 +56,10 @@ class Option:
     # made by the group's backward pass and held from then until their combined reduction
     # (gradients; at most ``Problem.waiting_cap`` of all groups' wait at once)
     waiting: int = 0
+    # what a recomputed layer's backward pass makes again for the group (its activations
+    # and the weights it gathers): live from the start of the layer's backward pass
+    # (``Problem.layer_starts``)
+    remade: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +90,11 @@ class Problem:
     # between the two blocks, beyond what the groups count (a resharded copy the backward
     # pass reads). They add up over the step, like ``Option.memory``.
     edge_memory: dict = dataclasses.field(default_factory=dict)
+    # group -> the first group of its recomputed layer: the layer's backward pass makes what
+    # its groups remade (``Option.remade``) at once, each live until its group's backward is
+    # done (a group not here: its own alone). Composed by ``evaluate`` only: no solve takes
+    # a recompute.
+    layer_starts: dict = dataclasses.field(default_factory=dict)
 
 
 def _sequence(problem: Problem) -> list:
@@ -122,6 +131,9 @@ def evaluate(problem: Problem, choices) -> tuple[int, int, tuple[int, ...]]:
         mem += int(table[strat[i], strat[j]])
     held, transient, waiting = ([row[k][choices[g]] for g, *row in _sequence(problem)]
                                 for k in range(3))
+    remade = [grp.options[c].remade for grp, c in zip(problem.groups, choices)]
+    for g in range(len(remade) if any(remade) else 0):  # one window per group (no quotient)
+        transient[g] += sum(remade[problem.layer_starts.get(g, g):g + 1])
     return (cost, mem + transient_peak(held, transient, waiting, problem.waiting_cap),
             tuple(strat))
 
@@ -188,6 +200,8 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, exclude=(), workers: 
     stops once its plan is proved within this share of the cheapest (its status then says
     how close it was proved)."""
     from ortools.sat.python import cp_model
+    if any(o.remade for grp in problem.groups for o in grp.options):
+        raise ValueError("a problem with recompute is composed (evaluate), never solved")
     t0 = time.perf_counter()
     stats: dict[str, int] = {}
     m = cp_model.CpModel()

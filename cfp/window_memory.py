@@ -21,9 +21,9 @@ COMBINED_REDUCTION_BYTES = 30 * 2**20
 def option_memory(analysis, window: Window, combo, measured, axis_names,
                   read_earlier: frozenset[int] = frozenset(),
                   held: frozenset[int] | None = None,
-                  terms: "MemoryTerms | None" = None) -> tuple[int, int, int, int]:
-    """(bytes that add up over windows, transient bytes, held bytes, waiting bytes) of a
-    window under ``combo``, per device.
+                  terms: "MemoryTerms | None" = None) -> tuple[int, int, int, int, int]:
+    """(bytes that add up over windows, transient bytes, held bytes, waiting bytes, remade
+    bytes) of a window under ``combo``, per device.
 
     Adding up: the window's parameters, optimizer state and batch coming in (those not in
     ``read_earlier``, held for an earlier window already; their updates take their place,
@@ -44,9 +44,10 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
     group is complete, on a small model to near the step's end (``scripts/composed_memory.py
     --peak-top`` lists them live at the compiled peak); a split layout (``fsdp``) reduces each
     at once. Where the window's layer is recomputed (``MemoryTerms.remade``), what its
-    forward pass would hold, and its weights gathered, count in its transient instead: its
-    backward pass makes them again. ``held`` and ``terms`` (``memory_terms``) are what the
-    caller computed already, for many combinations."""
+    forward pass would hold, and its weights gathered, are remade instead: its backward pass
+    makes them again, for the whole layer at once (``cfp.solver.Problem.layer_starts``).
+    ``held`` and ``terms`` (``memory_terms``) are what the caller computed already, for many
+    combinations."""
     terms = terms or memory_terms(analysis, window, read_earlier, held)
     size, held_size, gathered_size = term_sizers(analysis, window, combo, axis_names)
     gathered = gathered_params(analysis, window, combo)
@@ -71,9 +72,9 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
     # leave them out (``cfp.analytic``).
     held_internal = 0 if measured.note == "analytic" else sum(
         held_bytes.get(v, 0) for v in terms.internal)
-    # Recomputed in the backward pass, what the forward pass would hold is made again there:
-    # transient, as the compiled window's temporaries count those it makes and reads itself
-    # (and the weights it gathers).
+    # Recomputed in the backward pass, what the forward pass would hold is made again there,
+    # but for what the compiled window's temporaries count already (those it makes and reads
+    # itself, and the weights it gathers).
     remade = sum(held_size(t) for t in terms.remade
                  if measured.note == "analytic" or t[0] not in terms.internal)
     # A table's gradient is held from the step's start (``MemoryTerms``), as its blocks
@@ -85,8 +86,8 @@ def option_memory(analysis, window: Window, combo, measured, axis_names,
     # (``cfp.measure.weight_copy_bytes``).
     copies = measured.weight_copy_bytes
     return (adding + copies,
-            max(0, measured.temp_bytes - held_internal - copies) + remade + regathered,
-            sum(held_bytes.values()), waiting)
+            max(0, measured.temp_bytes - held_internal - copies),
+            sum(held_bytes.values()), waiting, remade + regathered)
 
 
 def terms_key(analysis, window: Window, terms: MemoryTerms) -> tuple:

@@ -248,6 +248,23 @@ def test_the_peak_holds_a_windows_transient_beside_the_held_activations_up_to_it
     assert least_memory(problem(6)) == 22 and least_memory(problem(0)) == 28
 
 
+def test_a_recomputed_layer_makes_its_windows_again_at_once():
+    """A layer of two windows (groups 1 and 2) recomputed: its backward pass makes both
+    windows' activations again (5 and 7) when it starts, at window 2, so there the peak
+    holds both beside window 2's transient (1): 20 + 5 + 7 + 1 = 33; at window 1 it holds
+    window 1's (5) beside its transient (2). Control: with each window's made again alone
+    (no layer), the peak is 20 + 7 + 1 = 28. Such a problem is composed, never solved."""
+    def problem(layer_starts):
+        return Problem([Group((0,), [Option((0,), 10, 10, 0)]),
+                        Group((1,), [Option((0,), 10, 5, 2, remade=5)]),
+                        Group((2,), [Option((0,), 10, 5, 1, remade=7)])], [1, 1, 1], {},
+                       layer_starts=layer_starts)
+    assert evaluate(problem({1: 1, 2: 1}), (0, 0, 0))[1] == 33
+    assert evaluate(problem({}), (0, 0, 0))[1] == 20 + 7 + 1
+    with pytest.raises(ValueError):
+        solve(problem({1: 1, 2: 1}))
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_least_memory_bounds_every_plan_from_below(seed):
     import itertools

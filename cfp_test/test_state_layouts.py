@@ -291,8 +291,8 @@ def test_a_tables_gradient_is_held_and_a_whole_kept_gradient_waits(analytic_prob
             if m.status != "ok":
                 continue
             layout = state_layout(analysis, w, combo)
-            mem, _, _, waiting = option_memory(analysis, w, combo, m, names, terms=terms)
-            mem0, _, _, waiting0 = option_memory(analysis, w, combo, m, names, terms=plain)
+            mem, _, _, waiting, _ = option_memory(analysis, w, combo, m, names, terms=terms)
+            mem0, _, _, waiting0, _ = option_memory(analysis, w, combo, m, names, terms=plain)
             size = term_sizers(analysis, w, combo, names)[0]
             table_bytes = sum(size(*t, stored=False) for t in table)
             assert mem - mem0 == table_bytes
