@@ -16,6 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from cfp import dims as dimrules
+from cfp.jax_compat import compiler_options as jax_compiler_options
 from cfp.jax_compat import dtype_name, is_key, to_dtype
 from cfp.sharding import STATE_LAYOUTS, block_constraints, state_specs, step_function
 from cfp.strategies import Strategy
@@ -150,7 +151,8 @@ class PlannedStep:
         jitted = jax.jit(self.fn, in_shardings=self.in_shardings,
                          out_shardings=self.out_shardings,
                          donate_argnums=tuple(range(self.state_count)) if self.donate else ())
-        self.compiled = jitted.lower(*args).compile(compiler_options)
+        self.compiled = jitted.lower(*args).compile(
+            {**(jax_compiler_options(self.mesh) or {}), **(compiler_options or {})} or None)
         self.compile_s = time.perf_counter() - t0
         return self.compiled
 

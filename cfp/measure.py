@@ -23,7 +23,7 @@ import numpy as np
 from cfp import dims as dimrules
 from cfp.collectives import COLLECTIVE_KINDS, HLO_BYTES, op_name, tagged_op, unnamed_collectives
 from cfp.errors import CfpError
-from cfp.jax_compat import is_key, random_keys, to_dtype
+from cfp.jax_compat import compiler_options, is_key, random_keys, to_dtype
 from cfp.sharding import SubProgram, state_updates, sub_function, sub_program, update_statistics
 from cfp.timing import BUSY_SHARE
 from cfp.window_memory import held_for_backward, option_memory, param_values
@@ -141,7 +141,8 @@ class WindowProgram:
         jitted = jax.jit(fn, in_shardings=[shard(s) for s in ins],
                          out_shardings=[shard(s) for s in outs],
                          donate_argnums=self.donated(combo), keep_unused=True)
-        return jitted.lower(*args).compile(), [shard(s) for s in ins]
+        return (jitted.lower(*args).compile(compiler_options(self.mesh)),
+                [shard(s) for s in ins])
 
     def memory(self, compiled, hlo_text: str | None = None) -> dict:
         """The memory fields of a compiled combination's ``Measurement``: ``memory_of`` and

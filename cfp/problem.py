@@ -81,10 +81,9 @@ def plan_storage(analysis, problem: Problem, windows, choices) -> Storage:
 
 
 # Of the device's memory, the share a step compiled for GPUs may peak at and count as fitting:
-# XLA's GPU compiler rematerializes on its own until a program fits the device, so a peak just
-# under the budget is XLA's recomputation, which no price here counts: a LLaMA-7B step at
-# batch 64 compiles to 80.0 GiB of 80 that way, and its dp plan at batch 32 to 77.6 GiB (97%)
-# where XLA logs that its rematerialization stopped at 80.9.
+# A program compiled for described GPUs fits within this share of the budget: its peak is the
+# program's own (XLA's rematerialization off: ``cfp.jax_compat.compiler_options``), and the
+# device needs room beside it (XLA's own limits leave 5%: ``xla_gpu_memory_limit_slop_factor``).
 COMPILED_FIT_SHARE = 0.95
 
 

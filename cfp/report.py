@@ -490,7 +490,8 @@ def prediction_console(rec, cluster, driver_lines: bool = False, analysis=None) 
     if rec.compiled_peak_bytes is not None:
         from cfp.gpu_compile import label
         figure = (f"{rec.compiled_peak_bytes / 2**30:.3f} GiB compiled for "
-                  f"{label(rec.compiled_for)} ({composed}; budget {budget / 2**30:g} GiB)")
+                  f"{label(rec.compiled_for)}, XLA's own rematerialization off ({composed}; "
+                  f"budget {budget / 2**30:g} GiB)")
     else:
         figure = f"{composed} (budget {budget / 2**30:g} GiB)"
     say(f"memory per device: {figure}; state: {rec.storage.describe()}")

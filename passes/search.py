@@ -588,8 +588,8 @@ def _fitting_once_compiled(analysis, problem: Problem, profile, sol: Solution | 
     peaks = [p for _, p in tried.values()] + [p for _, _, p in hand if p is not None] or [0]
     hands = [f"{name} {p / 2**30:.1f} GiB" for name, _, p in hand if p is not None]
     raise CfpError(f"no plan fits the memory budget of {budget / 2**30:.3f} GiB per device once "
-                   f"compiled for {label(gpus)} (within {COMPILED_FIT_SHARE:.0%} of it: XLA "
-                   f"recomputes to fit a device): the least of the {len(peaks)} plans compiled "
+                   f"compiled for {label(gpus)} (within {COMPILED_FIT_SHARE:.0%} of it, XLA's "
+                   f"own rematerialization off): the least of the {len(peaks)} plans compiled "
                    f"peaks at {min(peaks) / 2**30:.1f} GiB"
                    + (f"; the hand plans compile to {', '.join(hands)}" if hands else "")
                    + (f"; recomputing every layer, the least peaks at {found / 2**30:.1f} GiB"
