@@ -141,3 +141,28 @@ def test_a_split_state_layout_is_measured_where_search_asks_for_it(analysis, pro
     n = {k: rec.windows[r].end - rec.windows[r].start for k, r in enumerate(rec.representatives)}
     assert any(len(c) > n[k] and c[-1] != 0 for k, c in _used(rec, analysis, budget))
     assert len(split_beyond_hand(rec)) > len(split_beyond_hand(profiled))
+
+
+def test_search_under_another_budget_measures_what_its_plans_use(tmp_path, capsys,
+                                                                 mlp_profiled):
+    """The profile chose what to measure with no memory budget; ``--mode search`` under
+    1 GiB first resumes it under that budget (the console says so, the profile records it)
+    and searches from what it measured. Control: searched again under 1 GiB it resumes
+    nothing, and under the budget of a profile measured whole (``--profile-all``) neither."""
+    import shutil
+    from cfp.cli import main
+    from cfp.records import read_record
+    from cfp.workdir import PROFILE_FORMAT
+    from helpers import MLP_PROFILED
+    wd = tmp_path / "wd"
+    shutil.copytree(mlp_profiled, wd)
+    args = MLP_PROFILED + ["--workdir", str(wd), "--mode", "search", "--memory-budget", "1",
+                           "--validate-top", "1", "--iters", "1"]
+    read = lambda: read_record(wd / "profile.pkl", PROFILE_FORMAT, None, hint="")  # noqa
+    assert read().driven_budget_bytes == 2**62
+    assert main(args) == 0
+    assert "measuring what plans under 1 GiB use" in capsys.readouterr().out
+    assert read().driven_budget_bytes == 2**30
+    assert main(args) == 0
+    assert "measuring what plans" not in capsys.readouterr().out
+    assert not dataclasses.replace(read(), driven_budget_bytes=None).asks_under(2**29)

@@ -105,6 +105,15 @@ class ProfileRecord:
     platform: str = "cpu"
     # the GPUs the programs were compiled for (``cfp.gpu_compile.GPUS``), None: the devices here
     compiled_for: str | None = None
+    # the memory budget per device the top plans that chose what to measure were solved
+    # under (``_search_driven``); None: every combination measured, or priced
+    driven_budget_bytes: int | None = None
+
+    def asks_under(self, memory_budget_bytes: int | None) -> bool:
+        """Whether a search under ``memory_budget_bytes`` may use combinations this profile
+        left unmeasured: it chose what to measure under another budget."""
+        return (self.driven_budget_bytes is not None
+                and self.driven_budget_bytes != memory_budget_bytes)
 
     def memory_source(self) -> str:
         """Where the windows' memory comes from, in words."""
@@ -215,7 +224,8 @@ def run_profile(analysis, options: ProfileOptions, checkpoint=None,
                         dict(phases.seconds),
                         options.whole_segments,
                         {k: t[1:] for k, t in timed.items() if t and options.cost == "measure"},
-                        anchor_s, device_ids, platform, options.compile_for)
+                        anchor_s, device_ids, platform, options.compile_for,
+                        None if options.exhaustive else options.memory_budget_bytes)
     log.info("profile pass: %.1f s, phases %s", rec.time_s, rec.phase_s)
     return rec
 
