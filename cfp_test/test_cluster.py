@@ -1,5 +1,6 @@
 """Planning for clusters that are not here: cluster descriptions, analytic pricing, the
 logical mesh choice, and the analysis and edge tables that keep large cases small."""
+import dataclasses
 import json
 import re
 
@@ -313,6 +314,14 @@ def test_a_cluster_plan_is_printed_beside_the_hand_plans_priced_the_same_way(tmp
     out = capsys.readouterr().out
     assert re.search(r"fsdp +predicted .* fits", out) and re.search(r"dp +predicted .* does not "
                                                                      r"fit", out)
+    # a hand plan recomputing every layer that was not compiled (slower than the plan kept)
+    # says so; the lines not recomputing, not compiled either, say what they compose to
+    slower = dataclasses.replace(bound, hand_plans=bound.hand_plans + (
+        ("dp recomputing every layer", 1.0, 2**20, None),))
+    prediction_console(slower, load_cluster("a100-8"))
+    out = capsys.readouterr().out
+    assert re.search(r"dp recomputing every layer predicted .* composed, not compiled \(slower "
+                     r"than the plan kept\)", out) and out.count("not compiled") == 1
 
 
 def test_a_forward_step_planned_for_a_cluster_beside_the_hand_plans(tmp_path, capsys):
