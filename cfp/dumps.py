@@ -264,13 +264,15 @@ def _plots(out, rec) -> None:
 
 def prediction_memory(rec) -> dict:
     """A predicted plan's memory per device as ``plan.json`` records it: the whole step
-    compiled for the GPUs, where it was, and the composition, each saying where it comes
-    from."""
+    compiled for the GPUs, where it was (and the ``XLA_FLAGS`` that run it as compiled), and
+    the composition, each saying where it comes from."""
     from cfp.gpu_compile import label
+    from cfp.jax_compat import DESCRIBED_GPU_OPTIONS, xla_flags
     out = {"composed_bytes": int(rec.memory_bytes), "composed_from": rec.memory_source}
     if rec.compiled_peak_bytes is not None:
         out.update(compiled_bytes=int(rec.compiled_peak_bytes),
-                   compiled_for=label(rec.compiled_for))
+                   compiled_for=label(rec.compiled_for),
+                   xla_flags=xla_flags(DESCRIBED_GPU_OPTIONS))
     return out
 
 

@@ -182,6 +182,10 @@ def deviceless_gpu_mesh(target_config: str, mesh_shape: tuple[int, ...],
     return topologies.make_mesh(topology, tuple(mesh_shape), tuple(axis_names))
 
 
+# XLA's options for programs compiled for GPUs described, not present (``compiler_options``)
+DESCRIBED_GPU_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
+
+
 def compiler_options(mesh) -> dict | None:
     """XLA's options for a program compiled for ``mesh``: for GPUs described, not present
     (``deviceless_gpu_mesh``), its own rematerialization off. XLA's GPU compiler otherwise
@@ -191,7 +195,12 @@ def compiler_options(mesh) -> dict | None:
     the program's as planned. None: XLA's defaults (devices here)."""
     if mesh.devices.flat[0] in jax.devices():
         return None
-    return {"xla_disable_hlo_passes": "rematerialization"}
+    return dict(DESCRIBED_GPU_OPTIONS)
+
+
+def xla_flags(options: dict) -> str:
+    """``options`` as ``XLA_FLAGS`` spells them: what runs a program as it was compiled."""
+    return " ".join(f"--{name}={value}" for name, value in options.items())
 
 
 # XLA's mock GPU topology: one GPU stands for a node of them. Set in a process before its

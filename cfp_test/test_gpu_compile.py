@@ -198,6 +198,7 @@ def test_a_cluster_is_planned_from_windows_compiled_for_its_gpus(tmp_path, capsy
                     r"from windows compiled for A100; budget 80 GiB\)", line)
     memory = plan["memory_per_device"]
     assert memory["compiled_for"] == "A100" and memory["composed_from"] == "windows compiled for A100"
+    assert memory["xla_flags"] == "--xla_disable_hlo_passes=rematerialization"
     assert 0.5 < memory["composed_bytes"] / memory["compiled_bytes"] < 2
 
 
