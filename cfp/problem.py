@@ -80,10 +80,9 @@ def plan_storage(analysis, problem: Problem, windows, choices) -> Storage:
     return Storage(leaves=tuple(sorted(leaves)))
 
 
-# Of the device's memory, the share a step compiled for GPUs may peak at and count as fitting:
-# A program compiled for described GPUs fits within this share of the budget: its peak is the
-# program's own (XLA's rematerialization off: ``cfp.jax_compat.compiler_options``), and the
-# device needs room beside it (XLA's own limits leave 5%: ``xla_gpu_memory_limit_slop_factor``).
+# Of the budget, the share a step compiled for GPUs may peak at and count as fitting: its peak
+# is the program's own (XLA's rematerialization off: ``cfp.jax_compat.compiler_options``), and
+# the device needs room beside it (XLA's own limits leave 5%: ``xla_gpu_memory_limit_slop_factor``).
 COMPILED_FIT_SHARE = 0.95
 
 
