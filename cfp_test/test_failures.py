@@ -141,20 +141,25 @@ def _saved_results(workdir) -> dict:
 
 @pytest.mark.slow
 def test_a_budget_cut_profile_is_finished_by_the_next_run(tmp_path):
+    """A profile whose budget is spent from its start measures one batch (the next run goes
+    on from there) and leaves the rest not measured; the next run measures what it left and
+    nothing twice."""
     analysis = run_analysis(MLP, (4,))
     wd = WorkDir(tmp_path, run_fingerprint(MLP, (4,)))
     checkpoint = wd.profile_checkpoint(analysis, "measure", 32)
     cut = run_profile(analysis, ProfileOptions(budget_s=1e-9), checkpoint)
-    statuses = [m.status for p in cut.window_profiles.values() for m in p.results.values()]
-    assert set(statuses) == {"not_measured"} and cut.compiled == 0
-    assert cut.reshard_s == {}
+
+    def measured(rec):
+        return {(k, c) for k, p in rec.window_profiles.items() for c, m in p.results.items()
+                if m.status not in ("estimated", "not_measured")}
+    statuses = {m.status for p in cut.window_profiles.values() for m in p.results.values()}
+    assert "not_measured" in statuses
+    assert 0 < cut.compiled == len(measured(cut)) <= ProfileOptions().batch
     full = run_profile(analysis, ProfileOptions(), checkpoint)
-    cut_combos = {(k, c) for k, p in cut.window_profiles.items() for c in p.results}
-    assert cut_combos <= {(k, c) for k, p in full.window_profiles.items() for c in p.results}
-    # every one measured by this run: what the cut left, then the split state layouts
-    assert full.compiled == sum(len(p.results) for p in full.window_profiles.values())
-    assert all(m.status == "ok" for p in full.window_profiles.values()
-               for m in p.results.values())
+    assert measured(cut) < measured(full)
+    assert full.compiled == len(measured(full)) - len(measured(cut))  # nothing twice
+    assert not any(m.status == "not_measured" for p in full.window_profiles.values()
+                   for m in p.results.values())
     assert len(full.reshard_s) > 0
 
 
@@ -202,11 +207,11 @@ def test_timings_taken_on_a_busy_machine_are_told(capsys):
     from cfp import report
     from cfp.timing import BUSY_SHARE
     rec = run_profile(run_analysis(MLP, (4,)), ProfileOptions())
-    shares = [m.others_cpu_share for p in rec.window_profiles.values()
-              for m in p.results.values()]
+    timed = [m for p in rec.window_profiles.values() for m in p.results.values()
+             if m.status != "estimated"]  # priced, not timed: no share
+    shares = [m.others_cpu_share for m in timed]
     assert shares and all(math.isfinite(x) and 0 <= x <= 1 for x in shares), shares
-    assert all(0 <= m.stolen_cpu_share <= 1 for p in rec.window_profiles.values()
-               for m in p.results.values())
+    assert all(0 <= m.stolen_cpu_share <= 1 for m in timed)
     # every batch timed the speed anchor too, and the record's scale is its median
     anchors = [m.anchor_s for p in rec.window_profiles.values() for m in p.results.values()
                if m.status == "ok" and not m.same_program_as]
