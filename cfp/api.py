@@ -420,8 +420,8 @@ def _run_search(opts: RunOptions, options) -> dict | None:
         return _predict(opts, options, wd, analysis)
     # Across processes the search runs on process 0's profile.
     gpus = preset_gpu(options) if options.cost == "model" else None  # nothing fitted again
-    profile = (_last_profile(wd, analysis, options, [(options.cost, gpus), (options.cost, None)])
-               if opts.reports else None)
+    tried = [(options.cost, gpus), (options.cost, None)]
+    profile = _last_profile(wd, analysis, options, tried) if opts.reports else None
     budget = memory_budget_bytes(options, opts, required=True)
     if _asks_under(opts, profile, budget):  # its top plans may use what was not measured
         if opts.reports:
@@ -429,8 +429,7 @@ def _run_search(opts: RunOptions, options) -> dict | None:
                        f"{profile.driven_budget_bytes / 2**30:g} GiB use; measuring what "
                        f"plans under {budget / 2**30:g} GiB use")
         _run_profile(opts, options)
-        profile = (_last_profile(wd, analysis, options, [(options.cost, None)])
-                   if opts.reports else None)
+        profile = _last_profile(wd, analysis, options, tried) if opts.reports else None
     search_options = SearchOptions(budget, options.time_limit, options.validate_top,
                                    options.validate_baselines, options.iters,
                                    runtime=opts.runtime, compilation_cache=_cache_dir(options),
@@ -458,7 +457,8 @@ def _run_search(opts: RunOptions, options) -> dict | None:
 
 def _asks_under(opts: RunOptions, profile, budget: int) -> bool:
     """Whether the measured profile chose what to measure under another memory budget
-    (process 0's answer, shared)."""
+    (process 0's answer, shared). A ``--cost model`` profile is searched as it is: resuming
+    it would fit its figures again."""
     from cfp.multihost import share
     return share(bool(opts.reports and profile.cost == "measure"
                       and profile.asks_under(budget)))
