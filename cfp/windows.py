@@ -3,8 +3,8 @@
 A unique segment whose strategy space exceeds ``max_combinations`` is split into consecutive
 *windows* whose spaces fit; every instance of the segment is split at the same offsets. Each
 window type is profiled once, for the combinations of its blocks' strategies search asks
-for. Segments repeat by their contractions, so two instances of one window can still differ in other operators (the
-first layer also gathers the embedding and updates its table): a window instance whose
+for. Segments repeat by their contractions, so two instances of one window can still differ in
+other operators (the first layer also gathers the embedding and updates its table): a window instance whose
 operators (kinds and shapes) differ from those of the instance in its segment's representative
 is a window type of its own, profiled on itself, so that no window is priced by another
 program. What the step computes once for every layer, from constants or on scalars, does not

@@ -596,6 +596,10 @@ def _fitting_once_compiled(analysis, problem: Problem, profile, sol: Solution | 
                       if found is not None else ""))
 
 
+# The suffix of a hand plan's line recomputing every layer (``Prediction.hand_plans``)
+RECOMPUTING_EVERY_LAYER = " recomputing every layer"
+
+
 def _recomputing(analysis, problem: Problem, profile, ours: list, hand, gpus: str):
     """Where no plan fits once compiled (``ours``: (solution, compiled peak) of cfp's plans
     compiled, ``hand``: (name, solution, compiled peak or None) of the hand plans): the plans
@@ -634,7 +638,7 @@ def _recomputing(analysis, problem: Problem, profile, ours: list, hand, gpus: st
         peaks.update(zip([s.choices for s in batch], compiled_peaks_for(
             analysis, [(s.strategies, stored[s.choices], full) for s in batch], gpus)))
     composed = build_problem(analysis, profile, None, full)[0]  # every layer recomputed
-    lines = tuple((f"{name} recomputing every layer",
+    lines = tuple((name + RECOMPUTING_EVERY_LAYER,
                    seconds(s) + recompute_seconds(analysis, full, seconds(s), gpus),
                    evaluate(composed, s.choices)[1], peaks.get(s.choices))
                   for name, s, _ in hand)
