@@ -38,6 +38,8 @@ from typing import Sequence
 
 from cfp.errors import CfpError
 
+# The suffix of a hand plan's line recomputing every layer (``Prediction.hand_plans``)
+RECOMPUTING_EVERY_LAYER = " recomputing every layer"
 POLICIES = ("none", "dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable")
 
 

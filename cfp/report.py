@@ -497,7 +497,7 @@ def prediction_console(rec, cluster, driver_lines: bool = False, analysis=None) 
     say(f"memory per device: {figure}; state: {rec.storage.describe()}")
     if rec.hand_plans:
         from cfp.gpu_compile import label
-        from cfp.passes.search import RECOMPUTING_EVERY_LAYER
+        from cfp.recompute import RECOMPUTING_EVERY_LAYER
         from cfp.problem import compiled_fits
         say(f"hand plans priced the same way ({how}):")
         for name, seconds, nbytes, peak in sorted(rec.hand_plans, key=lambda h: h[1]):

@@ -596,10 +596,6 @@ def _fitting_once_compiled(analysis, problem: Problem, profile, sol: Solution | 
                       if found is not None else ""))
 
 
-# The suffix of a hand plan's line recomputing every layer (``Prediction.hand_plans``)
-RECOMPUTING_EVERY_LAYER = " recomputing every layer"
-
-
 def _recomputing(analysis, problem: Problem, profile, ours: list, hand, gpus: str):
     """Where no plan fits once compiled (``ours``: (solution, compiled peak) of cfp's plans
     compiled, ``hand``: (name, solution, compiled peak or None) of the hand plans): the plans
@@ -612,7 +608,7 @@ def _recomputing(analysis, problem: Problem, profile, ours: list, hand, gpus: st
     it was not compiled so (it is slower than the plan found); where none fits even so, the
     least peak recomputing every layer; None where nothing has a backward pass to
     recompute."""
-    from cfp.recompute import forced
+    from cfp.recompute import RECOMPUTING_EVERY_LAYER, forced
     full = forced(analysis, "nothing_saveable")
     if full is None:
         return None
