@@ -123,27 +123,58 @@ def _strategies_part(analysis, window: Window, combo, cost: CostModel, axis_name
                     if axes:
                         whole = tuple(None for _ in spec)
                         colls.append(("all-gather", axes, nbytes(v, whole)))
+    colls += _resharded_inside(analysis, window, strategies, axis_names)
     ins, outs, constraints = window_layouts(g, blocks, strategies, sub, axis_names)
     return seconds, temp, tuple(colls), sub, tuple(ins), tuple(outs), constraints
 
 
+def _resharded_inside(analysis, window: Window, strategies, axis_names) -> list[tuple]:
+    """The collectives that move tensors between the window's own blocks: a value one block
+    makes, or the window reads, in another layout than a later block wants it."""
+    g, mesh_shape = analysis.graph, analysis.mesh_shape
+    member = {m.op: (i, m) for i, b in enumerate(range(window.start, window.end))
+              for m in analysis.blocks.blocks[b].members}
+    spec = lambda labels, i: dimrules.spec_axes(labels, strategies[i].axes, axis_names)  # noqa
+    first: dict[int, tuple] = {}  # a value the window reads -> (block, layout) of its first reader
+    out = []
+    for op in sorted(member):
+        j, m = member[op]
+        for pos, v in enumerate(g.ops[op].inputs):
+            val = g.values[v]
+            if not val.shape:
+                continue
+            want = spec(m.ins[pos], j)
+            if val.producer in member:
+                i, made_by = member[val.producer]
+                made = spec(made_by.outs[g.ops[val.producer].outputs.index(v)], i)
+            else:
+                i, made = first.setdefault(v, (j, want))
+            if i != j:
+                out += reshard_collectives(val.shape, val.dtype, made, want, mesh_shape,
+                                           axis_names)
+    return out
+
+
 def reshard_s(shape, dtype: str, src, dst, mesh_shape, axis_names, cost: CostModel) -> float:
     """Seconds to move a tensor from layout ``src`` to ``dst`` (PartitionSpec entries)."""
-    if src == dst:
-        return 0.0
+    return sum(cost.collective_s(kind, axes, nbytes, mesh_shape)
+               for kind, axes, nbytes in reshard_collectives(shape, dtype, src, dst, mesh_shape,
+                                                             axis_names))
+
+
+def reshard_collectives(shape, dtype: str, src, dst, mesh_shape, axis_names) -> list[tuple]:
+    """The collectives, (kind, mesh axes, bytes), that move a tensor from layout ``src`` to
+    ``dst``: an all-gather over the axes only ``src`` splits, an all-to-all over those the
+    two split along different dims."""
+    if tuple(src) == tuple(dst):
+        return []
     src_axes, dst_axes = _axes_of(src, axis_names), _axes_of(dst, axis_names)
     where_src = {a: d for d, axes in enumerate(src_axes) for a in axes}
     where_dst = {a: d for d, axes in enumerate(dst_axes) for a in axes}
     gather = tuple(sorted(a for a in where_src if a not in where_dst))
     swap = tuple(sorted(a for a in where_src if a in where_dst and where_src[a] != where_dst[a]))
     size = itemsize(dtype)
-    seconds = 0.0
-    if gather:
-        seconds += cost.collective_s("all-gather", gather,
-                                     shard_bytes(shape, size, dst, mesh_shape, axis_names),
-                                     mesh_shape)
-    if swap:
-        seconds += cost.collective_s("all-to-all", swap,
-                                     shard_bytes(shape, size, src, mesh_shape, axis_names),
-                                     mesh_shape)
-    return seconds
+    return ([("all-gather", gather, shard_bytes(shape, size, dst, mesh_shape, axis_names))]
+            if gather else []) + ([("all-to-all", swap, shard_bytes(shape, size, src, mesh_shape,
+                                                                     axis_names))]
+                                  if swap else [])
