@@ -83,8 +83,9 @@ def test_a_combination_the_solver_picks_is_measured_before_its_plan_is_kept(anal
     """Under a budget that only plans keeping some state split fit, the profile measures
     part of the space, and the plan solved with every combination it did not measure at the
     least it may take uses measured combinations only: the plan kept from what was measured
-    is that plan. Control: with no round of solving (every combination under ``plan`` and
-    the hand plans' measured only), that plan uses combinations not measured."""
+    is that plan. Control: with no round of solving (the hand plans' combinations and each
+    window type's cheapest by its analytic price measured only), that plan uses combinations
+    not measured."""
     from cfp.passes import profile
     budget, rec = tight
     statuses = [m.status for p in rec.window_profiles.values() for m in p.results.values()]
@@ -93,11 +94,8 @@ def test_a_combination_the_solver_picks_is_measured_before_its_plan_is_kept(anal
     assert all(_status(rec, k, c) == "ok" for k, c in used)
     assert used == _used(rec, analysis, budget)
     monkeypatch.setattr(profile, "PLAN_ROUNDS", 0)
-    n = {k: rec.windows[r].end - rec.windows[r].start for k, r in enumerate(rec.representatives)}
-    seeds = lambda k, c: (len(c) == n[k] or c[-1] == 0  # noqa: E731
-                          or c in hand_combinations(analysis, rec.windows[
-                              rec.representatives[k]], rec.windows))
-    seeded = _profile(analysis, budget, _Kept(rec, seeds))
+    seeded = _profile(analysis, budget)
+    assert seeded.compiled < rec.compiled
     assert any(_status(seeded, k, c) == "estimated"
                for k, c in _used(_optimistic(seeded), analysis, budget))
 
@@ -166,3 +164,35 @@ def test_search_under_another_budget_measures_what_its_plans_use(tmp_path, capsy
     assert main(args) == 0
     assert "measuring what plans" not in capsys.readouterr().out
     assert not dataclasses.replace(read(), driven_budget_bytes=None).asks_under(2**29)
+
+
+def test_a_tensor_moved_between_a_windows_blocks_is_priced(analysis, monkeypatch):
+    """A window whose blocks want a tensor in another layout than the block before makes it
+    is priced with the collectives that move it, as its compiled program holds them. Control:
+    under the dp plan (every block splits the batch) nothing moves inside a window."""
+    import itertools
+    from cfp import analytic
+    from cfp.baselines import baseline_strategy_indices
+    from cfp.mesh import AXIS_NAMES
+    from cfp.windows import split_windows
+    names = AXIS_NAMES[:1]
+    dp = baseline_strategy_indices(analysis)["dp"]
+    windows, _ = split_windows(analysis, 32, False)
+    moved = 0
+    for w in windows:
+        blocks = analysis.blocks.blocks[w.start:w.end]
+        assert analytic._resharded_inside(analysis, w, [b.strategies[dp[b.index]]
+                                                        for b in blocks], names) == []
+        for combo in itertools.product(*(range(len(b.strategies)) for b in blocks)):
+            inside = analytic._resharded_inside(
+                analysis, w, [b.strategies[i] for b, i in zip(blocks, combo)], names)
+            if not inside:
+                continue
+            moved += 1
+            priced = analytic.window_measurement(analysis, w, combo, COST, names)
+            assert set(inside) <= set(priced.collectives)
+            with monkeypatch.context() as m:
+                m.setattr(analytic, "_resharded_inside", lambda *a: [])
+                assert analytic.window_measurement(analysis, w, combo, COST, names
+                                                   ).time_s < priced.time_s
+    assert moved > 0

@@ -363,18 +363,17 @@ PLAN_ROUNDS = 40  # most solves of the profile search drives
 def _search_driven(analysis, windows, reps, known, bounds, options: ProfileOptions,
                    worker: Worker, checkpoint, start, notify) -> tuple[dict, int, dict]:
     """The profile search drives. Every combination of every window type, each state layout
-    included, has a price: a split state layout, its combination's time under ``plan`` times
-    the least ratio measured between the layout and ``plan``; else its analytic price's
-    parts (``cfp.pricing``) weighted by a fit to what this run measured, at the low end of
-    the band the measured times fall in around the fit. The hand plans' combinations and
-    each window type's cheapest by its analytic price are measured first, and every
-    resharding timed. Then, round by
-    round, the top ``options.plans`` plans are solved with each unmeasured combination at
-    that low end, and the unmeasured combinations they use are measured, until they use
-    measured ones only: no unmeasured combination, at the least it may take, gives a better
-    plan (or until ``PLAN_ROUNDS`` solves, or the profile budget). Returns the window
-    profiles (what was measured, and the rest ``estimated``, at the low end), how many were
-    measured in this run, and the reshardings timed."""
+    included, has a price (``_low_ends``): a split state layout, its combination's time under
+    ``plan`` times the least ratio measured between the layout and ``plan``; else its analytic
+    price's parts (``cfp.pricing``) weighted by a fit to what this run measured, at the low
+    end of the band the measured times fall in around the fit. The hand plans' combinations
+    and each window type's cheapest by its analytic price are measured first, and every
+    resharding timed. Then, round by round, the top ``options.plans`` plans are solved with
+    each unmeasured combination at that low end, and the unmeasured combinations they use
+    are measured, until they use measured ones only: no unmeasured combination, at the least
+    it may take, gives a better plan (or until ``PLAN_ROUNDS`` solves, or the profile
+    budget). Returns the window profiles (what was measured, and the rest ``estimated``, at
+    the low end), how many were measured in this run, and the reshardings timed."""
     from cfp import analytic, pricing
     from cfp.cost_model import fit_cost_model_for
     from cfp.errors import CfpError
@@ -465,7 +464,8 @@ def _low_ends(results: dict, priced: dict, parts: dict, held: set) -> dict:
     ``ok``), its temporaries scaled by the least ratio of measured to analytic temporaries,
     at the least it may take given what was measured (on one scale: ``on_one_scale``): a
     split state layout whose combination was measured under ``plan``, that time times the
-    least ratio measured between the layout and ``plan`` of one combination; any other, the
+    least ratio measured between the layout and ``plan`` of one combination of the window
+    type (of any, where none of the type was measured under both); any other, the
     low end of its fitted price (``cfp.pricing``). ``held``: the window types whose
     combinations end in a state layout."""
     import numpy as np
@@ -476,18 +476,21 @@ def _low_ends(results: dict, priced: dict, parts: dict, held: set) -> dict:
     ok = [(k, c, results[k][c]) for k, c in times]
     fit = (pricing.fit_prices(np.array([parts[k][c] for k, c in times]),
                               np.array(list(times.values()))) if times else None)
-    split_ratio: dict = {}  # state layout -> least time under it over the time under plan
+    # state layout, and (window type, state layout) -> least time under it over the time
+    # under plan of one combination
+    split_ratio: dict = {}
     for (k, c), t in times.items():
         twin = times.get((k, c[:-1] + (0,))) if k in held else None
         if c[-1] and twin:
             split_ratio[c[-1]] = min(split_ratio.get(c[-1], np.inf), t / twin)
+            split_ratio[k, c[-1]] = min(split_ratio.get((k, c[-1]), np.inf), t / twin)
     temp_ratio = min([m.temp_bytes / priced[k][c].temp_bytes for k, c, m in ok
                       if priced[k][c].temp_bytes > 0] + [1.0])
 
     def low_end(k, c) -> float:
         twin = times.get((k, c[:-1] + (0,))) if k in held and c[-1] else None
         if twin and c[-1] in split_ratio:
-            return twin * split_ratio[c[-1]]
+            return twin * split_ratio.get((k, c[-1]), split_ratio[c[-1]])
         return fit.low_end(parts[k][c]) if fit is not None else 0.0
     return {k: {c: dataclasses.replace(m, time_s=low_end(k, c),
                                        temp_bytes=int(m.temp_bytes * temp_ratio))
