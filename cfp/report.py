@@ -152,7 +152,7 @@ class ProfileProgress:
                 self.total, self.t0 = f["total"], time.perf_counter()
                 self.at_most, self.combinations = f.get("at_most", False), (0, f["total"])
                 if self.at_most:
-                    self.where = "the hand plans' combinations, each window type's cheapest"
+                    self.where = "the combinations under plan and the hand plans'"
                 self._detail(f"window types to profile: {f['num_types']}; combinations to "
                              f"measure: {'at most ' if self.at_most else ''}{f['total']} "
                              f"({f['known']} measured before)")
@@ -288,8 +288,8 @@ def profile_console(rec, model_space_log10: float, verbose: bool = False) -> Non
                if rec.cost != "analytic" else 0)  # priced anew each run
     done = "compiled and priced" if rec.cost == "model" else "measured"
     what = (f"{sum(counts.values())} of {sum(counts.values()) + estimated} combinations "
-            f"{done} ({by_status}): the hand plans', each window type's cheapest, and those "
-            f"search's top plans use; the other {estimated} priced at the least those "
+            f"{done} ({by_status}): every one under plan, the hand plans', and the split state "
+            f"layouts search's top plans use; the other {estimated} priced at the least those "
             f"say they may take"
             if estimated else f"{sum(counts.values())} combinations ({by_status})")
     say(f"profile: {what}, of {len(rec.window_profiles)} window types; "

@@ -83,9 +83,8 @@ def test_a_combination_the_solver_picks_is_measured_before_its_plan_is_kept(anal
     """Under a budget that only plans keeping some state split fit, the profile measures
     part of the space, and the plan solved with every combination it did not measure at the
     least it may take uses measured combinations only: the plan kept from what was measured
-    is that plan. Control: with no round of solving (the hand plans' combinations and each
-    window type's cheapest by its analytic price measured only), that plan uses combinations
-    not measured."""
+    is that plan. Control: with no round of solving (every combination under ``plan``
+    measured only), that plan uses combinations not measured."""
     from cfp.passes import profile
     budget, rec = tight
     statuses = [m.status for p in rec.window_profiles.values() for m in p.results.values()]
@@ -94,8 +93,10 @@ def test_a_combination_the_solver_picks_is_measured_before_its_plan_is_kept(anal
     assert all(_status(rec, k, c) == "ok" for k, c in used)
     assert used == _used(rec, analysis, budget)
     monkeypatch.setattr(profile, "PLAN_ROUNDS", 0)
-    seeded = _profile(analysis, budget)
-    assert seeded.compiled < rec.compiled
+    monkeypatch.setattr(profile, "hand_combinations", lambda *a: [])
+    n = {k: rec.windows[r].end - rec.windows[r].start for k, r in enumerate(rec.representatives)}
+    plain = lambda k, c: len(c) == n[k] or c[-1] == 0  # noqa: E731
+    seeded = _profile(analysis, budget, _Kept(rec, plain))
     assert any(_status(seeded, k, c) == "estimated"
                for k, c in _used(_optimistic(seeded), analysis, budget))
 
@@ -122,23 +123,21 @@ def test_an_unmeasured_combination_priced_below_the_plan_gets_measured(analysis,
     assert _status(again, k, combo) == "ok" and _status(rec, k, combo) == "estimated"
 
 
-def test_a_split_state_layout_is_measured_where_search_asks_for_it(analysis, profiled, tight):
-    """Under a memory budget only plans keeping some state split fit: the profile measures
-    split layouts of combinations no hand plan uses, as the solves ask, with no count
-    fixed, and the plan kept splits state. Control: with no budget it measures fewer."""
-    def split_beyond_hand(rec):
-        out = set()
-        for k, rep in enumerate(rec.representatives):
-            w = rec.windows[rep]
-            hand = set(hand_combinations(analysis, w, rec.windows))
-            out |= {(k, c) for c, m in rec.window_profiles[k].results.items()
-                    if len(c) > w.end - w.start and c[-1] != 0 and m.status != "estimated"
-                    and c not in hand}
-        return out
-    budget, rec = tight
+def test_a_split_state_layout_is_measured_where_search_asks_for_it(analysis, tight,
+                                                                   monkeypatch):
+    """Under a memory budget only plans keeping some state split fit, with no hand plan's
+    combination measured first: the profile measures split layouts as the solves ask, with
+    no count fixed, and the plan kept splits state. Control: with no budget it measures
+    fewer."""
+    from cfp.passes import profile
+    monkeypatch.setattr(profile, "hand_combinations", lambda *a: [])
+    budget, rec = tight[0], _profile(analysis, tight[0])
     n = {k: rec.windows[r].end - rec.windows[r].start for k, r in enumerate(rec.representatives)}
+    split = lambda rec: {(k, c) for k, p in rec.window_profiles.items()  # noqa: E731
+                         for c, m in p.results.items()
+                         if len(c) > n[k] and c[-1] != 0 and m.status != "estimated"}
     assert any(len(c) > n[k] and c[-1] != 0 for k, c in _used(rec, analysis, budget))
-    assert len(split_beyond_hand(rec)) > len(split_beyond_hand(profiled))
+    assert len(split(rec)) > len(split(_profile(analysis)))
 
 
 def test_search_under_another_budget_measures_what_its_plans_use(tmp_path, capsys,

@@ -366,13 +366,12 @@ def _search_driven(analysis, windows, reps, known, bounds, options: ProfileOptio
     included, has a price (``_low_ends``): a split state layout, its combination's time under
     ``plan`` times the least ratio measured between the layout and ``plan``; else its analytic
     price's parts (``cfp.pricing``) weighted by a fit to what this run measured, at the low
-    end of the band the measured times fall in around the fit. The hand plans' combinations
-    and each window type's cheapest by its analytic price are measured first, and every
-    resharding timed. Then, round by round, the top ``options.plans`` plans are solved with
-    each unmeasured combination at that low end, and the unmeasured combinations they use
-    are measured, until they use measured ones only: no unmeasured combination, at the least
-    it may take, gives a better plan (or until ``PLAN_ROUNDS`` solves, or the profile
-    budget). Returns the window profiles (what was measured, and the rest ``estimated``, at
+    end of the band the measured times fall in around the fit. Every combination under
+    ``plan`` and the hand plans' are measured first, and every resharding timed. Then, round
+    by round, the top ``options.plans`` plans are solved with each unmeasured combination at
+    that low end, and the unmeasured combinations they use are measured, until they use
+    measured ones only: no unmeasured combination, at the least it may take, gives a better
+    plan (or until ``PLAN_ROUNDS`` solves, or the profile budget). Returns the window profiles (what was measured, and the rest ``estimated``, at
     the low end), how many were measured in this run, and the reshardings timed."""
     from cfp import analytic, pricing
     from cfp.cost_model import fit_cost_model_for
@@ -398,10 +397,9 @@ def _search_driven(analysis, windows, reps, known, bounds, options: ProfileOptio
             if len(space[k]) > windows[rep].end - windows[rep].start}  # state layout last
     seeds = {}
     for k, rep in enumerate(reps):
-        cheapest = min((c for c in priced[k] if k not in held or c[-1] == 0),
-                       key=lambda c: priced[k][c].time_s)
+        plain = [c for c in priced[k] if k not in held or c[-1] == 0]
         seeds[k] = [c for c in dict.fromkeys(
-                        hand_combinations(analysis, windows[rep], windows) + [cheapest])
+                        plain + hand_combinations(analysis, windows[rep], windows))
                     if c in priced[k] and c not in results[k]]
     notify("start", num_types=len(reps), at_most=True,
            total=sum(len(p) for p in priced.values()) - sum(map(len, results.values())),
