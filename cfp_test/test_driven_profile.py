@@ -123,7 +123,7 @@ def test_an_unmeasured_combination_priced_below_the_plan_gets_measured(analysis,
     assert _status(again, k, combo) == "ok" and _status(rec, k, combo) == "estimated"
 
 
-def test_a_split_state_layout_is_measured_where_search_asks_for_it(analysis, tight,
+def test_a_split_state_layout_is_measured_where_search_asks_for_it(analysis, profiled, tight,
                                                                    monkeypatch):
     """Under a memory budget only plans keeping some state split fit, with no hand plan's
     combination measured first: the profile measures split layouts as the solves ask, with
@@ -131,13 +131,15 @@ def test_a_split_state_layout_is_measured_where_search_asks_for_it(analysis, tig
     fewer."""
     from cfp.passes import profile
     monkeypatch.setattr(profile, "hand_combinations", lambda *a: [])
-    budget, rec = tight[0], _profile(analysis, tight[0])
-    n = {k: rec.windows[r].end - rec.windows[r].start for k, r in enumerate(rec.representatives)}
+    budget, reps = tight[0], enumerate(profiled.representatives)
+    n = {k: profiled.windows[r].end - profiled.windows[r].start for k, r in reps}
     split = lambda rec: {(k, c) for k, p in rec.window_profiles.items()  # noqa: E731
                          for c, m in p.results.items()
                          if len(c) > n[k] and c[-1] != 0 and m.status != "estimated"}
+    plain = lambda: _Kept(profiled, lambda k, c: len(c) == n[k] or c[-1] == 0)  # noqa: E731
+    rec = _profile(analysis, budget, plain())  # what profiled measured under plan is known
     assert any(len(c) > n[k] and c[-1] != 0 for k, c in _used(rec, analysis, budget))
-    assert len(split(rec)) > len(split(_profile(analysis)))
+    assert len(split(rec)) > len(split(_profile(analysis, checkpoint=plain())))
 
 
 def test_search_under_another_budget_measures_what_its_plans_use(tmp_path, capsys,
