@@ -173,8 +173,6 @@ def reshard_collectives(shape, dtype: str, src, dst, mesh_shape, axis_names) -> 
     where_dst = {a: d for d, axes in enumerate(dst_axes) for a in axes}
     gather = tuple(sorted(a for a in where_src if a not in where_dst))
     swap = tuple(sorted(a for a in where_src if a in where_dst and where_src[a] != where_dst[a]))
-    size = itemsize(dtype)
-    return ([("all-gather", gather, shard_bytes(shape, size, dst, mesh_shape, axis_names))]
-            if gather else []) + ([("all-to-all", swap, shard_bytes(shape, size, src, mesh_shape,
-                                                                     axis_names))]
-                                  if swap else [])
+    nbytes = lambda spec: shard_bytes(shape, itemsize(dtype), spec, mesh_shape, axis_names)  # noqa
+    out = [("all-gather", gather, nbytes(dst))] if gather else []
+    return out + ([("all-to-all", swap, nbytes(src))] if swap else [])

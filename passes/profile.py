@@ -371,8 +371,9 @@ def _search_driven(analysis, windows, reps, known, bounds, options: ProfileOptio
     by round, the top ``options.plans`` plans are solved with each unmeasured combination at
     that low end, and the unmeasured combinations they use are measured, until they use
     measured ones only: no unmeasured combination, at the least it may take, gives a better
-    plan (or until ``PLAN_ROUNDS`` solves, or the profile budget). Returns the window profiles (what was measured, and the rest ``estimated``, at
-    the low end), how many were measured in this run, and the reshardings timed."""
+    plan (or until ``PLAN_ROUNDS`` solves, or the profile budget). Returns the window
+    profiles (what was measured, and the rest ``estimated``, at the low end), how many were
+    measured in this run, and the reshardings timed."""
     from cfp import analytic, pricing
     from cfp.cost_model import fit_cost_model_for
     from cfp.errors import CfpError
